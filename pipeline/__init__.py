@@ -1,0 +1,1 @@
+"""Libra control plane: streams, messages, config, feeder, run orchestration and the CLI."""

@@ -1,0 +1,237 @@
+"""A job's configuration: one TOML file loaded into a typed, frozen tree.
+
+Called by ``libra-ctl run`` (the orchestrator) and by every worker process,
+which reloads the resolved tree from the run's manifest. Unknown keys and bad
+values raise ``ConfigError`` naming the key and the fix; the CLI turns that
+into exit code 2. ``--set dotted.key=value`` overrides any field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and the fix."""
+
+
+def _f(default, doc: str):
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: str = _f("quickstart", "job name; every Redis key of the job carries it")
+    seed: int = _f(0, "seed of the feeder's prompt order, sampling and the learner")
+    steps: int = _f(30, "policy updates (learner steps) to run")
+    train_prompts: str = _f("examples/data/calc_train.jsonl", "JSONL prompt file the feeder cycles through")
+    eval_prompts: str = _f("examples/data/calc_eval.jsonl", "JSONL held-out prompts for greedy evaluation")
+    eval_size: int = _f(200, "held-out prompts evaluated at the start, the end and every eval_every versions")
+    eval_every: int = _f(10, "policy versions between held-out evaluations during the run (0: start and end only)")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    cache_dir: str = _f(".cache/policies", "where built and warm-started policies are cached, keyed by this section")
+    seed: int = _f(0, "seed of the initial weights and of the warm start")
+    hidden_size: int = _f(128, "model width")
+    num_layers: int = _f(2, "transformer layers")
+    warm_start_steps: int = _f(300, "supervised steps on noisy demonstrations before RL")
+    warm_start_lr: float = _f(3e-3, "learning rate of the warm start")
+    warm_start_noise: float = _f(0.3, "share of demonstrations that are plausibly wrong")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    workers: int = _f(1, "rollout worker processes (each holds one engine)")
+    engine: str = _f("vllm", "generation engine: vllm")
+    group_size: int = _f(8, "samples per prompt (one GRPO group)")
+    groups_per_call: int = _f(8, "groups decoded together in one engine call; reloads happen between calls")
+    temperature: float = _f(1.0, "sampling temperature")
+    max_turns: int = _f(4, "model turns per episode (each tool call ends a turn)")
+    max_tokens_per_turn: int = _f(48, "tokens generated per turn at most")
+    tool_timeout_s: float = _f(2.0, "a tool call that takes longer is answered with a timeout")
+    gpu_memory_utilization: float = _f(0.02, "share of device memory (host RAM on CPU) the engine reserves")
+    max_model_len: int = _f(512, "longest prompt + completion the engine accepts")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    workers: int = _f(1, "reward worker processes")
+    verifier_retries: int = _f(2, "retries of a failing verifier before the group is dead-lettered")
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    workers: int = _f(1, "learner processes (world size); only 1 is supported so far")
+    batch_size: int = _f(256, "trajectories per policy update; a multiple of rollout.group_size")
+    lr: float = _f(5e-4, "AdamW learning rate after warmup")
+    warmup_steps: int = _f(3, "steps of linear learning-rate warmup")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    clip_eps: float = _f(0.2, "PPO clip range of the importance ratio")
+    max_grad_norm: float = _f(1.0, "gradient norm clip")
+    max_staleness: int = _f(2, "groups generated more than this many versions ago are dropped")
+    publish_every: int = _f(1, "steps between weight publications (at most max_staleness)")
+    checkpoint_every: int = _f(10, "steps between checkpoints (model, optimizer, consumed ids)")
+    keep_published: int = _f(4, "published weight versions kept on disk")
+    threads: int = _f(1, "torch CPU threads of the learner")
+
+
+@dataclass(frozen=True)
+class StreamsConfig:
+    max_queue_size: int = _f(256, "trajectories waiting downstream before the feeder and rollout pause")
+    max_message_bytes: int = _f(8 << 20, "larger messages are dead-lettered")
+    block_ms: int = _f(500, "how long a consumer blocks on an empty stream")
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    url: str = _f("", "redis://, rediss:// or unix:// URL; empty: $LIBRA_REDIS_URL, else an embedded server")
+    maxmemory: str = _f("2gb", "memory limit of the embedded server (noeviction: writes wait when full)")
+    appendfsync: str = _f("everysec", "AOF fsync of the embedded server: everysec loses up to 1 s, always none")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    runs_dir: str = _f("runs", "where run directories are created")
+    progress_s: float = _f(1.0, "seconds between progress line updates")
+
+
+@dataclass(frozen=True)
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    streams: StreamsConfig = field(default_factory=StreamsConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --- loading ------------------------------------------------------------------------------
+
+
+def load(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Load a TOML file (or the defaults when ``path`` is None) and apply ``key=value`` overrides."""
+    raw: dict = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for item in overrides:
+        _apply_override(raw, item)
+    cfg = from_dict(raw)
+    validate(cfg)
+    return cfg
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected dotted.key=value, e.g. --set learner.lr=1e-4")
+    try:
+        value = tomllib.loads(f"x = {text}")["x"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word is a string: --set job.name=demo
+    *parents, leaf = key.strip().split(".")
+    node = raw
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {p!r} is not a section")
+    node[leaf] = value
+
+
+def from_dict(raw: dict, cls=Config, where: str = "") -> Any:
+    """Build the dataclass tree from plain data, rejecting unknown keys and wrong types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'config'}: expected a table, got {type(raw).__name__}")
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(
+                f"unknown key {where + key!r}; known keys here: {', '.join(sorted(known))}")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in raw:
+            continue
+        typ, value, dotted = hints[f.name], raw[f.name], where + f.name
+        if dataclasses.is_dataclass(typ):
+            kwargs[f.name] = from_dict(value, typ, dotted + ".")
+        else:
+            kwargs[f.name] = _coerce(value, typ, dotted, f.default)
+    return cls(**kwargs)
+
+
+def _coerce(value, typ, dotted: str, default):
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(
+        f"{dotted} = {value!r}: expected {typ.__name__} (default {default!r}); "
+        f"fix it in the file or with --set {dotted}=<{typ.__name__}>")
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks; each message says the fix."""
+    def need(ok: bool, key: str, msg: str):
+        if not ok:
+            raise ConfigError(f"{key}: {msg}")
+
+    lr, ro = cfg.learner, cfg.rollout
+    for section in (cfg.job, cfg.policy, ro, cfg.reward, lr, cfg.streams):
+        for f in fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+                need(False, f"{_section_name(cfg, section)}.{f.name}", f"{value} is negative; use a value >= 0")
+    need(cfg.job.steps >= 1, "job.steps", "run at least 1 step")
+    need(ro.group_size >= 2, "rollout.group_size", "GRPO needs at least 2 samples per prompt")
+    need(lr.batch_size >= ro.group_size and lr.batch_size % ro.group_size == 0, "learner.batch_size",
+         f"{lr.batch_size} is not a positive multiple of rollout.group_size ({ro.group_size}); "
+         f"try {max(1, round(lr.batch_size / ro.group_size)) * ro.group_size}")
+    need(lr.max_staleness >= 1, "learner.max_staleness", "must be >= 1 for an asynchronous pipeline")
+    need(1 <= lr.publish_every <= lr.max_staleness, "learner.publish_every",
+         f"{lr.publish_every} must be between 1 and learner.max_staleness ({lr.max_staleness})")
+    need(lr.checkpoint_every >= 1, "learner.checkpoint_every", "must be >= 1")
+    need(lr.workers == 1, "learner.workers", "only a single learner process is supported so far; set 1")
+    need(lr.keep_published >= 2, "learner.keep_published", "keep at least 2 versions so a loading worker never loses its files")
+    need(ro.engine == "vllm", "rollout.engine", f"unknown engine {ro.engine!r}; use \"vllm\"")
+    need(ro.temperature > 0, "rollout.temperature", "must be > 0 (greedy decoding is only for evaluation)")
+    need(ro.workers >= 1 and cfg.reward.workers >= 1, "rollout.workers/reward.workers", "each stage needs >= 1 worker")
+    need(ro.max_turns >= 1 and ro.max_tokens_per_turn >= 1, "rollout.max_turns", "must be >= 1")
+    need(0 < ro.gpu_memory_utilization <= 0.95, "rollout.gpu_memory_utilization", "must be in (0, 0.95]")
+    need(0 <= cfg.policy.warm_start_noise < 1, "policy.warm_start_noise", "must be in [0, 1)")
+    need(cfg.streams.max_queue_size >= lr.batch_size, "streams.max_queue_size",
+         f"{cfg.streams.max_queue_size} is below learner.batch_size ({lr.batch_size}); the learner could never fill a batch")
+    need(cfg.redis.appendfsync in ("always", "everysec", "no"), "redis.appendfsync", "use always, everysec or no")
+    url = cfg.redis.url
+    need(not url or url.startswith(("redis://", "rediss://", "unix://")), "redis.url",
+         f"{url!r} is not a redis://, rediss:// or unix:// URL")
+
+
+def _section_name(cfg: Config, section) -> str:
+    return next(f.name for f in fields(cfg) if getattr(cfg, f.name) is section)
+
+
+def reference() -> str:
+    """The config reference as Markdown (used by the README)."""
+    lines = []
+    for sec in fields(Config):
+        lines.append(f"\n[{sec.name}]\n")
+        for f in fields(sec.default_factory):
+            lines.append(f"- `{f.name}` = `{f.default!r}`: {f.metadata['doc']}")
+    return "\n".join(lines)

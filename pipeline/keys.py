@@ -1,0 +1,93 @@
+"""Every Redis key Libra uses, in one place.
+
+All of a job's keys share the hash tag ``{job}`` so that a Redis Cluster keeps
+them on one shard (MULTI/EXEC across a job's streams needs that). Nothing else
+in the code base spells a key: callers take a ``JobKeys`` and read attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "libra"
+JOBS = f"{PREFIX}:jobs"  # set of job names that have run on this Redis
+
+# Consumer group of each stage, one per input stream.
+GROUP_ROLLOUT = "rollout"
+GROUP_REWARD = "reward"
+GROUP_LEARNER = "learner"
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    job: str
+
+    def _k(self, suffix: str) -> str:
+        return f"{PREFIX}:{{{self.job}}}:{suffix}"
+
+    # --- the trajectory buffer: feeder -> rollout -> reward -> learner
+    @property
+    def prompts(self) -> str:  # feeder -> rollout, one entry per prompt (a GRPO group to be)
+        return self._k("prompts")
+
+    @property
+    def rollouts(self) -> str:  # rollout -> reward, one entry per generated group
+        return self._k("rollouts")
+
+    @property
+    def scored(self) -> str:  # reward -> learner, one entry per scored group
+        return self._k("scored")
+
+    @property
+    def dead_letters(self) -> str:  # any stage -> operators; never trimmed automatically
+        return self._k("dlq")
+
+    # --- policy versions and job state
+    @property
+    def policy(self) -> str:  # hash: version, path, step, published_at (written by the learner)
+        return self._k("policy")
+
+    @property
+    def state(self) -> str:  # hash: phase (running|trained|stopping|done), run_dir, started_at
+        return self._k("state")
+
+    @property
+    def counters(self) -> str:  # hash of monotonic counts: issued, generated, scored, trained, ...
+        return self._k("counters")
+
+    @property
+    def learner_stats(self) -> str:  # hash: the learner's last step (reward mean, staleness, ...)
+        return self._k("learner:stats")
+
+    @property
+    def workers(self) -> str:  # hash: worker id -> JSON (role, pid, node, slots, state, rate)
+        return self._k("workers")
+
+    @property
+    def feeder(self) -> str:  # hash: cursor (next prompt index), epoch
+        return self._k("feeder")
+
+    # --- held-out evaluation, run by a rollout worker between groups
+    @property
+    def eval_requests(self) -> str:  # stream: {tag, min_version} (run orchestrator -> rollout)
+        return self._k("eval:requests")
+
+    @property
+    def eval_results(self) -> str:  # stream: {tag, version, success_rate, samples}
+        return self._k("eval:results")
+
+    def eval_claim(self, request_id: str) -> str:  # SET NX: one rollout worker runs a request
+        return self._k(f"eval:claim:{request_id}")
+
+    @property
+    def metrics(self) -> str:  # stream capped by length: sampled metrics (not training data)
+        return self._k("metrics")
+
+    @property
+    def stages(self) -> tuple[tuple[str, str, str], ...]:
+        """(stage name, input stream, consumer group) in pipeline order."""
+        return (
+            ("rollout", self.prompts, GROUP_ROLLOUT),
+            ("reward", self.rollouts, GROUP_REWARD),
+            ("learner", self.scored, GROUP_LEARNER),
+        )

@@ -1,0 +1,51 @@
+"""structlog set-up shared by every process.
+
+Each process writes JSON lines to ``runs/<id>/logs/<name>.jsonl`` and, when
+asked, readable lines to stderr. Callers bind job, role, worker id and policy
+version so that every line carries them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import structlog
+
+
+def configure(log_dir: Path | None, name: str, *, console: bool = True, level: int = logging.INFO):
+    """Route structlog to a JSON file (and the console); returns a bound logger."""
+    handlers: list[logging.Handler] = []
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(log_dir / f"{name}.jsonl")
+        fh.setFormatter(structlog.stdlib.ProcessorFormatter(
+            processor=structlog.processors.JSONRenderer(),
+            foreign_pre_chain=_pre_chain()))
+        handlers.append(fh)
+    if console:
+        ch = logging.StreamHandler(sys.stderr)
+        ch.setFormatter(structlog.stdlib.ProcessorFormatter(
+            processor=structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
+            foreign_pre_chain=_pre_chain()))
+        handlers.append(ch)
+    root = logging.getLogger()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    structlog.configure(
+        processors=_pre_chain() + [structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    return structlog.get_logger(name)
+
+
+def _pre_chain():
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.format_exc_info,
+    ]

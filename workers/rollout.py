@@ -1,0 +1,182 @@
+"""Rollout worker: prompts stream -> vLLM multi-turn tool loop -> rollouts stream.
+
+One process per engine (``python -m workers.rollout``), started by
+``libra-ctl run``. Between engine calls, never inside one (so never inside a
+group), it loads the newest published weights in place and resets the prefix
+cache, answers held-out evaluation requests, and pauses while the downstream
+backlog is at ``streams.max_queue_size``. Every group is stamped with the
+single policy version that generated all of its samples.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgpack
+import numpy as np
+
+from pipeline import messages
+from pipeline.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT
+from pipeline.streams import backlog_groups, ensure_groups, run_stage
+from pipeline.worker import WorkerContext, finish_worker, start_worker
+from workers.agent_loop import evaluate, run_episodes
+from workers.envs.calc import Problem, read_prompt_file
+from workers.tiny_policy import load_tokenizer
+
+
+def published_policy(ctx: WorkerContext) -> tuple[int, str]:
+    """(version, weights dir) of the newest published policy."""
+    info = ctx.r.hgetall(ctx.keys.policy)
+    if not info:
+        raise SystemExit("rollout: no policy published for this job (libra-ctl run publishes version 0)")
+    return int(info[b"version"]), info[b"path"].decode()
+
+
+class Rollout:
+    """The rollout stage of one worker: its engine, its policy version, its evaluation cursor."""
+
+    def __init__(self, ctx: WorkerContext):
+        from workers.engine_vllm import VLLMEngine  # heavy import: only in the worker process
+
+        self.ctx = ctx
+        self.cfg = ctx.cfg.rollout
+        version, path = published_policy(ctx)
+        t0 = time.monotonic()
+        self.engine = VLLMEngine(path, gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                                 seed=ctx.cfg.job.seed, max_model_len=self.cfg.max_model_len)
+        self.tokenizer = load_tokenizer(path)
+        ctx.set_version(version)
+        ctx.log.info("engine_loaded", path=path, load_s=round(time.monotonic() - t0, 1))
+        self.eval_cursor = "0"
+        self.evaluated_bucket = -1
+        self.eval_problems = [p for p in read_prompt_file(ctx.cfg.job.eval_prompts)
+                              if isinstance(p, Problem)][: ctx.cfg.job.eval_size]
+        self.downstream = [(ctx.keys.rollouts, GROUP_REWARD), (ctx.keys.scored, GROUP_LEARNER)]
+
+    # --- between engine calls -------------------------------------------------------------
+
+    def between(self) -> bool:
+        """Reload, evaluate, then say whether there is room downstream to generate more."""
+        self.maybe_reload()
+        self.serve_eval_requests()
+        self.maybe_periodic_eval()
+        backlog = backlog_groups(self.ctx.r, self.downstream) * self.cfg.group_size
+        if backlog >= self.ctx.cfg.streams.max_queue_size:
+            self.ctx.state = "waiting"
+            time.sleep(0.1)
+            return False
+        self.ctx.state = "running"
+        return True
+
+    def maybe_reload(self, min_version: int = 0) -> None:
+        version, path = published_policy(self.ctx)
+        if version <= self.ctx.policy_version:
+            return
+        t0 = time.monotonic()
+        self.engine.reload(path)
+        self.ctx.set_version(version)
+        self.ctx.log.info("weights_reloaded", version=version, reload_s=round(time.monotonic() - t0, 2))
+
+    def serve_eval_requests(self) -> None:
+        reply = self.ctx.r.xread({self.ctx.keys.eval_requests: self.eval_cursor}, count=10)
+        for _stream, entries in reply or ():
+            for entry_id, fields in entries:
+                self.eval_cursor = entry_id.decode()
+                min_version = int(fields.get(b"min_version", 0))
+                if self.ctx.policy_version < min_version:
+                    self.maybe_reload()
+                    if self.ctx.policy_version < min_version:
+                        # Not published yet: come back to this request next round.
+                        self.eval_cursor = _previous_id(entry_id)
+                        return
+                self.run_eval(fields.get(b"tag", b"").decode(), claim=entry_id.decode())
+
+    def maybe_periodic_eval(self) -> None:
+        every = self.ctx.cfg.job.eval_every
+        if every and self.ctx.policy_version // every > self.evaluated_bucket:
+            self.evaluated_bucket = self.ctx.policy_version // every
+            if self.ctx.policy_version > 0:
+                self.run_eval("periodic", claim=f"v{self.ctx.policy_version}")
+
+    def run_eval(self, tag: str, claim: str) -> None:
+        """Greedy success on the held-out prompts, once per claim across all rollout workers."""
+        if not self.ctx.r.set(self.ctx.keys.eval_claim(claim), self.ctx.worker_id, nx=True, ex=3600):
+            return
+        t0 = time.monotonic()
+        rate, episodes = evaluate(self.engine, self.tokenizer, self.eval_problems,
+                                  max_turns=self.cfg.max_turns,
+                                  max_tokens_per_turn=self.cfg.max_tokens_per_turn,
+                                  tool_timeout_s=self.cfg.tool_timeout_s)
+        samples = [{"prompt_id": e.prompt_id, "completion": list(map(int, e.completion_tokens)),
+                    "text": e.text} for e in episodes[:16]]
+        self.ctx.r.xadd(self.ctx.keys.eval_results, {
+            "tag": tag, "version": self.ctx.policy_version, "success_rate": rate,
+            "n": len(episodes), "worker": self.ctx.worker_id, "at": time.time(),
+            "samples": msgpack.packb(samples)})
+        self.ctx.log.info("evaluated", tag=tag, success_rate=round(rate, 4), n=len(episodes),
+                          eval_s=round(time.monotonic() - t0, 2))
+
+    # --- the stage --------------------------------------------------------------------------
+
+    def generate(self, prompts: list[messages.Prompt]) -> list[messages.Group]:
+        """Run group_size episodes per prompt in one batched multi-turn loop."""
+        g = self.cfg.group_size
+        problems = [Problem(p.prompt_id, p.prompt, p.answer) for p in prompts]
+        items = [(prob, i) for prob in problems for i in range(g)]
+        version, t0, started = self.ctx.policy_version, time.monotonic(), time.time()
+        episodes = run_episodes(self.engine, self.tokenizer, items, greedy=False,
+                                max_turns=self.cfg.max_turns,
+                                max_tokens_per_turn=self.cfg.max_tokens_per_turn,
+                                tool_timeout_s=self.cfg.tool_timeout_s,
+                                seed=self.ctx.cfg.job.seed)
+        gen_s = time.monotonic() - t0
+        gen_tokens = sum(int(sum(e.completion_mask)) for e in episodes)
+        self.ctx.count(len(episodes))
+        self.ctx.log.info("generated", groups=len(prompts), trajectories=len(episodes),
+                          tokens=gen_tokens, gen_s=round(gen_s, 2),
+                          tokens_per_s=round(gen_tokens / max(gen_s, 1e-6), 1))
+        out = []
+        for k, p in enumerate(prompts):
+            eps = episodes[k * g:(k + 1) * g]
+            out.append(messages.Group(
+                prompt_id=p.prompt_id, prompt=p.prompt, answer=p.answer,
+                prompt_tokens=np.asarray(eps[0].prompt_tokens, dtype=np.int32), version=version,
+                worker=self.ctx.worker_id, generated_at=started, gen_s=gen_s,
+                trajectories=tuple(_trajectory(e) for e in eps),
+                extra={"gen_tokens": sum(int(sum(e.completion_mask)) for e in eps)}))
+        return out
+
+
+def _trajectory(e) -> messages.Trajectory:
+    return messages.Trajectory(
+        sample_idx=e.sample_idx, completion=np.asarray(e.completion_tokens, dtype=np.int32),
+        mask=np.asarray(e.completion_mask, dtype=np.uint8),
+        logprobs=np.asarray(e.logprobs, dtype=np.float32), text=e.text, finish=e.finish,
+        turns=e.turns, tool_calls=e.tool_calls, tool_latency_s=tuple(e.tool_latency_s),
+        tool_timeouts=e.tool_timeouts)
+
+
+def _previous_id(entry_id: bytes) -> str:
+    """The stream id just before ``entry_id``, so XREAD returns that entry again."""
+    ms, seq = map(int, entry_id.decode().split("-"))
+    return f"{ms}-{seq - 1}" if seq else f"{ms - 1}-18446744073709551615"
+
+
+def main() -> None:
+    ctx = start_worker("rollout")
+    try:
+        ensure_groups(ctx.r, ctx.keys)
+        stage = Rollout(ctx)
+        ctx.publish_state("running")
+        run_stage(ctx.r, ctx.keys, source=ctx.keys.prompts, group=GROUP_ROLLOUT,
+                  consumer=ctx.worker_id, sink=ctx.keys.rollouts, handle=stage.generate,
+                  count=ctx.cfg.rollout.groups_per_call, block_ms=ctx.cfg.streams.block_ms,
+                  max_bytes=ctx.cfg.streams.max_message_bytes, stop=ctx.stopping,
+                  before_read=stage.between, counter="generated", log=ctx.log)
+    finally:
+        finish_worker(ctx)
+
+
+if __name__ == "__main__":
+    main()
