@@ -1,0 +1,45 @@
+import subprocess
+import sys
+
+import pytest
+
+from pipeline import config as c
+
+
+def test_defaults_and_overrides():
+    cfg = c.load(None, ["learner.lr=1e-4", "job.name=demo", "rollout.group_size=4", "learner.batch_size=64"])
+    assert cfg.learner.lr == 1e-4 and cfg.job.name == "demo" and cfg.rollout.group_size == 4
+    with pytest.raises(Exception):
+        cfg.learner.lr = 1.0  # frozen
+
+
+def test_quickstart_config_loads():
+    cfg = c.load("examples/quickstart.toml")
+    assert cfg.learner.batch_size % cfg.rollout.group_size == 0
+
+
+@pytest.mark.parametrize("override,needle", [
+    (["learner.batch_size=100"], "learner.batch_size"),
+    (["learner.nope=1"], "unknown key 'learner.nope'"),
+    (["learner.lr='fast'"], "learner.lr"),
+    (["learner.publish_every=9"], "learner.publish_every"),
+    (["redis.url=http://x"], "redis.url"),
+    (["rollout.temperature=0"], "rollout.temperature"),
+    (["job.steps=-3"], "job.steps"),
+    (["oops"], "expected dotted.key=value"),
+])
+def test_bad_values_name_the_key(override, needle):
+    with pytest.raises(c.ConfigError) as exc:
+        c.load(None, override)
+    assert needle in str(exc.value)
+
+
+def test_malformed_config_file_exits_2_and_names_the_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[learner]\nbatch_sise = 64\n")
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "learner.batch_sise" in proc.stderr
+    bad.write_text("[learner\n")
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "not valid TOML" in proc.stderr

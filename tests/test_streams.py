@@ -1,0 +1,46 @@
+import numpy as np
+
+from pipeline import messages as m
+from pipeline.keys import GROUP_REWARD, JobKeys
+from pipeline.streams import Reject, ensure_groups, group_pending, run_stage, stream_lag
+
+
+def unscored_group(pid: str) -> m.Group:
+    t = m.Trajectory(sample_idx=0, completion=np.array([1], np.int32), mask=np.array([1], np.uint8),
+                     logprobs=np.array([-0.1], np.float32), text="x", finish="answer", turns=1,
+                     tool_calls=0, tool_latency_s=(), tool_timeouts=0)
+    return m.Group(prompt_id=pid, prompt="Q", answer=1, prompt_tokens=np.array([1], np.int32), version=0,
+                   worker="w", generated_at=0.0, gen_s=0.0, trajectories=(t, t))
+
+
+def test_stage_writes_acks_and_dead_letters(r):
+    keys = JobKeys("t")
+    ensure_groups(r, keys)
+    ensure_groups(r, keys)  # idempotent
+    for pid in ("a", "b", "c"):
+        r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group(pid))})
+    r.xadd(keys.rollouts, {m.FIELD: b"\xc1garbage"})
+    assert stream_lag(r, keys.rollouts, GROUP_REWARD) == 4
+
+    rounds = []
+
+    def handle(groups):
+        return [Reject("verifier exploded") if g.prompt_id == "b" else g.with_rewards([1.0, 0.0], 1.0)
+                for g in groups]
+
+    def stop():
+        rounds.append(1)
+        return len(rounds) > 2
+
+    run_stage(r, keys, source=keys.rollouts, group=GROUP_REWARD, consumer="reward-0", sink=keys.scored,
+              handle=handle, count=10, block_ms=50, max_bytes=1 << 20, stop=stop, counter="scored")
+    assert r.xlen(keys.scored) == 2
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
+    assert stream_lag(r, keys.rollouts, GROUP_REWARD) == 0
+    dlq = r.xrange(keys.dead_letters)
+    reasons = sorted(f[b"reason"].decode() for _i, f in dlq)
+    assert reasons[0].startswith("malformed msgpack") and reasons[1] == "verifier exploded"
+    assert all(f[b"stream"].decode() == keys.rollouts for _i, f in dlq)
+    assert int(r.hget(keys.counters, "scored")) == 4
+    scored = [m.decode(f[m.FIELD], 1 << 20) for _i, f in r.xrange(keys.scored)]
+    assert [g.rewards for g in scored] == [[1.0, 0.0], [1.0, 0.0]]
