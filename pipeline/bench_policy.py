@@ -1,0 +1,242 @@
+"""``libra-ctl bench policy WORKLOAD.toml``: the allocation policy's throughput benchmark.
+
+Registered on the ``bench`` subcommand by ``pipeline.cli`` (``add_parser``);
+runs in the CLI process. ``run_bench`` runs one workload under several modes
+(``bench/README.md``: sync, static, static-best, libra, ideal) on the
+discrete-event engine (``pipeline.sim_des``) and returns the README's JSON
+shape, plus per-mode timelines under the extra key ``details`` (kept out of
+``--json``). ``format_table`` is the terminal view, ``plot`` the picture of
+allocation and throughput over time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from pipeline import sim_des
+from pipeline.workload import WorkloadError, load_workload
+
+MODES = ("sync", "static", "static-best", "libra", "ideal")
+BASELINES = ("sync", "static", "static-best", "ideal")
+Report = Callable[[str], None]
+
+
+class BenchInputError(ValueError):
+    """An unknown mode or engine; the message says the choices."""
+
+
+class LiveEngineUnavailable(BenchInputError):
+    """--engine live needs the controller and node agents."""
+
+
+def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed: int | None = None,
+              report: Report | None = None) -> dict:
+    """Run ``modes`` of one workload; returns {"workload", "modes", "ratios", "details"}.
+
+    ``seed`` defaults to the workload's [job] seed. ``report`` receives
+    progress lines (the CLI prints them on stderr). Raises WorkloadError for a
+    bad or multi-job workload, BenchInputError for an unknown mode or engine.
+    """
+    modes = _check_modes(modes)
+    if engine == "live":
+        raise LiveEngineUnavailable("the live engine needs the controller and node agents, which are not "
+                                    "built yet: use --engine des (the discrete-event simulator)")
+    if engine != "des":
+        raise BenchInputError(f"unknown engine {engine!r}: use des or live")
+    wl = load_workload(workload_path)
+    job = wl.job            # raises for multi-job workloads
+    seed = job.seed if seed is None else seed
+    say = report or (lambda line: None)
+    results: dict[str, sim_des.ModeResult] = {}
+    details: dict[str, dict] = {}
+    for mode in modes:
+        t0 = time.perf_counter()
+        results[mode], details[mode] = _run_mode(wl, mode, seed, results, say)
+        details[mode]["wall_s"] = time.perf_counter() - t0
+        say(f"{mode}: {results[mode].trajectories_per_s:.2f} trajectories/s "
+            f"({details[mode]['wall_s']:.1f} s wall)")
+    return {"workload": wl.name,
+            "modes": {m: results[m].report() for m in modes},
+            "ratios": _ratios(results),
+            "details": details}
+
+
+def _check_modes(modes) -> list[str]:
+    if isinstance(modes, str):
+        modes = [m.strip() for m in modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise BenchInputError(f"unknown mode {bad[0]!r}: choose from {','.join(MODES)}" if bad
+                         else f"no mode given: choose from {','.join(MODES)}")
+    return [m for m in MODES if m in modes]     # canonical order, no duplicates
+
+
+def _run_mode(wl, mode: str, seed: int, done: dict, say: Report) -> tuple[sim_des.ModeResult, dict]:
+    """One mode's result and its extra details (timeline, decisions, splits tried)."""
+    progress = _throttled(say, mode)
+    if mode == "ideal":
+        r = sim_des.ModeResult(trajectories_per_s=sim_des.ideal_rate(wl))
+        return r, {"phase_rates": [sim_des.ideal_phase_rate(wl, ph) for ph in wl.job.phases]}
+    if mode == "sync":
+        r = sim_des.simulate_sync(wl, seed, progress)
+    elif mode in ("static", "libra"):
+        control = sim_des.ControlConfig() if mode == "libra" else None
+        r = sim_des.simulate_async(wl, sim_des.static_split(wl), seed, control, progress=progress)
+    else:
+        r = _static_best(wl, seed, done.get("static"), progress, say)
+    return r, {"timeline": r.timeline, "decisions": r.events, "sim_time_s": r.sim_time_s}
+
+
+def _static_best(wl, seed: int, static: sim_des.ModeResult | None, progress, say: Report) -> sim_des.ModeResult:
+    """Search the split that turns out best over the whole run (each candidate a full run)."""
+    tried = []
+
+    def run(a):
+        say(f"static-best: trying rollout={a.rollout} learner={a.learner} reward={a.reward}")
+        r = sim_des.simulate_async(wl, a, seed, progress=progress)
+        tried.append(a)
+        return r
+
+    known = {sim_des.static_split(wl): static} if static is not None else {}
+    _, r = sim_des.search_static_best(wl, run, known)
+    say(f"static-best: {len(tried) + len(known)} splits simulated")
+    return r
+
+
+def _ratios(results: dict[str, sim_des.ModeResult]) -> dict[str, float]:
+    if "libra" not in results:
+        return {}
+    lib = results["libra"].trajectories_per_s
+    return {f"libra/{b}": lib / results[b].trajectories_per_s for b in BASELINES
+            if b in results and results[b].trajectories_per_s > 0}
+
+
+def _throttled(say: Report, mode: str, every_s: float = 2.0):
+    """A sim progress callback that reports at most every ``every_s`` seconds of wall time."""
+    last = [time.perf_counter()]
+
+    def progress(step: int, steps: int, t_sim: float) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= every_s:
+            last[0] = now
+            say(f"{mode}: step {step}/{steps} at {t_sim:.0f} simulated s")
+    return progress
+
+
+def readme_json(result: dict) -> dict:
+    """The README's JSON shape: the result without its ``details``."""
+    return {k: result[k] for k in ("workload", "modes", "ratios")}
+
+
+# --- terminal table -----------------------------------------------------------
+
+_COLUMNS = (("mode", "{}", "mode"), ("traj/s", "{:.2f}", "trajectories_per_s"),
+            ("gpu busy", "{:.1%}", "gpu_busy_frac"), ("learner wait", "{:.1%}", "learner_wait_frac"),
+            ("stale p50", "{:.0f}", "staleness_p50"), ("stale p99", "{:.0f}", "staleness_p99"),
+            ("dropped", "{:d}", "dropped_stale"), ("reconfigs", "{:d}", "reconfigurations"),
+            ("final allocation", "{}", "final_allocation"))
+
+
+def format_table(result: dict) -> str:
+    """A fixed-width table, one row per mode, then the ratios (times are simulated seconds)."""
+    rows = [[c[0] for c in _COLUMNS]]
+    for mode, m in result["modes"].items():
+        row = []
+        for _, fmt, key in _COLUMNS:
+            v = mode if key == "mode" else m.get(key)
+            if key == "final_allocation" and v is not None:
+                v = " ".join(f"{k}={n}" for k, n in v.items() if n)
+            row.append("-" if v is None else fmt.format(v))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = [f"workload {result['workload']} (trajectories per simulated second)"]
+    for i, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if j in (0, len(r) - 1) else c.rjust(w)
+                               for j, (c, w) in enumerate(zip(r, widths))).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    if result["ratios"]:
+        lines.append("")
+        lines.append("  ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items()))
+    return "\n".join(lines)
+
+
+# --- plot ---------------------------------------------------------------------
+
+def plot(result: dict, path: str | Path) -> None:
+    """Allocation (rollout GPUs) and throughput per learner step over simulated time, per mode.
+
+    Needs matplotlib (an optional dependency): raises ImportError if missing.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_a, ax_r) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    for mode, d in result.get("details", {}).items():
+        tl = d.get("timeline")
+        if not tl:
+            continue
+        t = [p["t"] for p in tl]
+        ax_a.step(t, [p["rollout"] for p in tl], where="post", label=f"{mode} rollout")
+        ax_r.plot(t, [p["rate"] for p in tl], label=mode, lw=1)
+    if "ideal" in result["modes"]:
+        ax_r.axhline(result["modes"]["ideal"]["trajectories_per_s"], color="k", ls="--", lw=1,
+                     label="ideal (run average)")
+    ax_a.set_ylabel("rollout GPUs")
+    ax_a.set_title(f"workload {result['workload']}: allocation and throughput")
+    ax_r.set_ylabel("trajectories/s (per learner step)")
+    ax_r.set_xlabel("simulated seconds")
+    for ax in (ax_a, ax_r):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- command line -------------------------------------------------------------
+
+def add_parser(subparsers) -> None:
+    """Register ``policy`` on the ``bench`` subcommand's subparsers (called by pipeline.cli)."""
+    p = subparsers.add_parser(
+        "policy", help="throughput of the allocation policy against sync, static splits and the ideal bound",
+        description="Run a workload (bench/README.md format) under several modes and report "
+                    "trajectories per simulated second, beside the ideal bound.")
+    p.add_argument("workload", help="workload TOML file, e.g. bench/drift.toml")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--engine", default="des", choices=("des", "live"),
+                   help="des: discrete-event simulator; live: a real cluster (not built yet)")
+    p.add_argument("--json", metavar="OUT", help="write the README's JSON shape to OUT")
+    p.add_argument("--plot", metavar="OUT.png", help="draw allocation and throughput over time (needs matplotlib)")
+    p.add_argument("--seed", type=int, help="seed of the simulation (default: the workload's [job] seed)")
+    p.set_defaults(func=cmd_bench_policy)
+
+
+def cmd_bench_policy(args) -> int:
+    """The subcommand: 0 done, 2 bad input (workload, modes, engine, missing matplotlib)."""
+    def err(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    try:
+        result = run_bench(args.workload, args.modes, args.engine, args.seed,
+                           report=lambda line: err(f"bench policy: {line}"))
+    except (WorkloadError, BenchInputError) as exc:
+        err(f"libra-ctl bench policy: {exc}")
+        return 2
+    print(format_table(result))
+    err(f"bench policy: done in {time.perf_counter() - t0:.1f} s wall")
+    if args.json:
+        Path(args.json).write_text(json.dumps(readme_json(result), indent=2) + "\n")
+    if args.plot:
+        try:
+            plot(result, args.plot)
+        except ImportError:
+            err("libra-ctl bench policy: --plot needs matplotlib: pip install matplotlib")
+            return 2
+    return 0

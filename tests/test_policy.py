@@ -1,0 +1,143 @@
+"""plan(): the pure allocation policy, tested on hand-made metrics (no Redis, no simulator)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from pipeline.policy import Allocation, Inventory, JobSpec, Metrics, PlanConfig, RoleBounds, plan
+
+G = 64
+INV = Inventory(gpus=G, switch_cost_s=40.0)
+JOB = JobSpec(name="t", batch_size=4096, max_staleness=4, reward_on_gpu=False, learner_scaling_exponent=0.95)
+# learner speed that makes 28 GPUs train a 4096 x 2000-token batch in ~57.6 s (+2 s publish): ~68.7 traj/s
+SPEED_28 = 6000.0 * 28 ** 0.95
+
+
+def metrics(**kw) -> Metrics:
+    """A window of a 36/28 split with rollout at 72 traj/s and learner at ~68.7 traj/s (near balance)."""
+    base = dict(window_s=150.0, allocation=Allocation(rollout=36, learner=28), since_change_s=1e9,
+                changed_from=None,
+                rollout_gpu_s_per_traj=0.5, rollout_pause_frac=0.0, rollout_inflight=36 * 64, rollout_queue=1000,
+                rollout_idle_frac=0.0,
+                reward_s_per_traj=0.05, reward_cpu_workers=32,
+                traj_tokens=2000.0, learner_tokens_per_s=SPEED_28, learner_gpus_measured=28,
+                learner_publish_s=2.0, learner_wait_frac=0.05, backlog=500, backlog_trend_per_s=0.0,
+                trained=8192, staleness_p50=2.0, dropped_stale=0)
+    base.update(kw)
+    return Metrics(**base)
+
+
+def test_balanced_split_stays():
+    d = plan(metrics(), INV, [JOB])
+    assert not d.changed and d.reason in ("balanced", "gain_below_cost")
+    assert d.allocation == Allocation(36, 28)
+
+
+def test_rollout_short_moves_gpus_to_rollout():
+    # rollout needs 1 GPU-s per trajectory: 36 GPUs make 36/s while the learner could take ~69/s
+    d = plan(metrics(rollout_gpu_s_per_traj=1.0, learner_wait_frac=0.45), INV, [JOB])
+    assert d.changed and d.reason == "rebalance_rollout_short"
+    assert d.allocation.rollout > 36 and d.allocation.total == G
+    assert d.predicted_rate > d.current_rate
+    assert d.expected_gain > d.transition_cost > 0
+
+
+def test_learner_short_moves_gpus_to_learner():
+    d = plan(metrics(traj_tokens=5000.0, backlog=20000, backlog_trend_per_s=20.0), INV, [JOB])
+    assert d.changed and d.reason == "rebalance_learner_short"
+    assert d.allocation.learner > 28 and d.allocation.total == G
+
+
+def test_cooldown_blocks_any_move():
+    d = plan(metrics(rollout_gpu_s_per_traj=1.0, since_change_s=30.0), INV, [JOB], PlanConfig(cooldown_s=150))
+    assert not d.changed and d.reason == "cooldown"
+    assert d.allocation == Allocation(36, 28)
+
+
+def test_warming_up_without_measured_rates():
+    assert plan(metrics(learner_tokens_per_s=0.0), INV, [JOB]).reason == "warming_up"
+    assert plan(metrics(rollout_gpu_s_per_traj=0.0), INV, [JOB]).reason == "warming_up"
+
+
+def test_bounds_are_respected():
+    job = dataclasses.replace(JOB, bounds={"rollout": RoleBounds(1, 40), "learner": RoleBounds(25, 64)})
+    d = plan(metrics(rollout_gpu_s_per_traj=1.0, learner_wait_frac=0.45), INV, [job])
+    assert d.changed
+    assert d.allocation.rollout <= 40 and d.allocation.learner >= 25
+
+
+def test_learner_min_bound_holds_when_model_wants_more_rollout():
+    job = dataclasses.replace(JOB, bounds={"learner": RoleBounds(28, 64)})
+    d = plan(metrics(rollout_gpu_s_per_traj=1.0, learner_wait_frac=0.45), INV, [job])
+    assert d.allocation == Allocation(36, 28)
+    assert not d.changed
+
+
+def test_no_move_when_gain_is_below_transition_cost():
+    # rollout a little short (~69 vs ~72 traj/s learner side): worth it at 40 s a switch ...
+    m = metrics(rollout_gpu_s_per_traj=0.54, traj_tokens=1900.0)
+    cheap = plan(m, INV, [JOB], PlanConfig(min_gain_frac=0.0))
+    assert cheap.changed
+    # ... not when a switch costs an hour and the horizon is 15 minutes
+    dear = plan(m, Inventory(gpus=G, switch_cost_s=3600.0), [JOB], PlanConfig(min_gain_frac=0.0))
+    assert not dear.changed and dear.reason == "gain_below_cost"
+    assert dear.transition_cost > dear.expected_gain
+
+
+def test_lost_inflight_work_counts_in_the_cost():
+    m = metrics(rollout_gpu_s_per_traj=0.45, traj_tokens=2400.0)      # learner short: rollout GPUs leave
+    few = plan(m, INV, [JOB], PlanConfig(min_gain_frac=0.0))
+    many = plan(dataclasses.replace(m, rollout_inflight=36 * 5000), INV, [JOB], PlanConfig(min_gain_frac=0.0))
+    assert few.changed
+    assert many.transition_cost > few.transition_cost
+    assert not many.changed
+
+
+def test_learner_wait_signal_vetoes_shrinking_rollout():
+    # the rate model says learner short, but the learner idles 40% of the window: rollout is short
+    m = metrics(traj_tokens=5000.0, learner_wait_frac=0.4)
+    d = plan(m, INV, [JOB])
+    assert "rollout_short" in d.signals
+    assert d.allocation.rollout >= 36
+
+
+def test_backlog_signal_vetoes_shrinking_learner():
+    # the model says rollout short, but a growing backlog of several batches says the learner is short
+    m = metrics(rollout_gpu_s_per_traj=1.0, backlog=3 * 4096, backlog_trend_per_s=10.0)
+    d = plan(m, INV, [JOB])
+    assert "learner_short" in d.signals
+    assert d.allocation.learner >= 28
+
+
+def test_staleness_bound_vetoes_more_rollout():
+    m = metrics(rollout_gpu_s_per_traj=1.0, staleness_p50=4.0)
+    d = plan(m, INV, [JOB])
+    assert "at_staleness_bound" in d.signals
+    assert d.allocation.rollout <= 36
+
+
+def test_reward_on_gpu_gets_its_share():
+    job = dataclasses.replace(JOB, reward_on_gpu=True)
+    m = metrics(allocation=Allocation(rollout=35, learner=28, reward=1), reward_s_per_traj=0.2,
+                learner_wait_frac=0.5)
+    d = plan(m, INV, [job])
+    # one reward GPU scores 5 traj/s: far below the other stages, so reward GPUs are added
+    assert d.changed and d.allocation.reward > 1 and d.allocation.total == G
+
+
+def test_pure_and_explained():
+    m = metrics(rollout_gpu_s_per_traj=1.0, learner_wait_frac=0.45)
+    a, b = plan(m, INV, [JOB]), plan(m, INV, [JOB])
+    assert a == b
+    rec = a.event(m)
+    json.dumps(rec)
+    assert rec["inputs"]["rollout_gpu_s_per_traj"] == 1.0
+    assert {"allocation", "reason", "expected_gain", "transition_cost", "signals"} <= rec.keys()
+
+
+def test_multiple_jobs_not_planned_yet():
+    with pytest.raises(ValueError, match="one job"):
+        plan(metrics(), INV, [JOB, JOB])
