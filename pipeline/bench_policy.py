@@ -168,32 +168,45 @@ def format_table(result: dict) -> str:
 # --- plot ---------------------------------------------------------------------
 
 def plot(result: dict, path: str | Path) -> None:
-    """Allocation (rollout GPUs) and throughput per learner step over simulated time, per mode.
+    """GPUs per role and throughput per learner step over simulated time, one colour per mode.
 
-    Needs matplotlib (an optional dependency): raises ImportError if missing.
+    sync is colocated (every GPU does every stage), so it has no allocation
+    line and its throughput is drawn as its run average. Needs matplotlib (an
+    optional dependency): raises ImportError if it is missing.
     """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_a, ax_r) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    for mode, d in result.get("details", {}).items():
-        tl = d.get("timeline")
+    end = 0.0
+    for i, (mode, d) in enumerate(result.get("details", {}).items()):
+        tl, color = d.get("timeline"), f"C{i}"
         if not tl:
             continue
-        t = [p["t"] for p in tl]
-        ax_a.step(t, [p["rollout"] for p in tl], where="post", label=f"{mode} rollout")
-        ax_r.plot(t, [p["rate"] for p in tl], label=mode, lw=1)
+        if mode == "sync":
+            ax_r.axhline(result["modes"]["sync"]["trajectories_per_s"], color=color, ls=":", lw=1.5,
+                         label="sync (run average)")
+            continue
+        t = [0.0] + [p["t"] for p in tl]
+        for role, ls in (("rollout", "-"), ("learner", "--"), ("reward", ":")):
+            n = [tl[0][role]] + [p[role] for p in tl]
+            if any(n):
+                ax_a.step(t, n, where="post", color=color, ls=ls, label=f"{mode} {role}")
+        ax_r.plot(t[1:], [p["rate"] for p in tl], color=color, lw=1, label=mode)
+        end = max(end, t[-1])
     if "ideal" in result["modes"]:
         ax_r.axhline(result["modes"]["ideal"]["trajectories_per_s"], color="k", ls="--", lw=1,
                      label="ideal (run average)")
-    ax_a.set_ylabel("rollout GPUs")
+    ax_a.set_ylabel("GPUs")
     ax_a.set_title(f"workload {result['workload']}: allocation and throughput")
     ax_r.set_ylabel("trajectories/s (per learner step)")
     ax_r.set_xlabel("simulated seconds")
+    if end:
+        ax_r.set_xlim(0, end * 1.02)
     for ax in (ax_a, ax_r):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
+        ax.legend(fontsize=7, loc="best", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -325,7 +325,7 @@ class AsyncSim:
         self._init_gpus(alloc)
         self._init_queues()
         self._init_learner()
-        self._init_stats(alloc)
+        self._init_stats()
 
     # -- state ------------------------------------------------------------------
 
@@ -378,7 +378,7 @@ class AsyncSim:
         self.waits: deque[tuple[float, float]] = deque()   # learner waiting periods, for the meter
         self.wait_total = 0.0
 
-    def _init_stats(self, alloc: Allocation) -> None:
+    def _init_stats(self) -> None:
         self.busy = 0.0                                   # GPU-seconds of stage work
         self.stale_hist = np.zeros(self.m + 1, dtype=np.int64)
         self.dropped = 0
@@ -552,7 +552,6 @@ class AsyncSim:
             self.lastd = np.concatenate([self.lastd[len(a):], d])
         if self.wl.reward.gpu:
             self.busy += len(arrive) * s
-        self.meter.scored += len(arrive)
         return out
 
     def _resize_reward(self, t: float, w: int) -> None:
@@ -571,7 +570,7 @@ class AsyncSim:
             return
         need = self.B // self.gs
         gids = self.ready_gid.a[self.ready_head:self.ready_tail]
-        if len(gids) < need:
+        if not gids.size:
             return
         fresh = (self.k - self.gver.a[gids]) <= self.m
         cum = np.cumsum(fresh)
@@ -771,7 +770,7 @@ class _Meter:
         self.ticks: deque[dict] = deque(maxlen=64)
         self._reset(0.0)
         self.rollout_gpu_s = self.pause_gpu_s = self.idle_slot_s = 0.0
-        self.scored = self.dropped = 0
+        self.dropped = 0
 
     def _reset(self, t: float) -> None:
         self.t0 = t
