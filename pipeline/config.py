@@ -52,7 +52,7 @@ class RolloutConfig:
     engine: str = _f("vllm", "generation engine: vllm")
     group_size: int = _f(8, "samples per prompt (one GRPO group)")
     groups_per_call: int = _f(8, "groups decoded together in one engine call; reloads happen between calls")
-    temperature: float = _f(1.0, "sampling temperature")
+    temperature: float = _f(1.0, "sampling temperature (1.0 only, so behaviour log-probs are the sampled distribution's)")
     max_turns: int = _f(4, "model turns per episode (each tool call ends a turn)")
     max_tokens_per_turn: int = _f(48, "tokens generated per turn at most")
     tool_timeout_s: float = _f(2.0, "a tool call that takes longer is answered with a timeout")
@@ -80,6 +80,8 @@ class LearnerConfig:
     checkpoint_every: int = _f(10, "steps between checkpoints (model, optimizer, consumed ids)")
     keep_published: int = _f(4, "published weight versions kept on disk")
     threads: int = _f(1, "torch CPU threads of the learner")
+    step_budget_s: float = _f(60.0, "the longest a learner step (waiting for data included) may take")
+    checkpoint_write_s: float = _f(30.0, "the longest a checkpoint write may take")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,12 @@ class StreamsConfig:
     max_queue_size: int = _f(256, "trajectories waiting downstream before the feeder and rollout pause")
     max_message_bytes: int = _f(8 << 20, "larger messages are dead-lettered")
     block_ms: int = _f(500, "how long a consumer blocks on an empty stream")
+    rollout_min_idle_s: float = _f(300.0, "a prompt pending this long is reclaimed by another rollout worker; "
+                                   "must exceed the slowest engine call")
+    reward_min_idle_s: float = _f(60.0, "a group pending this long is reclaimed by another reward worker")
+    learner_min_idle_s: float = _f(1800.0, "scored groups pending this long are reclaimed by another learner rank; "
+                                   "must exceed checkpoint_every x learner.step_budget_s + learner.checkpoint_write_s")
+    max_deliveries: int = _f(3, "an entry delivered more often than this is dead-lettered")
 
 
 @dataclass(frozen=True)
@@ -210,13 +218,23 @@ def validate(cfg: Config) -> None:
     need(lr.workers == 1, "learner.workers", "only a single learner process is supported so far; set 1")
     need(lr.keep_published >= 2, "learner.keep_published", "keep at least 2 versions so a loading worker never loses its files")
     need(ro.engine == "vllm", "rollout.engine", f"unknown engine {ro.engine!r}; use \"vllm\"")
-    need(ro.temperature > 0, "rollout.temperature", "must be > 0 (greedy decoding is only for evaluation)")
+    need(ro.temperature == 1.0, "rollout.temperature",
+         "only 1.0 is supported: behaviour log-probs must be those of the distribution sampled from")
     need(ro.workers >= 1 and cfg.reward.workers >= 1, "rollout.workers/reward.workers", "each stage needs >= 1 worker")
     need(ro.max_turns >= 1 and ro.max_tokens_per_turn >= 1, "rollout.max_turns", "must be >= 1")
     need(0 < ro.gpu_memory_utilization <= 0.95, "rollout.gpu_memory_utilization", "must be in (0, 0.95]")
     need(0 <= cfg.policy.warm_start_noise < 1, "policy.warm_start_noise", "must be in [0, 1)")
     need(cfg.streams.max_queue_size >= lr.batch_size, "streams.max_queue_size",
          f"{cfg.streams.max_queue_size} is below learner.batch_size ({lr.batch_size}); the learner could never fill a batch")
+    st = cfg.streams
+    hold_s = lr.checkpoint_every * lr.step_budget_s + lr.checkpoint_write_s
+    need(st.learner_min_idle_s > hold_s, "streams.learner_min_idle_s",
+         f"{st.learner_min_idle_s:g}s does not exceed the time the learner holds a step's entries before its "
+         f"checkpoint acknowledges them (checkpoint_every {lr.checkpoint_every} x step_budget_s "
+         f"{lr.step_budget_s:g} + checkpoint_write_s {lr.checkpoint_write_s:g} = {hold_s:g}s); raise it above "
+         f"{hold_s:g} or checkpoint more often")
+    need(st.max_deliveries >= 1, "streams.max_deliveries", "must be >= 1")
+    need(min(st.rollout_min_idle_s, st.reward_min_idle_s) > 0, "streams.*_min_idle_s", "must be > 0")
     need(cfg.redis.appendfsync in ("always", "everysec", "no"), "redis.appendfsync", "use always, everysec or no")
     url = cfg.redis.url
     need(not url or url.startswith(("redis://", "rediss://", "unix://")), "redis.url",

@@ -11,6 +11,7 @@ the rollout and reward worker processes; the learner uses ``read`` and
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -120,6 +121,99 @@ def backlog_groups(r: redis.Redis, streams_groups: Sequence[tuple[str, str]]) ->
     return sum(stream_lag(r, s, g) + group_pending(r, s, g) for s, g in streams_groups)
 
 
+@dataclass(frozen=True)
+class ClaimPolicy:
+    """How a stage takes over work: reclaim idle entries, dead-letter after too many deliveries."""
+
+    min_idle_ms: int  # longer than the stage's slowest handler (and, for the learner, a checkpoint)
+    max_deliveries: int
+
+
+def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: str, policy: ClaimPolicy,
+            count: int, cursor: str, log=None) -> tuple[list[Entry], str]:
+    """Claim entries idle longer than ``min_idle_ms`` from any consumer of ``group`` (XAUTOCLAIM).
+
+    Entries delivered more than ``max_deliveries`` times are dead-lettered with
+    their delivery count instead of being handed out again. Returns the
+    entries to process and the cursor to continue from.
+    """
+    reply = r.xautoclaim(source, group, consumer, policy.min_idle_ms, start_id=cursor, count=count)
+    next_cursor, claimed = reply[0], reply[1]
+    next_cursor = next_cursor.decode() if isinstance(next_cursor, bytes) else next_cursor
+    if not claimed:
+        return [], next_cursor
+    counts = delivery_counts(r, source, group, [i for i, _f in claimed])
+    keep, over = [], []
+    for entry_id, fields in claimed:
+        payload = (fields or {}).get(messages.FIELD, b"")
+        n = counts.get(entry_id, 1)
+        (over if n > policy.max_deliveries else keep).append((entry_id, payload, n))
+    if over:
+        pipe = r.pipeline(transaction=True)
+        for entry_id, payload, n in over:
+            dead_letter(pipe, keys, source, entry_id, f"exceeded max_deliveries ({policy.max_deliveries}): "
+                        f"delivered {n} times", payload, deliveries=n, trajectories=_payload_size(payload))
+            pipe.xack(source, group, entry_id)
+        pipe.execute()
+        if log:
+            log.warning("dead_lettered_redelivered", entries=len(over))
+    if keep and log:
+        log.info("reclaimed", entries=len(keep))
+    return [(i, p) for i, p, _n in keep], next_cursor
+
+
+def delivery_counts(r: redis.Redis, stream: str, group: str, ids: list[bytes]) -> dict[bytes, int]:
+    """How many times each pending entry has been delivered."""
+    out = {}
+    for entry_id in ids:
+        for info in r.xpending_range(stream, group, min=entry_id, max=entry_id, count=1):
+            mid = info["message_id"]
+            out[mid if isinstance(mid, bytes) else mid.encode()] = int(info["times_delivered"])
+    return out
+
+
+class ClaimKeeper:
+    """Refresh our claim on entries in hand during a long handler (XCLAIM ... JUSTID).
+
+    JUSTID resets the idle time without counting a delivery, so another
+    consumer's XAUTOCLAIM does not take entries we are still working on.
+    """
+
+    def __init__(self, r: redis.Redis, stream: str, group: str, consumer: str, min_idle_ms: int):
+        self.r, self.stream, self.group, self.consumer = r, stream, group, consumer
+        self.interval_s = max(0.5, min_idle_ms / 3000)
+        self.ids: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def refresh(self) -> None:
+        if self.ids:
+            self.r.xclaim(self.stream, self.group, self.consumer, 0, self.ids, justid=True)
+
+    def __call__(self, ids: list[bytes]) -> "ClaimKeeper":
+        self.ids = list(ids)
+        return self
+
+    def __enter__(self) -> "ClaimKeeper":
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="claim-keeper")
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.refresh()
+            except redis.RedisError:
+                pass  # the next refresh or the reclaim after a restart covers it
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        self.ids = []
+
+
 def run_stage(
     r: redis.Redis,
     keys: JobKeys,
@@ -132,51 +226,67 @@ def run_stage(
     count: int,
     block_ms: int,
     max_bytes: int,
+    claims: ClaimPolicy,
     stop: Callable[[], bool],
     before_read: Callable[[], bool] = lambda: True,
-    on_done: Callable[[list, list], None] = lambda inputs, outputs: None,
     counter: str | None = None,
     log=None,
 ) -> None:
     """The loop every streaming stage runs until ``stop()``.
 
-    ``before_read`` runs between batches (reloads, evaluations, backpressure)
-    and returns False to skip reading this round. ``handle`` maps decoded
-    messages to outputs in order: a message for ``sink`` or a ``Reject``.
+    Each round: ``before_read`` (reloads, evaluations, backpressure; False
+    skips the round), then entries reclaimed from idle consumers, else new
+    ones; ``handle`` maps decoded messages to outputs in order (a message for
+    ``sink`` or a ``Reject``); outputs and acks go in one transaction.
     ``counter`` names the counter increased by the trajectories written.
     """
+    cursor = "0-0"
+    keeper = ClaimKeeper(r, source, group, consumer, claims.min_idle_ms)
     while not stop():
         if not before_read():
             continue
-        entries = read(r, source, group, consumer, count, block_ms)
+        entries, cursor = reclaim(r, keys, source, group, consumer, claims, count, cursor, log)
+        if not entries:
+            entries = read(r, source, group, consumer, count, block_ms)
         if not entries:
             continue
         good, bad = decode_entries(entries, max_bytes)
-        outputs = handle([msg for _id, msg in good]) if good else []
+        with keeper([i for i, _p in entries]):
+            outputs = handle([msg for _id, msg in good]) if good else []
+        write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop)
 
-        def build():
-            pipe = r.pipeline(transaction=True)
-            for entry_id, payload, reason in bad:
-                dead_letter(pipe, keys, source, entry_id, reason, payload)
-                pipe.xack(source, group, entry_id)
-            written = 0
-            for (entry_id, msg), out in zip(good, outputs):
-                if isinstance(out, Reject):
-                    dead_letter(pipe, keys, source, entry_id, out.reason, messages.encode(msg),
-                                trajectories=_size(msg))
-                else:
-                    pipe.xadd(sink, {messages.FIELD: messages.encode(out)})
-                    written += _size(out)
-                pipe.xack(source, group, entry_id)
-            if counter and written:
-                pipe.hincrby(keys.counters, counter, written)
-            return pipe
 
-        execute_with_backpressure(build, log, stop)
-        for _id, _payload, reason in bad:
-            if log:
-                log.warning("dead_lettered", reason=reason)
-        on_done([m for _i, m in good], outputs)
+def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop) -> None:
+    """Outputs, dead letters and the acks of their inputs, in one transaction."""
+    def build():
+        pipe = r.pipeline(transaction=True)
+        for entry_id, payload, reason in bad:
+            dead_letter(pipe, keys, source, entry_id, reason, payload)
+            pipe.xack(source, group, entry_id)
+        written = 0
+        for (entry_id, msg), out in zip(good, outputs):
+            if isinstance(out, Reject):
+                dead_letter(pipe, keys, source, entry_id, out.reason, messages.encode(msg),
+                            trajectories=_size(msg))
+            else:
+                pipe.xadd(sink, {messages.FIELD: messages.encode(out)})
+                written += _size(out)
+            pipe.xack(source, group, entry_id)
+        if counter and written:
+            pipe.hincrby(keys.counters, counter, written)
+        return pipe
+
+    execute_with_backpressure(build, log, stop)
+    for _id, _payload, reason in bad:
+        if log:
+            log.warning("dead_lettered", reason=reason)
+
+
+def _payload_size(payload: bytes) -> int:
+    try:
+        return _size(messages.decode(payload, 1 << 30))
+    except messages.BadMessage:
+        return 0
 
 
 def _size(msg) -> int:

@@ -67,6 +67,14 @@ class WorkerContext:
         self.r.hset(self.keys.workers, self.worker_id, json.dumps(self.record()))
 
 
+def claim_policy(cfg: config_mod.Config, stage: str):
+    """The reclaim settings of a stage, from ``streams.<stage>_min_idle_s`` and ``max_deliveries``."""
+    from pipeline.streams import ClaimPolicy
+
+    idle_s = getattr(cfg.streams, f"{stage}_min_idle_s")
+    return ClaimPolicy(min_idle_ms=int(idle_s * 1000), max_deliveries=cfg.streams.max_deliveries)
+
+
 def worker_args(role: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"workers.{role}")
     p.add_argument("--run-dir", required=True, type=Path)

@@ -2,7 +2,7 @@ import numpy as np
 
 from pipeline import messages as m
 from pipeline.keys import GROUP_REWARD, JobKeys
-from pipeline.streams import Reject, ensure_groups, group_pending, run_stage, stream_lag
+from pipeline.streams import ClaimPolicy, Reject, ensure_groups, group_pending, run_stage, stream_lag
 
 
 def unscored_group(pid: str) -> m.Group:
@@ -33,7 +33,8 @@ def test_stage_writes_acks_and_dead_letters(r):
         return len(rounds) > 2
 
     run_stage(r, keys, source=keys.rollouts, group=GROUP_REWARD, consumer="reward-0", sink=keys.scored,
-              handle=handle, count=10, block_ms=50, max_bytes=1 << 20, stop=stop, counter="scored")
+              handle=handle, count=10, block_ms=50, max_bytes=1 << 20, stop=stop, counter="scored",
+              claims=ClaimPolicy(min_idle_ms=60_000, max_deliveries=3))
     assert r.xlen(keys.scored) == 2
     assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
     assert stream_lag(r, keys.rollouts, GROUP_REWARD) == 0
@@ -44,3 +45,31 @@ def test_stage_writes_acks_and_dead_letters(r):
     assert int(r.hget(keys.counters, "scored")) == 4
     scored = [m.decode(f[m.FIELD], 1 << 20) for _i, f in r.xrange(keys.scored)]
     assert [g.rewards for g in scored] == [[1.0, 0.0], [1.0, 0.0]]
+
+
+def test_idle_entries_are_reclaimed_then_dead_lettered_after_max_deliveries(r):
+    import time
+
+    from pipeline.streams import ClaimKeeper, delivery_counts, read, reclaim
+
+    keys = JobKeys("t")
+    ensure_groups(r, keys)
+    eid = r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group("a"))})
+    policy = ClaimPolicy(min_idle_ms=50, max_deliveries=2)
+    assert [i for i, _p in read(r, keys.rollouts, GROUP_REWARD, "reward-0", 10, 10)] == [eid]  # delivery 1
+    # Held by a live handler: the keeper's XCLAIM JUSTID keeps it from idling and counts no delivery.
+    keeper = ClaimKeeper(r, keys.rollouts, GROUP_REWARD, "reward-0", 50)
+    time.sleep(0.08)
+    keeper([eid]).refresh()
+    assert reclaim(r, keys, keys.rollouts, GROUP_REWARD, "reward-1", policy, 10, "0-0")[0] == []
+    assert delivery_counts(r, keys.rollouts, GROUP_REWARD, [eid]) == {eid: 1}
+    time.sleep(0.08)
+    got, _cursor = reclaim(r, keys, keys.rollouts, GROUP_REWARD, "reward-1", policy, 10, "0-0")  # delivery 2
+    assert [i for i, _p in got] == [eid]
+    time.sleep(0.08)
+    got, _cursor = reclaim(r, keys, keys.rollouts, GROUP_REWARD, "reward-2", policy, 10, "0-0")  # delivery 3
+    assert got == []
+    (dl_id, dl), = r.xrange(keys.dead_letters)
+    assert dl[b"reason"].startswith(b"exceeded max_deliveries (2)") and int(dl[b"deliveries"]) == 3
+    assert dl[b"id"] == eid and int(dl[b"trajectories"]) == 2
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
