@@ -40,7 +40,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -599,12 +599,14 @@ class AsyncSim:
             self.admit_limit += n     # dropped trajectories do not count against the staleness window
 
     def _train(self, groups: np.ndarray, start: float) -> None:
+        """Step k on ``groups`` from ``start``: train on their tokens, then publish."""
         le = self.wl.learner
-        tokens = float(self.tok.a[:len(self.gcount.a) * self.gs].reshape(-1, self.gs)[groups].sum())
+        ids = groups[:, None] * self.gs + np.arange(self.gs)      # (groups, group_size) trajectory ids
+        tokens = float(self.tok.a[ids].sum())
         train = tokens / (le.train_tokens_per_s * self.n_learner ** le.scaling_exponent)
         stale = self.k - self.gver.a[groups]
         self.stale_hist += np.bincount(stale, minlength=self.m + 1)[:self.m + 1] * self.gs
-        self.meter.add_step(train, le.weight_publish_s, self.B, self.n_learner, tokens, stale)
+        self.meter.steps.append(_StepSample(train, le.weight_publish_s, self.B, self.n_learner, tokens, stale))
         if start > self.free_at:
             self.waits.append((self.free_at, start))
             self.wait_total += start - self.free_at
@@ -763,70 +765,87 @@ def _default_dt(wl: Workload) -> float:
     return float(min(2.0, max(0.05, slot / 30)))
 
 
+class _StepSample(NamedTuple):
+    """One learner step as the learner reports it."""
+
+    train_s: float
+    publish_s: float
+    trajectories: int
+    gpus: int
+    tokens: float
+    staleness: np.ndarray     # per group trained
+
+
 class _Meter:
     """What libra's controller would read from Redis: counters per control tick, summed over a window."""
 
     def __init__(self):
         self.ticks: deque[dict] = deque(maxlen=64)
         self._reset(0.0)
-        self.rollout_gpu_s = self.pause_gpu_s = self.idle_slot_s = 0.0
-        self.dropped = 0
 
     def _reset(self, t: float) -> None:
         self.t0 = t
-        self.n_done = 0
-        self.cost = 0.0
-        self.tokens = 0.0
-        self.steps: list[tuple[float, float, int, int, np.ndarray]] = []
+        self.n_done = 0                  # trajectories finished by rollout
+        self.cost = 0.0                  # their GPU-seconds (prefill + slot time / concurrency)
+        self.tokens = 0.0                # their prompt + response tokens
+        self.steps: list[_StepSample] = []
+        self.rollout_gpu_s = self.pause_gpu_s = self.idle_slot_s = 0.0
+        self.dropped = 0
 
     def add_rollout(self, cost: np.ndarray, tokens: np.ndarray) -> None:
         self.n_done += cost.size
         self.cost += float(cost.sum())
         self.tokens += float(tokens.sum())
 
-    def add_step(self, train: float, publish: float, n: int, gpus: int, tokens: float,
-                 stale: np.ndarray) -> None:
-        self.steps.append((train, publish, n, gpus, tokens, stale))
-
     def close_tick(self, t: float, sim: AsyncSim) -> None:
-        backlog = (sim.ready_tail - sim.ready_head) * sim.gs
-        self.ticks.append(dict(t0=self.t0, t1=t, n_done=self.n_done, cost=self.cost, tokens=self.tokens,
-                               steps=self.steps,
-                               rollout_gpu_s=self.rollout_gpu_s, pause_gpu_s=self.pause_gpu_s,
-                               idle_slot_s=self.idle_slot_s, dropped=self.dropped, backlog=backlog))
-        self.rollout_gpu_s = self.pause_gpu_s = self.idle_slot_s = 0.0
-        self.dropped = 0
+        """End the tick at t: keep its counters (and the backlog then), start the next one."""
+        tick = {k: getattr(self, k) for k in ("t0", "n_done", "cost", "tokens", "steps", "rollout_gpu_s",
+                                               "pause_gpu_s", "idle_slot_s", "dropped")}
+        tick["backlog"] = (sim.ready_tail - sim.ready_head) * sim.gs
+        self.ticks.append(tick)
         self._reset(t)
 
     def metrics(self, sim: AsyncSim, t: float, window: int) -> policy.Metrics:
+        """The policy's inputs over the last ``window`` ticks."""
         ticks = list(self.ticks)[-window:]
-        t0 = ticks[0]["t0"]
-        n_done = sum(k["n_done"] for k in ticks)
-        cost = sum(k["cost"] for k in ticks)
-        steps = [s for k in ticks for s in k["steps"]]
-        e = sim.wl.learner.scaling_exponent
+        span = max(t - ticks[0]["t0"], 1e-9)
+        total = {k: sum(tk[k] for tk in ticks) for k in ("n_done", "cost", "tokens", "rollout_gpu_s",
+                                                         "pause_gpu_s", "idle_slot_s", "dropped")}
+        steps = [s for tk in ticks for s in tk["steps"]]
+        stale = np.concatenate([s.staleness for s in steps]) if steps else np.zeros(0)
+        n_done, rollout_gpu_s = total["n_done"], total["rollout_gpu_s"]
         n_now = max(sim.n_learner, 1)
-        # training speed in tokens/s, brought to the current learner size
-        speed = sum(s[4] for s in steps) / sum(s[0] * (s[3] / n_now) ** e for s in steps) if steps else 0.0
-        pub = sum(s[1] for s in steps) / len(steps) if steps else 0.0
-        stale = np.concatenate([s[5] for s in steps]) if steps else np.zeros(0)
-        rgpu = sum(k["rollout_gpu_s"] for k in ticks)
-        span = max(t - t0, 1e-9)
         return policy.Metrics(
             window_s=span, allocation=sim.target, since_change_s=t - sim.last_change_t,
             changed_from=sim.changed_from,
-            rollout_gpu_s_per_traj=cost / n_done if n_done else 0.0,
-            rollout_pause_frac=sum(k["pause_gpu_s"] for k in ticks) / rgpu if rgpu else 0.0,
+            rollout_gpu_s_per_traj=_ratio(total["cost"], n_done),
+            rollout_pause_frac=_ratio(total["pause_gpu_s"], rollout_gpu_s),
             rollout_inflight=int((sim.slot_traj >= 0).sum()), rollout_queue=sim._available(),
-            rollout_idle_frac=sum(k["idle_slot_s"] for k in ticks) / (rgpu * sim.C) if rgpu else 0.0,
+            rollout_idle_frac=_ratio(total["idle_slot_s"], rollout_gpu_s * sim.C),
+            # every scoring takes exactly reward.seconds in this cost model, so that is its measured mean
             reward_s_per_traj=sim.wl.reward.seconds, reward_cpu_workers=sim.wl.reward.cpu_workers,
-            traj_tokens=sum(k["tokens"] for k in ticks) / n_done if n_done else 0.0,
-            learner_tokens_per_s=speed, learner_gpus_measured=n_now if steps else 0,
-            learner_publish_s=pub, learner_wait_frac=_wait_in(sim, t0, t) / span,
-            backlog=ticks[-1]["backlog"], backlog_trend_per_s=(ticks[-1]["backlog"] - ticks[0]["backlog"]) / span,
-            trained=sum(s[2] for s in steps),
+            traj_tokens=_ratio(total["tokens"], n_done),
+            learner_tokens_per_s=_learner_speed(steps, n_now, sim.wl.learner.scaling_exponent),
+            learner_gpus_measured=n_now if steps else 0,
+            learner_publish_s=sum(s.publish_s for s in steps) / len(steps) if steps else 0.0,
+            learner_wait_frac=_wait_in(sim, ticks[0]["t0"], t) / span,
+            backlog=ticks[-1]["backlog"],
+            backlog_trend_per_s=(ticks[-1]["backlog"] - ticks[0]["backlog"]) / span,
+            trained=sum(s.trajectories for s in steps),
             staleness_p50=float(np.quantile(stale, 0.5)) if stale.size else 0.0,
-            dropped_stale=sum(k["dropped"] for k in ticks))
+            dropped_stale=total["dropped"])
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b, or 0 ("not measured") when nothing was counted."""
+    return a / b if b else 0.0
+
+
+def _learner_speed(steps: list[_StepSample], n_now: int, exponent: float) -> float:
+    """Training tokens/s over the steps, brought to ``n_now`` GPUs (steps may have run on other sizes)."""
+    if not steps:
+        return 0.0
+    return sum(s.tokens for s in steps) / sum(s.train_s * (s.gpus / n_now) ** exponent for s in steps)
 
 
 def _wait_in(sim: AsyncSim, a: float, b: float) -> float:

@@ -96,6 +96,23 @@ def test_lost_inflight_work_counts_in_the_cost():
     assert not many.changed
 
 
+def test_undoing_the_last_move_needs_a_clearer_gain():
+    # the learner looks ~3.5% short; moving 36/28 -> 35/29 is fine after a quiet spell ...
+    m = metrics(traj_tokens=2050.0)
+    assert plan(m, INV, [JOB]).changed
+    # ... but not right after rollout was grown from 34 to 36: near balance that is noise, not drift
+    back = plan(dataclasses.replace(m, changed_from=Allocation(34, 30)), INV, [JOB])
+    assert not back.changed and back.reason == "gain_below_cost"
+    # a clear shift (~6%) still goes through
+    assert plan(dataclasses.replace(m, traj_tokens=2200.0, changed_from=Allocation(34, 30)), INV, [JOB]).changed
+
+
+def test_window_bound_when_both_sides_idle():
+    # learner waits and rollout slots stand empty: the in-flight bound limits, moving GPUs would not help
+    d = plan(metrics(rollout_gpu_s_per_traj=1.0, learner_wait_frac=0.6, rollout_idle_frac=0.5), INV, [JOB])
+    assert not d.changed and d.reason == "window_bound"
+
+
 def test_learner_wait_signal_vetoes_shrinking_rollout():
     # the rate model says learner short, but the learner idles 40% of the window: rollout is short
     m = metrics(traj_tokens=5000.0, learner_wait_frac=0.4)
