@@ -6,12 +6,17 @@ Exit codes: 0 success, 1 a run or check failed, 2 bad input (config, arguments).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 from pathlib import Path
 
 from pipeline import config as config_mod
+
+# Modules that add their own subcommands with ``add_commands(subparsers)``;
+# each imports its heavy dependencies inside its handlers, so --help stays fast.
+COMMAND_MODULES: list[str] = []
 from pipeline.redisconn import ENV_URL, connect
 
 
@@ -78,12 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    try:
-        from pipeline import bench_policy
-    except ImportError:
-        bench_policy = None
-    if bench_policy is not None and hasattr(bench_policy, "add_parser"):
-        bench_policy.add_parser(bench_sub)
+    from pipeline import bench_policy
+
+    bench_policy.add_parser(bench_sub)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_commands(sub)
     return p
 
 

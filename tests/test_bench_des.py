@@ -16,10 +16,8 @@ from pipeline import bench_policy, sim_des
 from pipeline.policy import Allocation
 from pipeline.workload import WorkloadError, load_workload, parse_workload
 
-# the reference workloads: the repository's bench/, else the shared copy they come from
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-if not (BENCH / "drift.toml").exists():
-    BENCH = Path("/work/shared/bench")
+# The workloads of shared/bench, shipped in the repository.
+BENCH = Path(__file__).resolve().parents[1] / "examples" / "bench"
 
 # 4 GPUs x 4 slots; prompt 100 tokens (0.1 s prefill), response 200 tokens (2 s decode);
 # the learner trains 300 tokens/s per GPU with linear scaling; 32-trajectory batches.
