@@ -91,3 +91,10 @@ class JobKeys:
             ("reward", self.rollouts, GROUP_REWARD),
             ("learner", self.scored, GROUP_LEARNER),
         )
+
+    # --- observability (issue 6; owned by pipeline/metrics.py) --------------------------------
+    # The learner's per-step lines go to ``metrics`` above (kind "learner_step"); the sampler's
+    # periodic samples of the four metric kinds go here. Both are capped by length: not training data.
+    @property
+    def metric_samples(self) -> str:  # stream: {"data": JSON sample} (MetricsSampler -> top, doctor, /metrics)
+        return self._k("metrics:samples")

@@ -1,0 +1,174 @@
+"""The metrics sampler: pure aggregation, and samples of the four kinds read from a real Redis.
+
+``fake_job`` lays out what the workers of a live job leave in Redis (state,
+streams, counters, the workers table, learner steps); the Prometheus, top and
+doctor tests use it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline import messages
+from pipeline.keys import JOBS, JobKeys
+from pipeline.metrics import (MetricsSampler, ResourceProbe, aggregate_steps, rates, read_jsonl, read_samples,
+                              start_sampler, tool_stats)
+from pipeline.streams import ensure_groups
+
+
+def learner_step(step: int, **kw) -> dict:
+    base = {"step": step, "policy_version": step, "loss": 0.1, "reward_mean": 0.5, "reward_std": 0.4,
+            "success_rate": 0.5, "entropy": 0.9, "staleness_mean": 0.5, "staleness_max": 1,
+            "staleness_hist": {"0": 32, "1": 32}, "trajectories": 64, "groups": 8, "zero_signal_groups": 2,
+            "dropped_stale": 0, "grad_norm": 0.3, "wait_s": 0.2, "train_s": 1.8, "at": time.time()}
+    base.update(kw)
+    return base
+
+
+def fake_job(r, job: str = "obs", *, workers: dict | None = None, steps: list[dict] = (),
+             counters: dict | None = None, backlog: dict | None = None) -> JobKeys:
+    """A job as its processes leave it in Redis; the workers default to this test process."""
+    keys = JobKeys(job)
+    r.sadd(JOBS, job)
+    r.hset(keys.state, mapping={"phase": "running", "started_at": time.time() - 20, "run_dir": "/nowhere"})
+    r.hset(keys.policy, mapping={"version": len(steps), "path": "/nowhere", "step": len(steps)})
+    ensure_groups(r, keys)
+    for stage, n in (backlog or {}).items():
+        stream = dict((s, st) for s, st, _g in keys.stages)[stage]
+        for i in range(n):
+            r.xadd(stream, {messages.FIELD: b"x"})
+    r.hset(keys.counters, mapping=counters or {"issued": 128, "generated": 96, "scored": 80, "trained": 64})
+    node = socket.gethostname()
+    for wid, (role, state) in (workers or {"learner-0": ("learner", "running"),
+                                           "rollout-n-0": ("rollout", "running"),
+                                           "reward-n-0": ("reward", "running")}).items():
+        r.hset(keys.workers, wid, json.dumps({"id": wid, "role": role, "pid": os.getpid(), "node": node,
+                                              "slots": [], "state": state, "heartbeat": time.time(),
+                                              "rate_per_s": 3.0, "policy_version": len(steps)}))
+    for s in steps:
+        r.xadd(keys.metrics, {"kind": "learner_step", "data": json.dumps(s)})
+    return keys
+
+
+# --- pure parts ---------------------------------------------------------------------------------
+
+
+def test_rates_from_counter_deltas():
+    out = rates({"generated": 10, "trained": 0}, {"generated": 70, "trained": 40, "rollout_tokens": 500}, 10.0)
+    assert out["trajectories_per_min"] == pytest.approx(360.0)
+    assert out["learner_samples_per_s"] == pytest.approx(4.0)
+    assert out["rollout_tokens_per_s"] == pytest.approx(50.0)
+    assert rates({}, {"generated": 5}, 1.0)["rollout_tokens_per_s"] is None  # not counted yet
+
+
+def test_aggregate_steps_weights_and_sums():
+    steps = [learner_step(1, reward_mean=0.0, trajectories=32, wait_s=1.0, train_s=1.0,
+                          tool_calls=10, tool_timeouts=1, tool_latency_mean_s=0.1, tool_latency_p95_s=0.2),
+             learner_step(2, reward_mean=1.0, trajectories=96, wait_s=0.0, train_s=2.0, staleness_max=2,
+                          staleness_hist={"2": 96}, diversity_groups=8, diversity_distinct_rate=0.75,
+                          tool_calls=30, tool_timeouts=0, tool_latency_mean_s=0.3, tool_latency_p95_s=0.5)]
+    a = aggregate_steps(steps)
+    assert a["steps"] == 2 and a["step"] == 2 and a["trained"] == 128
+    assert a["reward_mean"] == pytest.approx(0.75)  # weighted by trajectories
+    assert a["staleness_hist"] == {"0": 32, "1": 32, "2": 96}
+    assert a["staleness_max"] == 2
+    assert a["wait_ratio"] == pytest.approx(1.0 / 4.0)
+    assert a["zero_signal_share"] == pytest.approx(4 / 16)
+    assert a["diversity_distinct_rate"] == 0.75
+    assert a["tool_calls"] == 40 and a["tool_timeouts"] == 1
+    assert a["tool_latency_mean_s"] == pytest.approx((0.1 * 10 + 0.3 * 30) / 40)
+    assert a["tool_latency_p95_s"] == 0.5
+
+
+def test_aggregate_empty_window():
+    a = aggregate_steps([])
+    assert a["steps"] == 0 and a["reward_mean"] is None and a["wait_ratio"] is None
+
+
+def test_tool_stats_of_groups():
+    t = lambda lat, to: SimpleNamespace(tool_calls=len(lat), tool_latency_s=tuple(lat), tool_timeouts=to)
+    groups = [SimpleNamespace(trajectories=[t([0.1, 0.2], 0), t([2.0], 1)]), SimpleNamespace(trajectories=[t([], 0)])]
+    s = tool_stats(groups)
+    assert s["tool_calls"] == 3 and s["tool_timeouts"] == 1
+    assert s["tool_latency_mean_s"] == pytest.approx(2.3 / 3)
+    assert s["tool_latency_p95_s"] == 2.0
+    assert tool_stats([])["tool_latency_mean_s"] is None
+
+
+def test_read_jsonl_skips_cut_lines(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"kind": "sample", "at": 1}\n{"kind": "learner_step"}\n{"kind": "sam')
+    assert [x["at"] for x in read_jsonl(p, "sample")] == [1]
+    assert read_jsonl(tmp_path / "missing.jsonl") == []
+
+
+# --- against Redis ------------------------------------------------------------------------------
+
+
+def test_sample_has_the_four_kinds(r, tmp_path):
+    keys = fake_job(r, steps=[learner_step(1), learner_step(2, reward_mean=0.7)], backlog={"learner": 3})
+    sampler = MetricsSampler(r, "obs", tmp_path, interval_s=10)
+    s = sampler.sample()
+    assert s["kind"] == "sample" and s["schema"] == 1 and s["policy_version"] == 2
+    assert s["allocation"] == {"learner": 1, "rollout": 1, "reward": 1}
+    assert s["throughput"]["learner_samples_per_s"] > 0  # since the job's start
+    assert s["throughput"]["learner_steps"] == 2
+    me = s["resources"]["workers"]["learner-0"]
+    assert me["pid"] == os.getpid() and me["rss_bytes"] > 0
+    assert s["resources"]["by_role"]["rollout"]["workers"] == 1
+    assert s["resources"]["node"]["memory_total_bytes"] > 0
+    q = s["queues"]
+    assert q["stages"]["learner"]["lag"] == 3 and q["learner_queue"] == 3 and q["dead_letters"] == 0
+    assert q["learner_wait_ratio"] == pytest.approx(0.1)
+    assert s["quality"]["reward_mean"] == pytest.approx(0.6) and s["quality"]["steps"] == 2
+    # Recorded in both places.
+    assert read_jsonl(tmp_path / "metrics.jsonl", "sample")[0]["at"] == s["at"]
+    assert read_samples(r, "obs")[0]["at"] == s["at"]
+
+    # The next sample sees only what happened since: rates from deltas, no learner step.
+    r.hincrby(keys.counters, "trained", 640)
+    r.hset(keys.workers, "learner-0", json.dumps({"id": "learner-0", "role": "learner", "pid": os.getpid(),
+                                                  "node": socket.gethostname(), "state": "waiting",
+                                                  "heartbeat": time.time()}))
+    time.sleep(0.05)
+    s2 = sampler.sample()
+    assert s2["throughput"]["learner_samples_per_s"] > 640 / 10
+    assert s2["quality"]["steps"] == 0 and s2["quality"]["reward_mean"] is None
+    assert s2["queues"]["learner_wait_ratio"] == 1.0  # waiting, and no step finished
+    assert s2["resources"]["workers"]["learner-0"]["cpu_percent"] is not None  # measured since the first
+
+
+def test_sampler_skips_workers_of_other_nodes_and_exited(r, tmp_path):
+    fake_job(r, workers={"learner-0": ("learner", "running"), "rollout-x-0": ("rollout", "exited")})
+    rec = json.loads(r.hget(JobKeys("obs").workers, "learner-0"))
+    rec["node"] = "elsewhere"
+    r.hset(JobKeys("obs").workers, "learner-0", json.dumps(rec))
+    s = MetricsSampler(r, "obs", None, probe=ResourceProbe(use_gpu=False)).sample()
+    assert s["resources"]["workers"] == {}
+    assert s["workers"] == {"learner": {"running": 1}, "rollout": {"exited": 1}}
+
+
+def test_attaching_to_a_running_job_reads_only_new_steps(r):
+    keys = fake_job(r, steps=[learner_step(1), learner_step(2)])
+    sampler = MetricsSampler(r, "obs", None, from_start=False)
+    assert sampler.sample()["quality"]["steps"] == 0
+    r.xadd(keys.metrics, {"kind": "learner_step", "data": json.dumps(learner_step(3))})
+    assert sampler.sample()["quality"]["step"] == 3
+
+
+def test_start_sampler_thread_stops_with_a_last_sample(r, tmp_path):
+    fake_job(r)
+    handle = start_sampler(r, "obs", tmp_path, interval_s=0.05)
+    time.sleep(0.4)
+    handle.stop()
+    assert not handle.thread.is_alive()
+    lines = read_jsonl(tmp_path / "metrics.jsonl", "sample")
+    assert len(lines) >= 3
+    assert len(read_samples(r, "obs")) == len(lines)
+    assert all(b["at"] > a["at"] for a, b in zip(lines, lines[1:]))
