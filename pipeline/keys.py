@@ -98,3 +98,61 @@ class JobKeys:
     @property
     def metric_samples(self) -> str:  # stream: {"data": JSON sample} (MetricsSampler -> top, doctor, /metrics)
         return self._k("metrics:samples")
+
+    # --- elastic allocation (issue 4; pipeline/controller.py, pipeline/agent.py, workers/sim.py) -----
+    @property
+    def allocation(self) -> str:  # hash: mode (auto|pinned), pinned, target, changed_at, changed_from (controller, scale)
+        return self._k("allocation")
+
+    @property
+    def placement(self) -> str:  # hash: worker id -> JSON {role, node, slots}; written by the acting controller only
+        return self._k("placement")
+
+    @property
+    def control_events(self) -> str:  # stream capped by length: the controller's decisions (libra-ctl events)
+        return self._k("control:events")
+
+    @property
+    def drain_requests(self) -> str:  # set of worker ids to drain (libra-ctl drain -> controller)
+        return self._k("control:drain")
+
+    @property
+    def worker_costs(self) -> str:  # hash: worker id -> JSON cumulative busy/pause/idle seconds, items, tokens
+        return self._k("costs")
+
+    @property
+    def sim_learner(self) -> str:  # hash: the sim learner's checkpoint (step, version, trained), acked with it
+        return self._k("sim:learner")
+
+    @property
+    def sim_trained(self) -> str:  # set of group ids the sim learner trained (duplicates are counted)
+        return self._k("sim:trained")
+
+
+# --- elastic allocation: node agents and the controller (issue 4) ----------------------------------
+AGENTS = f"{PREFIX}:agents"  # hash: node -> JSON {node, host, pid, slots, heartbeat} (each agent)
+CONTROLLER_LEASE = f"{PREFIX}:controller:lease"  # string "epoch:token", SET NX PX: the one acting controller
+CONTROLLER_EPOCH = f"{PREFIX}:controller:epoch"  # counter, INCR on each lease taken: fences stale actions
+CONTROLLER_WAKE = f"{PREFIX}:controller:wake"  # list: a push wakes the controller early (scale, drain)
+CONTROL_SEQ = f"{PREFIX}:control:seq"  # counter: every control action takes the next number (ordering)
+
+
+def agent_lock(node: str) -> str:  # string, SET NX PX: one live agent per node name
+    return f"{PREFIX}:agent:{node}:lock"
+
+
+def agent_queue(node: str) -> str:
+    """Name of a node agent's rq queue (rq adds its own ``rq:queue:`` prefix)."""
+    return f"libra-agent-{node}"
+
+
+def agent_desired(node: str) -> str:  # hash: "job/worker" -> JSON spec with state run|drain (control jobs)
+    return f"{PREFIX}:agent:{node}:desired"
+
+
+def agent_procs(node: str) -> str:  # hash: "job/worker" -> JSON {pid, start, slots, state, ...} (the agent)
+    return f"{PREFIX}:agent:{node}:procs"
+
+
+def agent_log(node: str) -> str:  # stream capped by length: every process the agent started or stopped
+    return f"{PREFIX}:agent:{node}:log"
