@@ -16,7 +16,9 @@ from pipeline import config as config_mod
 
 # Modules that add their own subcommands with ``add_commands(subparsers)``;
 # each imports its heavy dependencies inside its handlers, so --help stays fast.
-COMMAND_MODULES: list[str] = []
+COMMAND_MODULES: list[str] = [
+    "pipeline.prometheus",  # metrics-serve (issue 6)
+]
 from pipeline.redisconn import ENV_URL, connect
 
 
