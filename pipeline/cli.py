@@ -18,6 +18,7 @@ from pipeline import config as config_mod
 # each imports its heavy dependencies inside its handlers, so --help stays fast.
 COMMAND_MODULES: list[str] = [
     "pipeline.prometheus",  # metrics-serve (issue 6)
+    "pipeline.trace",  # trace (issue 6)
 ]
 from pipeline.redisconn import ENV_URL, connect
 
