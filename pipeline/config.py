@@ -95,6 +95,8 @@ class StreamsConfig:
     learner_min_idle_s: float = _f(1800.0, "scored groups pending this long are reclaimed by another learner rank; "
                                    "must exceed checkpoint_every x learner.step_budget_s + learner.checkpoint_write_s")
     max_deliveries: int = _f(3, "an entry delivered more often than this is dead-lettered")
+    dedup: bool = _f(True, "exactly-once effects keyed by trajectory id (turn off only to test the audit)")
+    dedup_ttl_s: int = _f(86400, "how long a stage remembers the groups it wrote; longer than any redelivery")
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,7 @@ def from_dict(raw: dict, cls=Config, where: str = "") -> Any:
 def _coerce(value, typ, dotted: str, default):
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
+    if isinstance(value, typ) and not (typ in (int, float) and isinstance(value, bool)):
         return value
     raise ConfigError(
         f"{dotted} = {value!r}: expected {typ.__name__} (default {default!r}); "

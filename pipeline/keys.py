@@ -79,6 +79,10 @@ class JobKeys:
     def eval_claim(self, request_id: str) -> str:  # SET NX: one rollout worker runs a request
         return self._k(f"eval:claim:{request_id}")
 
+    def seen(self, stage: str, group_id: str) -> str:
+        """String with a TTL: ``stage`` already wrote its output for this group (exactly-once effect)."""
+        return self._k(f"seen:{stage}:{group_id}")
+
     @property
     def metrics(self) -> str:  # stream capped by length: sampled metrics (not training data)
         return self._k("metrics")

@@ -22,6 +22,7 @@ from pipeline import messages
 from pipeline.keys import JobKeys
 
 Entry = tuple[bytes, bytes]  # (stream id, payload)
+TRIM_EVERY = 20  # rounds of a stage between trims of its source stream
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,56 @@ def stream_lag(r: redis.Redis, stream: str, group: str, cap: int = 10_000) -> in
             break
     last = last.decode() if isinstance(last, bytes) else last
     return len(r.xrange(stream, min="(" + last, max="+", count=cap))
+
+
+def _id_key(entry_id) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def trim_point(r: redis.Redis, stream: str) -> str | None:
+    """The oldest entry any consumer group still needs, or None when there is no group.
+
+    That is the minimum over groups of the oldest pending id and the
+    last-delivered id: everything before it has been delivered to and
+    acknowledged by every group. Never MAXLEN, which drops unacknowledged data.
+    """
+    needed = []
+    for info in r.xinfo_groups(stream):
+        needed.append(info["last-delivered-id"])
+        if int(info["pending"]):
+            needed.append(r.xpending(stream, info["name"])["min"])
+    if not needed:
+        return None
+    oldest = min(needed, key=_id_key)
+    return oldest.decode() if isinstance(oldest, bytes) else oldest
+
+
+def trim(r: redis.Redis, stream: str) -> int:
+    """Drop the entries no group needs any more (XTRIM MINID); returns how many went."""
+    point = trim_point(r, stream)
+    if point is None or point == "0-0":
+        return 0
+    return int(r.xtrim(stream, minid=point, approximate=False))
+
+
+def take_over_pending(r: redis.Redis, stream: str, group: str, consumer: str) -> int:
+    """XCLAIM every entry pending at another consumer of ``group`` for ``consumer``.
+
+    Used by a learner whose group has one rank (world size 1): whatever older
+    ranks held unacknowledged is replayed by it before it reads new entries.
+    """
+    taken = 0
+    for info in r.xinfo_consumers(stream, group):
+        name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
+        if name == consumer or not int(info["pending"]):
+            continue
+        for item in r.xpending_range(stream, group, min="-", max="+", count=int(info["pending"]),
+                                     consumername=name):
+            r.xclaim(stream, group, consumer, 0, [item["message_id"]], justid=True)
+            taken += 1
+    return taken
 
 
 def group_pending(r: redis.Redis, stream: str, group: str) -> int:
@@ -230,6 +281,7 @@ def run_stage(
     stop: Callable[[], bool],
     before_read: Callable[[], bool] = lambda: True,
     counter: str | None = None,
+    dedup: Dedup | None = None,
     log=None,
 ) -> None:
     """The loop every streaming stage runs until ``stop()``.
@@ -242,9 +294,13 @@ def run_stage(
     """
     cursor = "0-0"
     keeper = ClaimKeeper(r, source, group, consumer, claims.min_idle_ms)
+    rounds = 0
     while not stop():
         if not before_read():
             continue
+        rounds += 1
+        if rounds % TRIM_EVERY == 0:
+            trim(r, source)
         entries, cursor = reclaim(r, keys, source, group, consumer, claims, count, cursor, log)
         if not entries:
             entries = read(r, source, group, consumer, count, block_ms)
@@ -253,33 +309,85 @@ def run_stage(
         good, bad = decode_entries(entries, max_bytes)
         with keeper([i for i, _p in entries]):
             outputs = handle([msg for _id, msg in good]) if good else []
-        write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop)
+        write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop, dedup)
 
 
-def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop) -> None:
-    """Outputs, dead letters and the acks of their inputs, in one transaction."""
-    def build():
-        pipe = r.pipeline(transaction=True)
-        for entry_id, payload, reason in bad:
-            dead_letter(pipe, keys, source, entry_id, reason, payload)
-            pipe.xack(source, group, entry_id)
-        written = 0
-        for (entry_id, msg), out in zip(good, outputs):
-            if isinstance(out, Reject):
-                dead_letter(pipe, keys, source, entry_id, out.reason, messages.encode(msg),
-                            trajectories=_size(msg))
-            else:
-                pipe.xadd(sink, {messages.FIELD: messages.encode(out)})
-                written += _size(out)
-            pipe.xack(source, group, entry_id)
-        if counter and written:
-            pipe.hincrby(keys.counters, counter, written)
-        return pipe
+@dataclass(frozen=True)
+class Dedup:
+    """Exactly-once output: a stage writes a group's output at most once, keyed by the group id.
 
-    execute_with_backpressure(build, log, stop)
+    The group id is the prompt id: a trajectory's id is (prompt_id, sample_idx)
+    and groups travel whole, so this keys every trajectory's effect. The marks
+    expire after ``ttl_s`` (longer than any redelivery can take), which keeps
+    Redis memory bounded.
+    """
+
+    stage: str
+    ttl_s: int
+
+
+def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop,
+                  dedup: Dedup | None = None) -> None:
+    """Outputs, dead letters and the acks of their inputs, in one MULTI/EXEC transaction.
+
+    With ``dedup``, the transaction WATCHes each output's mark, writes only
+    the outputs whose group has none yet and sets their marks; a concurrent
+    writer of the same group makes EXEC fail and the round is redone, so a
+    redelivered or regenerated group has its effect once.
+    """
+    marks = [keys.seen(dedup.stage, out.prompt_id) if dedup and not isinstance(out, Reject) else None
+             for out in outputs]
+    delay = 0.1
+    while True:
+        with r.pipeline(transaction=True) as pipe:
+            try:
+                watched = [m for m in marks if m]
+                if watched:
+                    pipe.watch(*watched)
+                    already = {m for m in watched if pipe.exists(m)}
+                    pipe.multi()
+                else:
+                    already = set()
+                _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already,
+                              dedup)
+                pipe.execute()
+                break
+            except redis.WatchError:
+                continue
+            except redis.ResponseError as exc:
+                if not str(exc).startswith("OOM") or stop():
+                    raise
+                if log:
+                    log.warning("redis_full_waiting", delay_s=delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
     for _id, _payload, reason in bad:
         if log:
             log.warning("dead_lettered", reason=reason)
+
+
+def _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already, dedup) -> None:
+    for entry_id, payload, reason in bad:
+        dead_letter(pipe, keys, source, entry_id, reason, payload)
+        pipe.xack(source, group, entry_id)
+    written = duplicates = 0
+    for (entry_id, msg), out, mark in zip(good, outputs, marks):
+        if isinstance(out, Reject):
+            dead_letter(pipe, keys, source, entry_id, out.reason, messages.encode(msg),
+                        trajectories=_size(msg))
+        elif mark in already:
+            duplicates += _size(out)
+        else:
+            pipe.xadd(sink, {messages.FIELD: messages.encode(out)})
+            if mark:
+                pipe.set(mark, 1, ex=dedup.ttl_s)
+                already.add(mark)  # a second copy in this very batch is a duplicate too
+            written += _size(out)
+        pipe.xack(source, group, entry_id)
+    if counter and written:
+        pipe.hincrby(keys.counters, counter, written)
+    if duplicates:
+        pipe.hincrby(keys.counters, f"duplicates_dropped_{dedup.stage}", duplicates)
 
 
 def _payload_size(payload: bytes) -> int:

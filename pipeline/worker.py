@@ -75,6 +75,13 @@ def claim_policy(cfg: config_mod.Config, stage: str):
     return ClaimPolicy(min_idle_ms=int(idle_s * 1000), max_deliveries=cfg.streams.max_deliveries)
 
 
+def dedup_for(cfg: config_mod.Config, stage: str):
+    """The stage's exactly-once marks, or None when ``streams.dedup`` is off."""
+    from pipeline.streams import Dedup
+
+    return Dedup(stage=stage, ttl_s=cfg.streams.dedup_ttl_s) if cfg.streams.dedup else None
+
+
 def worker_args(role: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"workers.{role}")
     p.add_argument("--run-dir", required=True, type=Path)

@@ -73,3 +73,41 @@ def test_idle_entries_are_reclaimed_then_dead_lettered_after_max_deliveries(r):
     assert dl[b"reason"].startswith(b"exceeded max_deliveries (2)") and int(dl[b"deliveries"]) == 3
     assert dl[b"id"] == eid and int(dl[b"trajectories"]) == 2
     assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
+
+
+def test_a_group_written_twice_has_its_effect_once(r):
+    from pipeline.streams import Dedup, decode_entries, read, write_and_ack
+
+    keys = JobKeys("t")
+    ensure_groups(r, keys)
+    for _ in range(2):  # the same group delivered twice, e.g. regenerated after a stolen claim
+        r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group("a"))})
+    entries = read(r, keys.rollouts, GROUP_REWARD, "reward-0", 10, 10)
+    good, bad = decode_entries(entries, 1 << 20)
+    outputs = [g.with_rewards([1.0, 0.0], 1.0) for _i, g in good]
+    write_and_ack(r, keys, keys.rollouts, GROUP_REWARD, keys.scored, good, outputs, bad, "scored", None,
+                  lambda: False, Dedup("reward", 60))
+    assert r.xlen(keys.scored) == 1
+    assert int(r.hget(keys.counters, "scored")) == 2
+    assert int(r.hget(keys.counters, "duplicates_dropped_reward")) == 2
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
+    assert 0 < r.ttl(keys.seen("reward", "a")) <= 60
+
+
+def test_trim_keeps_everything_a_group_still_needs(r):
+    from pipeline.streams import read, trim, trim_point
+
+    keys = JobKeys("t")
+    ensure_groups(r, keys)
+    ids = [r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group(str(i)))}) for i in range(6)]
+    assert trim(r, keys.rollouts) == 0  # nothing delivered yet
+    got = read(r, keys.rollouts, GROUP_REWARD, "reward-0", 4, 10)  # 4 delivered, all pending
+    assert trim_point(r, keys.rollouts) == ids[0].decode()
+    r.xack(keys.rollouts, GROUP_REWARD, *[i for i, _p in got[:2]])  # oldest pending is now ids[2]
+    assert trim(r, keys.rollouts) == 2
+    assert [i for i, _f in r.xrange(keys.rollouts)] == ids[2:]
+    assert stream_lag(r, keys.rollouts, GROUP_REWARD) == 2
+    r.xack(keys.rollouts, GROUP_REWARD, *[i for i, _p in got[2:]])
+    trim(r, keys.rollouts)
+    # The last-delivered entry stays; the two never delivered are untouched.
+    assert [i for i, _f in r.xrange(keys.rollouts)] == ids[3:]

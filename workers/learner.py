@@ -25,12 +25,14 @@ import torch
 
 from pipeline import messages
 from pipeline.keys import GROUP_LEARNER
-from pipeline.streams import dead_letter, decode_entries, ensure_groups, read
+from pipeline.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
+                              take_over_pending, trim)
 from pipeline.worker import WorkerContext, finish_worker, start_worker
 from workers.grpo import clipped_loss, group_advantages
 from workers.tiny_policy import completion_logprobs, load_model, save_weights
 
 MICRO_BATCH = 64  # trajectories per forward/backward; bounds activation memory
+DEDUP_STEPS = 200  # steps a trained id is remembered (in memory and restored from checkpoints)
 
 
 @dataclass
@@ -39,6 +41,8 @@ class Batch:
     entry_ids: list[bytes] = field(default_factory=list)  # every entry consumed, admitted or dropped
     dropped_groups: int = 0
     dropped_trajectories: int = 0
+    dropped_ids: list[str] = field(default_factory=list)
+    duplicates: int = 0  # trajectories of groups already trained, skipped
     wait_s: float = 0.0
 
     @property
@@ -56,6 +60,11 @@ class Learner:
         self.step = 0
         self.unacked: list[bytes] = []  # consumed since the last durable checkpoint
         self.consumed: list[str] = []  # trajectory ids trained since the last checkpoint
+        self.dropped: list[str] = []  # trajectory ids dropped as stale since the last checkpoint
+        # Trajectory id -> step that trained it, for the last DEDUP_STEPS steps: a
+        # redelivered or regenerated group arrives within that window.
+        self.trained_ids: dict[str, int] = {}
+        self.replay_cursor: str | bytes | None = "0"  # our own pending entries come first
         self.trained_total = 0
         self.dropped_total = 0
         start = self.restore_or_init()
@@ -85,8 +94,22 @@ class Learner:
         self.version = max(published, state["version"]) + 1
         self.ctx.log.info("restored", checkpoint=str(latest), step=self.step, version=self.version)
         opt = torch.load(latest / "optimizer.pt", weights_only=True)
+        self.restore_trained_ids()
+        # Counters follow the checkpoint: steps after it will be trained again from the replay.
+        self.ctx.r.hset(self.ctx.keys.counters, mapping={"trained": self.trained_total,
+                                                        "dropped_stale": self.dropped_total})
         self.publish()
         return opt
+
+    def restore_trained_ids(self) -> None:
+        for ckpt in sorted(self.ckpt_dir.glob("step-*")):
+            state_file = ckpt / "state.json"
+            if ckpt.name.endswith(".tmp") or not state_file.exists():
+                continue
+            step = json.loads(state_file.read_text())["step"]
+            if step > self.step - DEDUP_STEPS:
+                for tid in (ckpt / "consumed.txt").read_text().split():
+                    self.trained_ids[tid] = step
 
     def set_lr(self) -> None:
         warm = self.cfg.warmup_steps
@@ -113,12 +136,26 @@ class Learner:
                 if not isinstance(group, messages.Group) or any(t.reward is None for t in group.trajectories):
                     self.dead_letter_bad([(entry_id, messages.encode(group), "learner expects a scored group")])
                     continue
+                if self.dedup and self.already_trained(group, batch):
+                    batch.duplicates += len(group.trajectories)
+                    continue
                 if self.version - group.version > self.cfg.max_staleness:
                     batch.dropped_groups += 1
                     batch.dropped_trajectories += len(group.trajectories)
+                    batch.dropped_ids += _ids(group)
                     continue
                 batch.groups.append(group)
         return batch
+
+    @property
+    def dedup(self) -> bool:
+        return self.ctx.cfg.streams.dedup
+
+    def already_trained(self, group: messages.Group, batch: Batch) -> bool:
+        """Was this group (any of its trajectory ids) trained, or admitted to this batch?"""
+        ids = _ids(group)
+        in_batch = {tid for g in batch.groups for tid in _ids(g)}
+        return any(tid in self.trained_ids or tid in in_batch for tid in ids)
 
     def read_entries(self, count: int, block_ms: int) -> list:
         # Replay our own pending entries first (after a restart), then read new ones.
@@ -131,8 +168,6 @@ class Learner:
                 return entries
             self.replay_cursor = None
         return read(self.ctx.r, self.ctx.keys.scored, GROUP_LEARNER, self.ctx.worker_id, count, block_ms)
-
-    replay_cursor: bytes | str | None = "0"
 
     def dead_letter_bad(self, bad) -> None:
         pipe = self.ctx.r.pipeline(transaction=True)
@@ -239,6 +274,7 @@ class Learner:
         save_weights(self.model, tmp / "model")
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "consumed.txt").write_text("".join(f"{i}\n" for i in self.consumed))
+        (tmp / "dropped.txt").write_text("".join(f"{i}\n" for i in self.dropped))
         (tmp / "state.json").write_text(json.dumps({
             "step": self.step, "version": self.version, "trained_total": self.trained_total,
             "dropped_total": self.dropped_total, "written_at": time.time()}))
@@ -248,25 +284,41 @@ class Learner:
         _fsync_dir(self.ckpt_dir)
         if self.unacked:
             self.ctx.r.xack(self.ctx.keys.scored, GROUP_LEARNER, *self.unacked)
+        trim(self.ctx.r, self.ctx.keys.scored)
         self.ctx.log.info("checkpointed", step=self.step, acked=len(self.unacked))
-        self.unacked, self.consumed = [], []
+        self.unacked, self.consumed, self.dropped = [], [], []
 
     # --- the loop ---------------------------------------------------------------------------------
 
     def record(self, batch: Batch, metrics: dict) -> None:
         self.unacked += batch.entry_ids
-        self.consumed += [f"{g.prompt_id}/{t.sample_idx}" for g in batch.groups for t in g.trajectories]
+        trained = [tid for g in batch.groups for tid in _ids(g)]
+        self.consumed += trained
+        self.dropped += batch.dropped_ids
+        for tid in trained:
+            self.trained_ids[tid] = self.step
+        self.trained_ids = {k: v for k, v in self.trained_ids.items() if v > self.step - DEDUP_STEPS}
         self.trained_total += metrics["trajectories"]
         self.dropped_total += batch.dropped_trajectories
         metrics.update(trained_total=self.trained_total, dropped_stale_total=self.dropped_total,
-                       at=time.time())
-        pipe = self.ctx.r.pipeline(transaction=True)
-        pipe.hincrby(self.ctx.keys.counters, "trained", metrics["trajectories"])
-        pipe.hincrby(self.ctx.keys.counters, "dropped_stale", batch.dropped_trajectories)
-        pipe.hset(self.ctx.keys.learner_stats, mapping={k: json.dumps(v) for k, v in metrics.items()})
-        pipe.xadd(self.ctx.keys.metrics, {"kind": "learner_step", "data": json.dumps(metrics)},
-                  maxlen=100_000, approximate=True)
-        pipe.execute()
+                       duplicates_skipped=batch.duplicates, at=time.time())
+        keys = self.ctx.keys
+
+        def build():
+            pipe = self.ctx.r.pipeline(transaction=True)
+            pipe.hincrby(keys.counters, "trained", metrics["trajectories"])
+            pipe.hincrby(keys.counters, "dropped_stale", batch.dropped_trajectories)
+            if batch.duplicates:
+                pipe.hincrby(keys.counters, "duplicates_dropped_learner", batch.duplicates)
+            pipe.hset(keys.learner_stats, mapping={k: json.dumps(v) for k, v in metrics.items()})
+            pipe.xadd(keys.metrics, {"kind": "learner_step", "data": json.dumps(metrics)},
+                      maxlen=100_000, approximate=True)
+            return pipe
+
+        execute_with_backpressure(build, self.ctx.log, self.ctx.stopping)
+        # Entries held until the next checkpoint: refresh the claim so no one reclaims them.
+        if self.unacked:
+            self.ctx.r.xclaim(keys.scored, GROUP_LEARNER, self.ctx.worker_id, 0, self.unacked, justid=True)
         with open(self.ctx.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"kind": "learner_step", **metrics}) + "\n")
         self.ctx.count(metrics["trajectories"])
@@ -296,6 +348,11 @@ class Learner:
             self.ctx.log.info("training_done", step=self.step, version=self.version)
 
 
+def _ids(group: messages.Group) -> list[str]:
+    """Trajectory ids of a group: (prompt_id, sample_idx), written prompt_id/sample_idx."""
+    return [f"{group.prompt_id}/{t.sample_idx}" for t in group.trajectories]
+
+
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     done = sorted(p for p in ckpt_dir.glob("step-*") if not p.name.endswith(".tmp")
                   and (p / "state.json").exists())
@@ -315,6 +372,10 @@ def main() -> None:
     ctx = start_worker("learner")
     try:
         ensure_groups(ctx.r, ctx.keys)
+        # A changed world size: entries pending at old ranks are ours now, before anything new.
+        taken = take_over_pending(ctx.r, ctx.keys.scored, GROUP_LEARNER, ctx.worker_id)
+        if taken:
+            ctx.log.info("took_over_pending", entries=taken)
         Learner(ctx).run()
     finally:
         finish_worker(ctx)

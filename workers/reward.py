@@ -13,7 +13,7 @@ import time
 from pipeline import messages
 from pipeline.keys import GROUP_REWARD
 from pipeline.streams import Reject, ensure_groups, run_stage
-from pipeline.worker import claim_policy, WorkerContext, finish_worker, start_worker
+from pipeline.worker import claim_policy, dedup_for, WorkerContext, finish_worker, start_worker
 from workers.envs.calc import Problem, VerifierError, verify
 
 
@@ -54,7 +54,7 @@ def main() -> None:
                   consumer=ctx.worker_id, sink=ctx.keys.scored,
                   handle=lambda groups: handle(ctx, groups), count=16,
                   block_ms=ctx.cfg.streams.block_ms, max_bytes=ctx.cfg.streams.max_message_bytes,
-                  claims=claim_policy(ctx.cfg, "reward"), stop=ctx.stopping, counter="scored", log=ctx.log)
+                  claims=claim_policy(ctx.cfg, "reward"), dedup=dedup_for(ctx.cfg, "reward"), stop=ctx.stopping, counter="scored", log=ctx.log)
     finally:
         finish_worker(ctx)
 

@@ -19,7 +19,7 @@ import numpy as np
 from pipeline import messages
 from pipeline.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT
 from pipeline.streams import backlog_groups, ensure_groups, run_stage
-from pipeline.worker import claim_policy, WorkerContext, finish_worker, start_worker
+from pipeline.worker import claim_policy, dedup_for, WorkerContext, finish_worker, start_worker
 from workers.agent_loop import evaluate, run_episodes
 from workers.envs.calc import Problem, read_prompt_file
 from workers.tiny_policy import load_tokenizer
@@ -173,7 +173,7 @@ def main() -> None:
                   consumer=ctx.worker_id, sink=ctx.keys.rollouts, handle=stage.generate,
                   count=ctx.cfg.rollout.groups_per_call, block_ms=ctx.cfg.streams.block_ms,
                   max_bytes=ctx.cfg.streams.max_message_bytes,
-                  claims=claim_policy(ctx.cfg, "rollout"), stop=ctx.stopping,
+                  claims=claim_policy(ctx.cfg, "rollout"), dedup=dedup_for(ctx.cfg, "rollout"), stop=ctx.stopping,
                   before_read=stage.between, counter="generated", log=ctx.log)
     finally:
         finish_worker(ctx)
