@@ -17,6 +17,7 @@ from pipeline import config as config_mod
 # Modules that add their own subcommands with ``add_commands(subparsers)``;
 # each imports its heavy dependencies inside its handlers, so --help stays fast.
 COMMAND_MODULES: list[str] = [
+    "pipeline.audit",  # audit, dlq
     "pipeline.prometheus",  # metrics-serve (issue 6)
     "pipeline.trace",  # trace (issue 6)
 ]
@@ -46,6 +47,16 @@ def cmd_run(args) -> int:
     return run_job(cfg, sys.argv)
 
 
+def cmd_resume(args) -> int:
+    from pipeline.run import RunFailed, resume_job
+
+    try:
+        return resume_job(Path(args.run_dir), sys.argv)
+    except RunFailed as exc:
+        print(f"libra-ctl: {exc}", file=sys.stderr)
+        return 2
+
+
 def cmd_status(args) -> int:
     from pipeline.status import format_status, status
 
@@ -71,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="job TOML file, e.g. examples/quickstart.toml")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
     run.set_defaults(func=cmd_run)
+
+    rs = sub.add_parser("resume", help="continue a stopped or crashed run from its latest checkpoint")
+    rs.add_argument("run_dir", help="the run directory, runs/<id>")
+    rs.set_defaults(func=cmd_resume)
 
     st = sub.add_parser("status", help="jobs, stages (stream length, pending, lag, rate) and workers")
     st.add_argument("--json", action="store_true")

@@ -38,6 +38,14 @@ def in_flight(ctx: WorkerContext) -> int:
     return c.get("issued", 0) - done
 
 
+def admission_limit(cfg) -> int:
+    """Trajectories allowed in flight: the queue bound, and no more than the learner consumes
+    within ``max_staleness`` versions (plus the batch it is filling), so that admitted work is
+    not generated only to be dropped as stale."""
+    lr = cfg.learner
+    return min(cfg.streams.max_queue_size, (lr.max_staleness + 1) * lr.batch_size)
+
+
 def job_phase(ctx: WorkerContext) -> str:
     phase = ctx.r.hget(ctx.keys.state, "phase")
     return phase.decode() if phase else "running"
@@ -49,10 +57,11 @@ def run(ctx: WorkerContext) -> None:
     if not problems:
         raise SystemExit(f"feeder: no usable prompt in {cfg.job.train_prompts}")
     group = cfg.rollout.group_size
+    limit = admission_limit(cfg)
     ensure_groups(ctx.r, ctx.keys)
     ctx.publish_state("running")
     while not ctx.stopping() and job_phase(ctx) == "running":
-        if in_flight(ctx) + group > cfg.streams.max_queue_size:
+        if in_flight(ctx) + group > limit:
             ctx.state = "waiting"
             time.sleep(0.1)
             continue

@@ -212,11 +212,15 @@ class Orchestrator:
 
     def run(self) -> dict:
         self.r.sadd(JOBS, self.cfg.job.name)
-        self.r.hset(self.keys.state, mapping={"phase": "running", "run_dir": str(self.run_dir.resolve()),
+        phase = (self.r.hget(self.keys.state, "phase") or b"running").decode()
+        self.r.hset(self.keys.state, mapping={"phase": "trained" if phase == "trained" else "running",
+                                              "run_dir": str(self.run_dir.resolve()),
                                               "started_at": time.time(), "pid": os.getpid(),
                                               "host": socket.gethostname()})
         ensure_groups(self.r, self.keys)
-        self.request_eval("start", 0)
+        resumed = self.eval_result("start") is not None
+        if not resumed:
+            self.request_eval("start", 0)
         self.start_workers()
         print(f"workers: {', '.join(c.worker_id for c in self.children)}  (logs in {self.run_dir / 'logs'})",
               file=self.out, flush=True)
@@ -268,13 +272,18 @@ def format_summary(summary: dict, run_dir: Path) -> str:
     return f"\n{body}\n\nrun directory: {run_dir}\n"
 
 
-def run_job(cfg: Config, argv: list[str], out=sys.stderr) -> int:
-    """The whole of ``libra-ctl run``; returns the exit code."""
+def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | None = None) -> int:
+    """The whole of ``libra-ctl run`` (and ``libra-ctl resume``); returns the exit code."""
     bad_lines = check_prompt_files(cfg, out)
-    run_dir = manifest_mod.new_run_dir(cfg)
-    print(f"run {run_dir.name}: preparing the policy", file=out, flush=True)
+    run_dir = resume_dir or manifest_mod.new_run_dir(cfg)
+    print(f"run {run_dir.name}: {'resuming' if resume_dir else 'preparing the policy'}", file=out, flush=True)
     policy_dir = prepare_policy(cfg, out)
     url = resolve_url(cfg.redis.url)
+    if resume_dir and url is None:
+        recorded = json.loads((run_dir / "manifest.json").read_text())["redis"]
+        url = None if recorded["embedded"] else recorded["url"]
+    # Resuming on the embedded server restarts it from the run's AOF: streams, pending entries,
+    # counters and the feeder's cursor are as they were.
     embedded = EmbeddedRedis(run_dir / "redis", maxmemory=cfg.redis.maxmemory,
                              appendfsync=cfg.redis.appendfsync) if url is None else None
     orch = None
@@ -286,10 +295,14 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr) -> int:
         (run_dir / "redis.url").write_text(url + "\n")
         r = connect(url)
         keys = JobKeys(cfg.job.name)
-        reset_job(r, keys)
-        manifest_mod.write_manifest(run_dir, cfg, argv=argv, redis_url=url, embedded=bool(embedded),
-                                    policy_dir=policy_dir, bad_prompt_lines=bad_lines)
-        r.hset(keys.policy, mapping={"version": 0, "path": policy_dir, "step": 0, "published_at": time.time()})
+        if resume_dir:
+            check_resumable(r, keys, run_dir)
+        else:
+            reset_job(r, keys)
+            manifest_mod.write_manifest(run_dir, cfg, argv=argv, redis_url=url, embedded=bool(embedded),
+                                        policy_dir=policy_dir, bad_prompt_lines=bad_lines)
+            r.hset(keys.policy, mapping={"version": 0, "path": policy_dir, "step": 0,
+                                         "published_at": time.time()})
         orch = Orchestrator(cfg, run_dir, r, url, out)
         summary = orch.run()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -299,14 +312,39 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr) -> int:
         print(f"\nrun failed: {exc}\nrun directory: {run_dir}", file=out)
         return 1
     except KeyboardInterrupt:
-        print(f"\ninterrupted; stopping workers. run directory: {run_dir}", file=out)
+        print(f"\ninterrupted; stopping workers. resume with: libra-ctl resume {run_dir}", file=out)
         return 130
     finally:
         if orch is not None:
             try:
-                orch.r.hset(orch.keys.state, "phase", "done")
+                if orch.r.hget(orch.keys.state, "phase") != b"trained":
+                    orch.r.hset(orch.keys.state, "phase", "stopped")
             except redis.RedisError:
                 pass
             orch.stop_children()
         if embedded:
             embedded.stop()
+
+
+def check_resumable(r: redis.Redis, keys: JobKeys, run_dir: Path) -> None:
+    state = r.hgetall(keys.state)
+    recorded = state.get(b"run_dir", b"").decode()
+    if recorded and Path(recorded).resolve() != run_dir.resolve():
+        raise RunFailed(f"job {keys.job!r} in this Redis belongs to run {recorded}, not {run_dir}")
+    if state.get(b"phase") == b"running" and _live_owner(state):
+        raise RunFailed(f"job {keys.job!r} is still running (pid {state[b'pid'].decode()})")
+    if not r.exists(keys.policy):
+        raise RunFailed(f"nothing to resume: job {keys.job!r} has no state in this Redis "
+                        f"(a Redis without persistence loses it on restart)")
+
+
+def resume_job(run_dir: Path, argv: list[str], out=sys.stderr) -> int:
+    """Continue a stopped or crashed run from its checkpoints, with the config in its manifest."""
+    from pipeline.config import from_dict, validate
+
+    manifest = run_dir / "manifest.json"
+    if not manifest.exists():
+        raise RunFailed(f"{run_dir} is not a run directory (no manifest.json)")
+    cfg = from_dict(json.loads(manifest.read_text())["config"])
+    validate(cfg)
+    return run_job(cfg, argv, out, resume_dir=run_dir)
