@@ -21,6 +21,7 @@ COMMAND_MODULES: list[str] = [
     "pipeline.prometheus",  # metrics-serve (issue 6)
     "pipeline.trace",  # trace (issue 6)
     "pipeline.doctor",  # doctor (issue 6)
+    "pipeline.top",  # top (issue 6)
 ]
 from pipeline.redisconn import ENV_URL, connect
 

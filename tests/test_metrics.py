@@ -172,3 +172,29 @@ def test_start_sampler_thread_stops_with_a_last_sample(r, tmp_path):
     assert len(lines) >= 3
     assert len(read_samples(r, "obs")) == len(lines)
     assert all(b["at"] > a["at"] for a, b in zip(lines, lines[1:]))
+
+
+# --- libra-ctl top (a view of the same figures) ---------------------------------------------------
+
+
+def test_top_once_shows_allocation_streams_rates_staleness_reward(r, redis_url, capsys):
+    from pipeline.cli import main
+
+    keys = fake_job(r, steps=[learner_step(1)], backlog={"learner": 4})
+    r.hset(keys.learner_stats, mapping={k: json.dumps(v) for k, v in learner_step(1, reward_mean=0.625).items()})
+    MetricsSampler(r, "obs", None).sample()
+    assert main(["top", "--once", "--redis", redis_url, "--job", "obs"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b[" not in out  # --once: no terminal escapes
+    assert "allocation (pinned)  learner 1  reward 1  rollout 1" in out
+    assert "learner" in out and "reward 0.625" in out and "staleness    mean 0.50  max 1" in out
+    assert "wait 10%" in out and "learner-0" in out
+
+
+def test_top_rates_over_snapshots():
+    from pipeline.top import Rates
+
+    rates = Rates()
+    rates.add({"t": 0.0, "status": {"counters": {"trained": 0}}})
+    out = rates.add({"t": 2.0, "status": {"counters": {"trained": 64, "rollout_tokens": 1000}}})
+    assert out["trained"] == 32.0 and out["rollout_tokens"] == 500.0
