@@ -22,6 +22,7 @@ COMMAND_MODULES: list[str] = [
     "pipeline.trace",  # trace (issue 6)
     "pipeline.doctor",  # doctor (issue 6)
     "pipeline.top",  # top (issue 6)
+    "pipeline.report",  # report (issue 6)
 ]
 from pipeline.redisconn import ENV_URL, connect
 
