@@ -6,8 +6,8 @@ to ``runs/<id>/logs/<worker>.jsonl``. The export reads those lines and also
 turns the duration fields of older events into spans (``generated`` gen_s,
 ``weights_reloaded`` reload_s, ``trained`` train_s and wait_s,
 ``evaluated`` eval_s, ``engine_loaded`` load_s), unless the worker already
-logs real spans of that phase. Decisions of the controller
-(``events.jsonl``, kind "decision") become global markers. The output loads in
+logs real spans of that phase. The controller's events (``events.jsonl``:
+decisions, pins) become global markers. The output loads in
 https://ui.perfetto.dev or chrome://tracing: one process per role, one
 thread per worker.
 """
@@ -146,10 +146,10 @@ def instants_from_records(records: list[dict], events: list[dict] = ()) -> list[
         at = unix_time(rec.get("timestamp"))
         if rec.get("event") in INSTANTS and at is not None:
             out.append(Instant(rec["worker"], _role(rec), rec["event"], at, _args(rec)))
-    for ev in events:
+    for ev in events:  # the controller's decisions and pins: markers across every track
         at = unix_time(ev.get("at"))
-        if at is not None and ev.get("kind") == "decision":
-            out.append(Instant(None, "controller", "decision", at,
+        if at is not None:
+            out.append(Instant(None, "controller", ev.get("kind", "event"), at,
                                {k: v for k, v in ev.items() if k not in ("kind", "at")}))
     return sorted(out, key=lambda i: i.at)
 
