@@ -23,6 +23,7 @@ COMMAND_MODULES: list[str] = [
     "pipeline.doctor",  # doctor (issue 6)
     "pipeline.top",  # top (issue 6)
     "pipeline.report",  # report (issue 6)
+    "pipeline.agent", "pipeline.controller",  # agent; controller, scale, drain, events (issue 4)
 ]
 from pipeline.redisconn import ENV_URL, connect
 
