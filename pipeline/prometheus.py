@@ -161,8 +161,9 @@ class LibraCollector:
             f["workers"].add_metric([job, role, state], n)
         counters = st["counters"]
         for key, name, _help in COUNTERS:
-            if key in counters:
-                f[name].add_metric([job], counters[key])
+            # An absent counter is a zero, except tokens: absent means nobody counts them (yet).
+            if key in counters or key != "rollout_tokens":
+                f[name].add_metric([job], counters.get(key, 0))
         dlq = counters.get("dead_letter_messages")
         f["dlq"].add_metric([job], dlq if dlq is not None else self.r.xlen(keys.dead_letters))
         stats = {k.decode(): json.loads(v) for k, v in self.r.hgetall(keys.learner_stats).items()}

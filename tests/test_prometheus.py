@@ -121,3 +121,22 @@ def test_metrics_serve_once(r, redis_url, capsys):
     job_with_history(r)
     assert main(["metrics-serve", "--once", "--redis", redis_url, "--job", "obs"]) == 0
     assert "libra_trajectories_trained_total" in samples_by_name(capsys.readouterr().out)
+
+
+def test_grafana_dashboard_uses_only_exported_metrics(r):
+    import re
+    from pathlib import Path
+
+    dash = json.loads((Path(__file__).resolve().parent.parent / "deploy/grafana/libra.json").read_text())
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    used = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\blibra_[a-z_]+", e)}
+    job_with_history(r)
+    exported = set()
+    for fam in text_string_to_metric_families(exposition(r)):
+        exported.add(fam.name)
+        exported.update(s.name for s in fam.samples)
+    assert used <= exported, used - exported
+    kinds = {k: any(n in used for n in names) for k, names in KINDS.items()}
+    assert all(kinds.values()), kinds
