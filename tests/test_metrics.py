@@ -198,3 +198,36 @@ def test_top_rates_over_snapshots():
     rates.add({"t": 0.0, "status": {"counters": {"trained": 0}}})
     out = rates.add({"t": 2.0, "status": {"counters": {"trained": 64, "rollout_tokens": 1000}}})
     assert out["trained"] == 32.0 and out["rollout_tokens"] == 500.0
+
+
+def test_gpu_figures_through_nvml(monkeypatch, r):
+    """The NVML path with a stand-in pynvml module (CI has no GPU): devices, peaks, per-worker memory."""
+    import sys
+
+    class NVMLError(Exception):
+        pass
+
+    used = {"v": 10 * 2**30}
+    fake = SimpleNamespace(
+        NVMLError=NVMLError, nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: f"h{i}",
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=87, memory=40),
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=used["v"], total=141 * 2**30),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [SimpleNamespace(pid=os.getpid(), usedGpuMemory=3 * 2**30)])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    fake_job(r, workers={"rollout-n-0": ("rollout", "running")})
+    sampler = MetricsSampler(r, "obs", None, probe=ResourceProbe(use_gpu=True))
+    s = sampler.sample()
+    (gpu,) = s["resources"]["gpus"]
+    assert gpu["util_percent"] == 87.0 and gpu["memory_total_bytes"] == 141 * 2**30
+    assert s["resources"]["workers"]["rollout-n-0"]["gpu_memory_bytes"] == 3 * 2**30
+    assert s["resources"]["by_role"]["rollout"]["gpu_memory_bytes"] == 3 * 2**30
+    used["v"] = 2 * 2**30
+    assert sampler.sample()["resources"]["gpus"][0]["memory_peak_bytes"] == 10 * 2**30
+
+
+def test_no_nvml_means_no_gpu_figures(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    assert ResourceProbe().gpus() == []
