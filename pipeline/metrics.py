@@ -168,12 +168,11 @@ class ResourceProbe:
         except (ps.NoSuchProcess, ps.AccessDenied):
             self.procs.pop(pid, None)
             return None
-        cpu, rss, all_primed = 0.0, 0, primed
+        cpu, rss = 0.0, 0
         for p in tree:
             try:
                 proc, seen = self._proc(p.pid)
-                cpu += proc.cpu_percent(None) if seen else 0.0
-                all_primed = all_primed and seen
+                cpu += proc.cpu_percent(None) if seen else 0.0  # a new child counts from the next sample
                 rss += proc.memory_info().rss
             except (ps.NoSuchProcess, ps.AccessDenied):
                 self.procs.pop(p.pid, None)
