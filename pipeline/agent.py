@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,7 +211,7 @@ class ControlJobRunner:
 
         self.queue = control_jobs.queue(r, node)
         self.worker = InProcessWorker([self.queue], connection=r, serializer=JSONSerializer,
-                                      name=f"libra-agent-{node}-{os.getpid()}")
+                                      name=f"libra-agent-{node}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.scheduler = RQScheduler([self.queue], connection=r, serializer=JSONSerializer)
         self.scheduler.prepare_registries([self.queue.name])
         self.worker.bootstrap(logging_level="WARNING")
@@ -465,38 +466,41 @@ def _log_file(run_dir: str, worker: str):
 
 
 def hand_over_pending(r: redis.Redis, job: str, role: str, consumer: str, log=None) -> int:
-    """After a stage worker exited: give its pending entries to a live consumer, then delete it.
+    """After a stage worker exited: give its pending entries to a live worker of its role, then delete it.
 
     Redis has no "unclaim": XCLAIM moves the entries (JUSTID, so no delivery is
     counted) and sets their idle time past the group's reclaim threshold, so
     the receiver's next XAUTOCLAIM picks them up. A worker drained cleanly has
-    nothing pending; one killed mid-batch has its batch here.
+    nothing pending; one killed mid-batch has its batch here. Without a live
+    worker to take them they stay pending, reclaimed once idle long enough.
     """
     keys = JobKeys(job)
     stream, group = {s: (src, g) for s, src, g in keys.stages}[role]
     try:
-        consumers = {c["name"].decode() if isinstance(c["name"], bytes) else c["name"]: c
-                     for c in r.xinfo_consumers(stream, group)}
+        mine = r.xpending_range(stream, group, "-", "+", 10_000, consumername=consumer)
     except redis.ResponseError:
         return 0   # no such stream or group (the job is gone)
-    mine = consumers.get(consumer)
-    if mine is None:
-        return 0
-    moved = 0
-    if int(mine["pending"]):
-        others = [n for n, c in consumers.items() if n != consumer]
-        if not others:
-            return 0   # no one to hand them to: they stay pending, reclaimed by the next worker of the role
-        target = min(others, key=lambda n: int(consumers[n]["idle"]))   # the most recently active
-        ids = [e["message_id"] for e in r.xpending_range(stream, group, "-", "+", 10_000, consumername=consumer)]
-        if ids:
-            r.xclaim(stream, group, target, 0, ids, idle=365 * 24 * 3600 * 1000, justid=True)
-            moved = len(ids)
-            if log:
-                log.info("handed_over_pending", worker=consumer, to=target, entries=moved)
-    if not r.xpending_range(stream, group, "-", "+", 1, consumername=consumer):
+    ids = [e["message_id"] for e in mine]
+    target = live_worker(r, keys, role, exclude=consumer)
+    if ids and target:
+        r.xclaim(stream, group, target, 0, ids, idle=365 * 24 * 3600 * 1000, justid=True)
+        if log:
+            log.info("handed_over_pending", worker=consumer, to=target, entries=len(ids))
+    if not ids or target:
         r.xgroup_delconsumer(stream, group, consumer)
-    return moved
+    return len(ids) if target else 0
+
+
+def live_worker(r: redis.Redis, keys: JobKeys, role: str, exclude: str, fresh_s: float = 10.0) -> str | None:
+    """A worker of ``role`` with a fresh heartbeat (the most recent one), other than ``exclude``."""
+    best = None
+    for wid, raw in r.hgetall(keys.workers).items():
+        rec = json.loads(raw)
+        if (rec["role"] == role and rec["id"] != exclude and rec["state"] in ("starting", "running", "waiting")
+                and time.time() - rec.get("heartbeat", 0) < fresh_s):
+            if best is None or rec["heartbeat"] > best["heartbeat"]:
+                best = rec
+    return best["id"] if best else None
 
 
 # --- command line ----------------------------------------------------------------------------------

@@ -1,0 +1,266 @@
+"""The node agent: slots, process identity, and real worker processes driven by control jobs.
+
+The agent runs in the test process (``step()`` by step); its workers are real
+``workers.sim`` / ``pipeline.feeder`` processes on the session's Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from rq.job import Job
+
+from pipeline import agent as agent_mod, control_jobs, messages
+from pipeline.agent import Agent, Slot, SlotError, detect_slots, process_start, worker_argv
+from pipeline.control_jobs import worker_key
+from pipeline.keys import CONTROLLER_EPOCH, GROUP_ROLLOUT, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
+from pipeline.streams import group_pending
+from test_sim_workers import sim_job, wait_for
+
+NODE = "n1"
+JOB = "simtest"
+
+
+def make_agent(r, url, slots=2, **kw) -> Agent:
+    kw.setdefault("grace_s", 10.0)
+    slot_list = slots if isinstance(slots, list) else [Slot(i, None) for i in range(slots)]
+    return Agent(r, url, NODE, slot_list, **kw).start()
+
+
+def step_until(agent: Agent, cond, timeout_s: float = 30.0, what: str = "condition", check=None):
+    """Step the agent until ``cond()``; ``check()`` runs after every step (an invariant)."""
+    def once():
+        agent.step()
+        if check:
+            check()
+        return cond()
+
+    return wait_for(once, timeout_s, what)
+
+
+def spec(run_dir, worker: str, slots: list[int], role: str = "rollout") -> dict:
+    return {"job": JOB, "worker": worker, "role": role, "slots": slots, "run_dir": str(run_dir), "backend": "sim"}
+
+
+def live(agent: Agent, worker: str):
+    p = agent.procs.get(worker_key(JOB, worker))
+    return p if p is not None and p.alive() else None
+
+
+def one_worker_per_slot(agent: Agent) -> None:
+    held = [s for p in agent.procs.values() if p.alive() for s in p.slots]
+    assert len(held) == len(set(held)), f"two live workers share a slot: {agent.procs}"
+
+
+def log_events(r) -> list[dict]:
+    return [{k.decode(): v.decode() for k, v in f.items()} for _i, f in r.xrange(agent_log(NODE))]
+
+
+@pytest.fixture
+def stop_agents():
+    agents = []
+    yield agents
+    for a in agents:
+        a.shutdown(timeout_s=10)
+
+
+# --- pure pieces --------------------------------------------------------------------------------
+
+
+def test_slots_from_flag_env_or_nvml(monkeypatch):
+    assert detect_slots(3) == [Slot(0, None), Slot(1, None), Slot(2, None)]
+    assert detect_slots(None, {"LIBRA_GPUS": "4, 6"}) == [Slot(0, "4"), Slot(1, "6")]
+    monkeypatch.setattr(agent_mod, "nvml_gpu_count", lambda: 2)
+    assert detect_slots(None, {}) == [Slot(0, "0"), Slot(1, "1")]
+    monkeypatch.setattr(agent_mod, "nvml_gpu_count", lambda: 0)
+    with pytest.raises(SlotError, match="--slots N"):
+        detect_slots(None, {})
+    with pytest.raises(SlotError):
+        detect_slots(0)
+
+
+def test_process_start_tells_a_process_from_a_reused_pid():
+    assert process_start(os.getpid()) == process_start(os.getpid()) > 0
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    start = process_start(child.pid)
+    assert start is not None and start >= process_start(os.getpid())
+    child.kill()
+    child.wait()
+    assert process_start(child.pid) is None
+
+
+def test_worker_commands_come_from_a_fixed_table():
+    assert worker_argv("sim", "learner", "/r", "learner-0")[1:5] == ["-m", "workers.sim", "--role", "learner"]
+    assert worker_argv("vllm", "rollout", "/r", "w")[1:3] == ["-m", "workers.rollout"]
+    assert worker_argv("sim", "feeder", "/r", "f")[1:3] == ["-m", "pipeline.feeder"]
+    with pytest.raises(ValueError):
+        worker_argv("sim", "bash", "/r", "w")
+    with pytest.raises(ValueError):
+        worker_argv("docker", "rollout", "/r", "w")
+
+
+def test_one_agent_per_node_name(r, redis_url, stop_agents):
+    stop_agents.append(make_agent(r, redis_url))
+    with pytest.raises(SystemExit, match="another agent"):
+        make_agent(r, redis_url)
+
+
+# --- processes ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_spawn_with_own_devices_and_identity(r, redis_url, tmp_path, stop_agents):
+    run_dir = sim_job(r, redis_url, tmp_path)
+    a = make_agent(r, redis_url, slots=[Slot(0, "3"), Slot(1, "5")])
+    stop_agents.append(a)
+    control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-1", [1]))
+    p = step_until(a, lambda: live(a, "rollout-n1-1"), what="the worker")
+    env = dict(x.split("=", 1) for x in open(f"/proc/{p.pid}/environ").read().split("\0") if "=" in x)
+    assert env["CUDA_VISIBLE_DEVICES"] == "5" and env["LIBRA_SLOTS"] == "1" and env["LIBRA_NODE"] == NODE
+    rec = json.loads(r.hget(agent_procs(NODE), worker_key(JOB, "rollout-n1-1")))
+    assert (rec["pid"], rec["start"]) == (p.pid, process_start(p.pid))
+    step_until(a, lambda: r.hget(JobKeys(JOB).workers, "rollout-n1-1"), what="the worker's registration")
+
+
+@pytest.mark.slow
+def test_retried_actions_never_put_two_workers_on_a_slot(r, redis_url, tmp_path, stop_agents):
+    run_dir = sim_job(r, redis_url, tmp_path)
+    a = make_agent(r, redis_url)
+    stop_agents.append(a)
+    first = control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))          # sent twice
+    step_until(a, lambda: live(a, "rollout-n1-0"), what="the worker", check=lambda: one_worker_per_slot(a))
+    pid = live(a, "rollout-n1-0").pid
+    # rq runs a retried job again with the same arguments (same seq): nothing changes
+    control_jobs.queue(r, NODE).enqueue_job(Job.fetch(first.id, connection=r, serializer=first.serializer))
+    # and another worker wanting the same slot waits for it
+    control_jobs.ensure(r, NODE, spec(run_dir, "other-n1-0", [0]))
+    for _ in range(15):
+        a.step()
+        one_worker_per_slot(a)
+        time.sleep(0.05)
+    assert live(a, "rollout-n1-0").pid == pid and live(a, "other-n1-0") is None
+    assert sum(e["event"] == "spawned" for e in log_events(r)) == 1
+    control_jobs.drain(r, NODE, JOB, "rollout-n1-0")
+    step_until(a, lambda: live(a, "other-n1-0"), what="the waiting worker", check=lambda: one_worker_per_slot(a))
+    assert process_start(pid) is None            # it started only after the first one exited
+    gone = json.loads(r.hget(agent_desired(NODE), worker_key(JOB, "rollout-n1-0")))
+    assert gone["state"] == "gone"
+    # a late retry of the old ensure (an older seq) cannot bring the drained worker back
+    control_jobs.queue(r, NODE).enqueue_job(Job.fetch(first.id, connection=r, serializer=first.serializer))
+    a.step()
+    assert json.loads(r.hget(agent_desired(NODE), worker_key(JOB, "rollout-n1-0")))["state"] == "gone"
+
+
+def test_actions_of_a_fenced_controller_are_ignored(r, redis_url, tmp_path, stop_agents):
+    run_dir = sim_job(r, redis_url, tmp_path)
+    a = make_agent(r, redis_url)
+    stop_agents.append(a)
+    r.set(CONTROLLER_EPOCH, 5)
+    job = control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]), epoch=4)
+    a.jobs.run_pending()
+    assert r.hget(agent_desired(NODE), worker_key(JOB, "rollout-n1-0")) is None
+    assert Job.fetch(job.id, connection=r, serializer=job.serializer).return_value().startswith("ignored")
+    bad = control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-9", [9]), epoch=5)   # no slot 9 here
+    a.jobs.run_pending()
+    assert r.hget(agent_desired(NODE), worker_key(JOB, "rollout-n1-9")) is None
+    assert Job.fetch(bad.id, connection=r, serializer=bad.serializer).get_status() in ("scheduled", "failed")
+
+
+@pytest.mark.slow
+def test_crashed_worker_restarts_with_backoff(r, redis_url, tmp_path, stop_agents):
+    run_dir = sim_job(r, redis_url, tmp_path)
+    a = make_agent(r, redis_url, backoff_s=(0.3, 5.0))
+    stop_agents.append(a)
+    control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    key = worker_key(JOB, "rollout-n1-0")
+    pids = [step_until(a, lambda: live(a, "rollout-n1-0"), what="the worker").pid]
+    waits = []
+    for n in (1, 2):
+        os.kill(pids[-1], signal.SIGKILL)         # a crash (the test kills it, not the agent)
+        step_until(a, lambda: key not in a.procs, what="the crash to be seen")
+        b = a.backoff[key]
+        waits.append(b.next_at - time.monotonic())
+        assert b.restarts == n
+        pids.append(step_until(a, lambda: live(a, "rollout-n1-0"), what=f"restart {n}").pid)
+    assert len(set(pids)) == 3
+    assert waits[1] > waits[0]                     # the back-off grows
+    events = [e["event"] for e in log_events(r)]
+    assert events.count("spawned") == 3 and "sigkill" not in events and "sigterm" not in events
+
+
+@pytest.mark.slow
+def test_worker_that_exits_cleanly_is_not_restarted(r, redis_url, tmp_path, stop_agents):
+    run_dir = sim_job(r, redis_url, tmp_path)
+    r.hset(JobKeys(JOB).state, "phase", "trained")    # a feeder of a trained job exits 0 at once
+    a = make_agent(r, redis_url, backoff_s=(0.1, 0.1))
+    stop_agents.append(a)
+    control_jobs.ensure(r, NODE, spec(run_dir, "feeder-0", [], role="feeder"))
+    step_until(a, lambda: any(e["event"] == "exited" for e in log_events(r)), what="the feeder to exit")
+    for _ in range(10):
+        a.step()
+        time.sleep(0.05)
+    assert [e["event"] for e in log_events(r)].count("spawned") == 1
+
+
+@pytest.mark.slow
+def test_drain_kills_after_grace_and_hands_pending_work_over(r, redis_url, tmp_path, stop_agents):
+    # a call of one group takes ~4 s: the worker cannot finish it within the grace
+    run_dir = sim_job(r, redis_url, tmp_path, time_scale=1.0,
+                      rollout={"decode_tokens_per_s": 25.0, "weight_sync_s": 0.0})
+    keys = JobKeys(JOB)
+    a = make_agent(r, redis_url, grace_s=0.5)
+    stop_agents.append(a)
+    for w, s in (("rollout-n1-0", 0), ("rollout-n1-1", 1)):
+        control_jobs.ensure(r, NODE, spec(run_dir, w, [s]))
+    step_until(a, lambda: all(r.hget(keys.workers, w) for w in ("rollout-n1-0", "rollout-n1-1")),
+               what="both workers registered")
+    r.xadd(keys.prompts, {messages.FIELD: messages.encode(messages.Prompt("p0", "Q", 1, time.time()))})
+    holder = step_until(a, lambda: next((c["name"].decode() for c in r.xinfo_consumers(keys.prompts, GROUP_ROLLOUT)
+                                         if c["pending"]), None), what="a worker to take the prompt")
+    control_jobs.drain(r, NODE, JOB, holder)
+    step_until(a, lambda: live(a, holder) is None, what="the drained worker to be gone")
+    events = log_events(r)
+    assert [e["event"] for e in events if e["key"] == worker_key(JOB, holder)][-3:] == ["sigterm", "sigkill", "exited"]
+    # its prompt went to the other worker, which generates it: nothing lost
+    step_until(a, lambda: r.xlen(keys.rollouts) == 1, 60, "the other worker to generate the handed-over prompt")
+    assert group_pending(r, keys.prompts, GROUP_ROLLOUT) == 0
+
+
+@pytest.mark.slow
+def test_restarted_agent_adopts_its_workers_and_stops_only_its_own(r, redis_url, tmp_path, stop_agents):
+    run_dir = sim_job(r, redis_url, tmp_path)
+    a = make_agent(r, redis_url)
+    control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    pid = step_until(a, lambda: live(a, "rollout-n1-0"), what="the worker").pid
+    # a process that is not ours, recorded under a worker key with its pid but another start time
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        forged = {"job": JOB, "worker": "rollout-n1-1", "role": "rollout", "slots": [1], "backend": "sim",
+                  "generation": 0, "node": NODE, "pid": stranger.pid, "start": process_start(stranger.pid) + 1,
+                  "started_at": time.time(), "state": "running"}
+        r.hset(agent_procs(NODE), worker_key(JOB, "rollout-n1-1"), json.dumps(forged))
+        # the agent dies without stopping anything; its lock expires
+        r.delete(agent_lock(NODE))
+        b = make_agent(r, redis_url)
+        stop_agents.append(b)
+        assert list(b.procs) == [worker_key(JOB, "rollout-n1-0")] and b.procs[worker_key(JOB, "rollout-n1-0")].pid == pid
+        control_jobs.drain(r, NODE, JOB, "rollout-n1-1")      # drain the stranger's key: nothing to signal
+        control_jobs.drain(r, NODE, JOB, "rollout-n1-0")
+        step_until(b, lambda: not b.procs, what="the adopted worker to be drained")
+        assert process_start(pid) is None and stranger.poll() is None
+        signalled = {int(e["pid"]) for e in log_events(r) if e["event"] in ("sigterm", "sigkill")}
+        spawned = {int(e["pid"]) for e in log_events(r) if e["event"] == "spawned"}
+        assert signalled == {pid} and signalled <= spawned
+        b.shutdown(timeout_s=5)
+        stop_agents.remove(b)
+        assert stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
