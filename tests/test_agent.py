@@ -120,12 +120,13 @@ def test_spawn_with_own_devices_and_identity(r, redis_url, tmp_path, stop_agents
     a = make_agent(r, redis_url, slots=[Slot(0, "3"), Slot(1, "5")])
     stop_agents.append(a)
     control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-1", [1]))
-    p = step_until(a, lambda: live(a, "rollout-n1-1"), what="the worker")
+    step_until(a, lambda: r.hget(JobKeys(JOB).workers, "rollout-n1-1"), what="the worker's registration")
+    p = live(a, "rollout-n1-1")
     env = dict(x.split("=", 1) for x in open(f"/proc/{p.pid}/environ").read().split("\0") if "=" in x)
     assert env["CUDA_VISIBLE_DEVICES"] == "5" and env["LIBRA_SLOTS"] == "1" and env["LIBRA_NODE"] == NODE
     rec = json.loads(r.hget(agent_procs(NODE), worker_key(JOB, "rollout-n1-1")))
     assert (rec["pid"], rec["start"]) == (p.pid, process_start(p.pid))
-    step_until(a, lambda: r.hget(JobKeys(JOB).workers, "rollout-n1-1"), what="the worker's registration")
+    assert json.loads(r.hget(JobKeys(JOB).workers, "rollout-n1-1"))["pid"] == p.pid
 
 
 @pytest.mark.slow
