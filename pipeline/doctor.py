@@ -608,6 +608,14 @@ def _inputs(args, window: float) -> Inputs | None:
             return gather_run_dir(run_dir, window)
         print("libra-ctl doctor: no job on this Redis; pass --job J or --run RUN_DIR")
         return None
+    phase = r.hget(JobKeys(job).state, "phase")
+    if phase not in (b"running", b"trained"):
+        # A finished job: its record is the run directory (the last window of the run, not of the clock).
+        rd = run_dir or (Path(r.hget(JobKeys(job).state, "run_dir").decode())
+                         if r.hget(JobKeys(job).state, "run_dir") else None)
+        if rd is not None and rd.is_dir():
+            return gather_run_dir(rd, window)
+        return gather_live(r, job, run_dir, window, 0)
     return gather_live(r, job, run_dir, window, args.sample_s)
 
 

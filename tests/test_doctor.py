@@ -208,3 +208,17 @@ def test_doctor_on_a_run_directory_without_redis(tmp_path):
     assert [f["code"] for f in doc["findings"]] == ["oom", "stale_drops"]
     code, out = doctor("--run", str(run))
     assert "bottleneck: memory" in out
+
+
+def test_doctor_on_a_finished_job_reads_its_run_directory(r, redis_url, tmp_path):
+    from test_metrics import fake_job
+
+    keys = fake_job(r)
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in window(wait=lambda i: 0.5,
+                                                                                   learner_backlog=lambda i: 0)))
+    r.hset(keys.state, mapping={"phase": "done", "run_dir": str(run)})
+    code, out = doctor("--redis", redis_url, "--job", "obs", "--json")
+    doc = json.loads(out)
+    assert doc["source"] == "run directory" and doc["bottleneck"] == "rollout"
