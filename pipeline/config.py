@@ -37,13 +37,11 @@ class JobConfig:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    cache_dir: str = _f(".cache/policies", "where built and warm-started policies are cached, keyed by this section")
+    cache_dir: str = _f(".cache/policies", "where built and warm-started policies are cached, keyed by this section "
+                        "(the warm start's calibrated settings are workers.tiny_policy.DEFAULT_SPEC)")
     seed: int = _f(0, "seed of the initial weights and of the warm start")
     hidden_size: int = _f(128, "model width")
     num_layers: int = _f(2, "transformer layers")
-    warm_start_steps: int = _f(300, "supervised steps on noisy demonstrations before RL")
-    warm_start_lr: float = _f(3e-3, "learning rate of the warm start")
-    warm_start_noise: float = _f(0.3, "share of demonstrations that are plausibly wrong")
 
 
 @dataclass(frozen=True)
@@ -225,7 +223,6 @@ def validate(cfg: Config) -> None:
     need(ro.workers >= 1 and cfg.reward.workers >= 1, "rollout.workers/reward.workers", "each stage needs >= 1 worker")
     need(ro.max_turns >= 1 and ro.max_tokens_per_turn >= 1, "rollout.max_turns", "must be >= 1")
     need(0 < ro.gpu_memory_utilization <= 0.95, "rollout.gpu_memory_utilization", "must be in (0, 0.95]")
-    need(0 <= cfg.policy.warm_start_noise < 1, "policy.warm_start_noise", "must be in [0, 1)")
     need(cfg.streams.max_queue_size >= lr.batch_size, "streams.max_queue_size",
          f"{cfg.streams.max_queue_size} is below learner.batch_size ({lr.batch_size}); the learner could never fill a batch")
     st = cfg.streams

@@ -45,9 +45,7 @@ class RunFailed(RuntimeError):
 
 def policy_spec(cfg: Config) -> dict:
     p = cfg.policy
-    return {"seed": p.seed, "hidden_size": p.hidden_size, "num_layers": p.num_layers,
-            "warm_start_steps": p.warm_start_steps, "warm_start_lr": p.warm_start_lr,
-            "warm_start_noise": p.warm_start_noise}
+    return {"seed": p.seed, "hidden_size": p.hidden_size, "num_layers": p.num_layers}
 
 
 def prepare_policy(cfg: Config, out=sys.stderr) -> str:

@@ -1,0 +1,53 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline import messages as m
+from pipeline.keys import GROUP_REWARD, JobKeys
+from pipeline.streams import ClaimPolicy, ensure_groups, run_stage
+from tests.test_streams import unscored_group
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def ctl(redis_url, *args):
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args, "--job", "t", "--redis", redis_url],
+                          cwd=ROOT, capture_output=True, text=True)
+
+
+def test_dlq_list_show_replay_purge(r, redis_url):
+    keys = JobKeys("t")
+    ensure_groups(r, keys)
+    r.xadd(keys.rollouts, {m.FIELD: b"\x93junk"})
+    r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group("needs-retry"))})
+    fail = {"on": True}
+    rounds = []
+    run_stage(r, keys, source=keys.rollouts, group=GROUP_REWARD, consumer="reward-0", sink=keys.scored,
+              handle=lambda gs: [__import__("pipeline.streams").streams.Reject("verifier down") if fail["on"]
+                                 else g.with_rewards([1.0, 1.0], 0.0) for g in gs],
+              count=10, block_ms=20, max_bytes=1 << 20, stop=lambda: rounds.append(1) or len(rounds) > 2,
+              claims=ClaimPolicy(60_000, 3))
+    listed = ctl(redis_url, "dlq", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    entries = json.loads(listed.stdout)
+    assert len(entries) == 2
+    junk, retry = entries
+    assert junk["reason"].startswith("malformed msgpack") and retry["reason"] == "verifier down"
+    shown = json.loads(ctl(redis_url, "dlq", "show", retry["id"]).stdout)
+    assert shown["message"]["prompt_id"] == "needs-retry" and shown["source_id"]
+    assert "undecodable" in json.loads(ctl(redis_url, "dlq", "show", junk["id"]).stdout)["message"]
+
+    assert ctl(redis_url, "dlq", "replay", retry["id"]).returncode == 0
+    assert r.xlen(keys.dead_letters) == 1
+    fail["on"] = False
+    rounds.clear()
+    run_stage(r, keys, source=keys.rollouts, group=GROUP_REWARD, consumer="reward-0", sink=keys.scored,
+              handle=lambda gs: [g.with_rewards([1.0, 1.0], 0.0) for g in gs], count=10, block_ms=20,
+              max_bytes=1 << 20, stop=lambda: rounds.append(1) or len(rounds) > 2, claims=ClaimPolicy(60_000, 3))
+    assert r.xlen(keys.scored) == 1  # the replayed group went through
+
+    refused = ctl(redis_url, "dlq", "purge", "--all")
+    assert refused.returncode == 2 and "--yes" in refused.stderr
+    assert ctl(redis_url, "dlq", "purge", "--all", "--yes").returncode == 0
+    assert r.xlen(keys.dead_letters) == 0

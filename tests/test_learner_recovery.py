@@ -1,0 +1,153 @@
+"""The learner's offsets ride on its checkpoints: a crash loses nothing and trains nothing twice.
+
+A real learner process trains on scored groups written straight into the
+scored stream (no rollout engine needed), is killed with SIGKILL between two
+checkpoints, restarted, and finishes; `libra-ctl audit` then accounts for every
+trajectory. With deduplication switched off on purpose, a duplicate group is
+trained twice and the audit fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import config as config_mod, messages
+from pipeline.audit import audit
+from pipeline.keys import JOBS, JobKeys
+from pipeline.redisconn import ENV_URL
+from pipeline.run import policy_spec
+from pipeline.streams import ensure_groups
+from workers.envs import calc
+from workers.tiny_policy import completion_logprobs, ensure_policy, load_model, load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+G = 4
+
+
+@pytest.fixture(scope="module")
+def policy_dir():
+    cfg = config_mod.load(None)
+    return ensure_policy(ROOT / cfg.policy.cache_dir, policy_spec(cfg))
+
+
+def scored_groups(policy_dir: Path, n: int, seed: int = 1) -> list[messages.Group]:
+    """Groups of noisy demonstrations, scored by the verifier, with the v0 policy's log-probs."""
+    tok, model = load_tokenizer(policy_dir), load_model(policy_dir)
+    rng = random.Random(seed)
+    groups = []
+    for p in calc.make_problems(seed, n, "train"):
+        prompt = tok.encode(p.prompt)
+        texts = [calc.demonstration(p, rng, noise=0.5) for _ in range(G)]
+        comps = [tok.encode(t) for t in texts]
+        with torch.no_grad():
+            lps = completion_logprobs(model, [prompt] * G, comps)
+        trajs = tuple(messages.Trajectory(
+            sample_idx=i, completion=np.array(c, np.int32), mask=np.array(calc.tool_span_mask(t), np.uint8),
+            logprobs=(lp.numpy() * np.array(calc.tool_span_mask(t))).astype(np.float32), text=t,
+            finish="answer", turns=3, tool_calls=2, tool_latency_s=(), tool_timeouts=0,
+            reward=calc.verify(p, t)) for i, (t, c, lp) in enumerate(zip(texts, comps, lps)))
+        groups.append(messages.Group(prompt_id=f"{p.prompt_id}@0", prompt=p.prompt, answer=p.answer,
+                                     prompt_tokens=np.array(prompt, np.int32), version=0, worker="test",
+                                     generated_at=time.time(), gen_s=0.0, trajectories=trajs))
+    return groups
+
+
+def setup_run(tmp_path: Path, r, redis_url: str, policy_dir: Path, dedup: bool) -> tuple[Path, config_mod.Config]:
+    cfg = config_mod.load(None, ["job.name=rec", "job.steps=6", f"rollout.group_size={G}",
+                                 "learner.batch_size=16", "learner.checkpoint_every=2", "learner.max_staleness=8",
+                                 "learner.publish_every=1", "streams.max_queue_size=64",
+                                 f"streams.dedup={'true' if dedup else 'false'}"])
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "manifest.json").write_text(json.dumps({"config": cfg.to_dict(),
+                                                       "redis": {"url": redis_url, "embedded": False}}))
+    keys = JobKeys("rec")
+    r.sadd(JOBS, "rec")
+    r.hset(keys.state, mapping={"phase": "running", "run_dir": str(run_dir)})
+    r.hset(keys.policy, mapping={"version": 0, "path": str(policy_dir), "step": 0})
+    ensure_groups(r, keys)
+    return run_dir, cfg
+
+
+def start_learner(run_dir: Path, redis_url: str) -> subprocess.Popen:
+    env = dict(os.environ, **{ENV_URL: redis_url})
+    return subprocess.Popen([sys.executable, "-m", "workers.learner", "--run-dir", str(run_dir),
+                             "--worker-id", "learner-0"], cwd=ROOT, env=env)
+
+
+def learner_step(r) -> int:
+    raw = r.hget(JobKeys("rec").learner_stats, "step")
+    return json.loads(raw) if raw else 0
+
+
+def wait_for(cond, timeout_s=300.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def feed(r, groups, issued: int) -> None:
+    keys = JobKeys("rec")
+    for g in groups:
+        r.xadd(keys.scored, {messages.FIELD: messages.encode(g)})
+    r.hincrby(keys.counters, "issued_prompts", issued)
+
+
+@pytest.mark.slow
+def test_crash_between_checkpoints_loses_nothing_and_trains_nothing_twice(tmp_path, r, redis_url, policy_dir):
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True)
+    groups = scored_groups(policy_dir, 24)  # 6 steps x 4 groups
+    feed(r, groups, issued=len(groups))
+    proc = start_learner(run_dir, redis_url)
+    wait_for(lambda: learner_step(r) >= 3)  # checkpoint at step 2; step 3 trained, not yet durable
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+    assert ckpts == ["step-000002"]
+    pending = r.xpending(JobKeys("rec").scored, "learner")["pending"]
+    assert pending >= 4, "the entries of the step after the checkpoint must still be pending"
+
+    proc = start_learner(run_dir, redis_url)
+    assert proc.wait(timeout=600) == 0
+    a = audit(r, "rec", str(run_dir))
+    assert a["ok"], a["problems"]
+    assert a["trained"] == 24 * G and a["duplicates_trained"] == 0 and a["in_flight"] == 0
+    # The restore published under a new version: no number names two sets of weights.
+    versions = [json.loads(line)["policy_version"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(versions) == 6 + 1
+    cli = subprocess.run([sys.executable, "-m", "pipeline.cli", "audit", "--job", "rec", "--json",
+                          "--redis", redis_url], cwd=ROOT, capture_output=True, text=True)
+    assert cli.returncode == 0 and json.loads(cli.stdout)["trained"] == 96
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dedup", [True, False])
+def test_audit_catches_a_duplicate_only_when_dedup_is_off(tmp_path, r, redis_url, policy_dir, dedup):
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=dedup)
+    groups = scored_groups(policy_dir, 24)
+    feed(r, groups[:10] + [groups[3]] + groups[10:], issued=len(groups))  # group 3 delivered twice
+    proc = start_learner(run_dir, redis_url)
+    assert proc.wait(timeout=600) == 0
+    a = audit(r, "rec", str(run_dir))
+    if dedup:
+        assert a["ok"], a["problems"]
+        assert a["duplicates_skipped"] == {"learner": G}
+    else:
+        assert not a["ok"] and a["duplicates_trained"] == G
+        cli = subprocess.run([sys.executable, "-m", "pipeline.cli", "audit", "--job", "rec",
+                              "--redis", redis_url], cwd=ROOT, capture_output=True, text=True)
+        assert cli.returncode == 1 and "trained more than once" in cli.stdout
