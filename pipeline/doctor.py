@@ -26,6 +26,7 @@ OOM_PATTERNS = re.compile(
     r"|exit(?:ed)? with code (?:-9|137)\b|SIGKILL", re.IGNORECASE)
 REDIS_FULL = re.compile(r"OOM command not allowed|redis_full_waiting")  # backpressure, not a process OOM
 TOOL_TIMEOUT_EVENTS = ("tool_timeout", "tool_timed_out")
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,33 @@ class _Doctor:
             "prompt. Halve learner.batch_size or rollout.group_size first (one change at a time), or lower "
             "rollout.gpu_memory_utilization if the engine takes the memory the learner needs.",
             "group size, batch size, trajectory length"), "")
+
+    def crashes(self) -> None:
+        """Workers whose raw output ends in a Python traceback (out-of-memory ones are the check above)."""
+        by_src: dict[str, list[str]] = {}
+        for line in self.logs:
+            if isinstance(line, str):
+                src, _sep, text = line.partition(": ")
+                by_src.setdefault(src, []).append(text)
+        crashed = {}
+        for src, lines in by_src.items():
+            if not any(x.startswith("Traceback (most recent call last)") for x in lines):
+                continue
+            exc = [i for i, x in enumerate(lines) if EXCEPTION_LINE.match(x)]
+            if not exc:
+                continue
+            i = exc[-1]
+            detail = " ".join([lines[i]] + [x.strip() for x in lines[i + 1:i + 3] if x.startswith(" ")])
+            if not OOM_PATTERNS.search(detail):
+                crashed[src] = detail
+        if not crashed:
+            return self.check("logs", "worker crashes", None, f"no tracebacks in {len(by_src)} workers' output")
+        first = sorted(crashed)[0]
+        self.check("logs", "worker crashes", Finding(
+            "worker_crashed", "logs", "critical", f"{_n(len(crashed), 'worker')} crashed: {', '.join(sorted(crashed))}",
+            first.split("-")[0], [f"{src}: {msg[:300]}" for src, msg in sorted(crashed.items())],
+            f"A stage is down, so its queue figures only echo the crash: fix the error shown (logs/{first}.out has "
+            "the traceback; often the config or the environment), then run again.", "logs"), "")
 
     def redis_full(self) -> None:
         hits = [src for src, text in map(_log_text, self.logs) if REDIS_FULL.search(text)]
@@ -436,7 +464,7 @@ class _Doctor:
             "reward function, task, tool feedback"), "")
 
     def run(self) -> Diagnosis:
-        for fn in (self.oom, self.redis_full, self.tool_timeouts, self.dead_letters, self.gpu_stalls,
+        for fn in (self.oom, self.crashes, self.redis_full, self.tool_timeouts, self.dead_letters, self.gpu_stalls,
                    self.balance, self.diversity):
             fn()
         order = {s: i for i, s in enumerate(STEPS)}

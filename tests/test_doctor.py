@@ -167,7 +167,7 @@ def doctor(*args) -> tuple[int, str]:
 
 
 def test_doctor_on_a_live_job(r, redis_url, tmp_path):
-    from test_metrics import fake_job
+    from tests.test_metrics import fake_job
 
     keys = fake_job(r)
     run = tmp_path / "run"
@@ -186,7 +186,7 @@ def test_doctor_on_a_live_job(r, redis_url, tmp_path):
 
 
 def test_doctor_samples_a_live_job_that_has_no_sampler(r, redis_url):
-    from test_metrics import fake_job
+    from tests.test_metrics import fake_job
 
     fake_job(r)
     code, out = doctor("--redis", redis_url, "--job", "obs", "--json", "--sample-s", "1")
@@ -211,7 +211,7 @@ def test_doctor_on_a_run_directory_without_redis(tmp_path):
 
 
 def test_doctor_on_a_finished_job_reads_its_run_directory(r, redis_url, tmp_path):
-    from test_metrics import fake_job
+    from tests.test_metrics import fake_job
 
     keys = fake_job(r)
     run = tmp_path / "run"
@@ -222,3 +222,19 @@ def test_doctor_on_a_finished_job_reads_its_run_directory(r, redis_url, tmp_path
     code, out = doctor("--redis", redis_url, "--job", "obs", "--json")
     doc = json.loads(out)
     assert doc["source"] == "run directory" and doc["bottleneck"] == "rollout"
+
+
+def test_a_crashed_worker_is_named_from_its_traceback():
+    out = ["Traceback (most recent call last):",
+           '  File "/work/main/workers/rollout.py", line 41, in __init__',
+           "    self.engine = VLLMEngine(path)",
+           "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
+           "  Value error, User-specified max_model_len (512) is greater than the derived max_model_len (256)"]
+    logs = HEALTHY_LOGS + [f"rollout-n-0: {line}" for line in out]  # as read_logs gives a worker's .out
+    d = diagnose(window(wait=lambda i: 1.0, learner_backlog=lambda i: 0), logs, config=CONFIG)
+    assert d.codes() == ["worker_crashed", "rollout_short"]
+    assert d.primary.bottleneck == "rollout"
+    assert "max_model_len (512)" in d.primary.evidence[0] and "logs/rollout-n-0.out" in d.primary.action
+    # An out-of-memory traceback is the oom finding, not a second one.
+    oom = ["learner-0: Traceback (most recent call last):", "learner-0: torch.OutOfMemoryError: CUDA out of memory."]
+    assert diagnose(window(), oom).codes() == ["oom"]

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.metrics import MetricsSampler
 from pipeline.prometheus import exposition, serve
-from test_metrics import fake_job, learner_step
+from tests.test_metrics import fake_job, learner_step
 
 REQUIRED = ["libra_stream_length", "libra_stream_pending", "libra_stream_lag", "libra_trajectories_trained_total",
             "libra_rollout_tokens_total", "libra_learner_wait_ratio", "libra_staleness_versions_bucket",
