@@ -267,7 +267,12 @@ class Agent:
 
     def run(self) -> None:
         while not self.stop_event.is_set():
-            self.step()
+            try:
+                self.step()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Redis away or stalled: the workers go on; so does the agent, on the next tick
+                self.log.warning("redis_unavailable", error=str(exc))
+                self.stop_event.wait(1.0)
             self.stop_event.wait(TICK_S)
         self.shutdown()
 
@@ -291,11 +296,14 @@ class Agent:
         while self.procs:
             self.reap({})
             time.sleep(0.05)
-        self.publish(force=True)
-        if self.jobs:
-            self.jobs.close()
-        self.r.hdel(AGENTS, self.node)
-        self.lock.release()
+        try:
+            self.publish(force=True)
+            if self.jobs:
+                self.jobs.close()
+            self.r.hdel(AGENTS, self.node)
+            self.lock.release()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self.log.warning("redis_unavailable_at_exit", error=str(exc))   # the lock and record expire
         self.log.info("agent_stopped")
 
     # --- state ------------------------------------------------------------------------------------
@@ -447,7 +455,8 @@ class Agent:
         self.publish()
         if not force and time.monotonic() - self._last_beat < HEARTBEAT_S:
             return
-        if not self.lock.renew():
+        # a lock that expired while Redis was away is taken again, unless another agent has it now
+        if not (self.lock.renew() or self.lock.acquire()):
             raise SystemExit(f"agent: lost the lock of node {self.node!r} to another agent")
         self.r.hset(AGENTS, self.node, json.dumps({
             "node": self.node, "host": socket.gethostname(), "pid": os.getpid(), "started_at": self.started_at,

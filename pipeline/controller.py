@@ -491,7 +491,7 @@ def counts(placement: dict[str, dict], reward_on_slots: bool) -> Allocation:
 
 def fit(target: dict[str, int], slots: int, bounds: dict[str, policy.RoleBounds],
         reward_on_slots: bool) -> dict[str, int]:
-    """Trim a target that needs more slots than there are: the largest role gives first, down to its min."""
+    """Trim a target that needs more slots than there are: the role most above its minimum gives first."""
     out = dict(target)
     slot_roles = [r for r in ROLES if r != "reward" or reward_on_slots]
     while sum(out[r] for r in slot_roles) > slots:
@@ -557,10 +557,18 @@ class Controller:
     def run(self) -> None:
         try:
             while not self.stop_event.is_set():
-                self.tick()
-                self.wait()
+                try:
+                    self.tick()
+                    self.wait()
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    # Redis away or stalled: nothing is decided; the lease may lapse to another controller
+                    self.log.warning("redis_unavailable", error=str(exc))
+                    self.stop_event.wait(1.0)
         finally:
-            self.lease.release()
+            try:
+                self.lease.release()
+            except (redis.ConnectionError, redis.TimeoutError):
+                pass   # it expires
 
     def wait(self) -> None:
         """Sleep one interval, or less if ``scale``/``drain`` pushed a wake-up."""
