@@ -21,7 +21,10 @@ from pipeline.agent import Agent, Slot, SlotError, detect_slots, process_start, 
 from pipeline.control_jobs import worker_key
 from pipeline.keys import CONTROLLER_EPOCH, GROUP_ROLLOUT, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
 from pipeline.streams import group_pending
-from test_sim_workers import sim_job, wait_for
+try:  # pytest imports tests/ as a package when it has an __init__.py, else as a directory on sys.path
+    from tests.test_sim_workers import sim_job, wait_for
+except ModuleNotFoundError:
+    from test_sim_workers import sim_job, wait_for
 
 NODE = "n1"
 JOB = "simtest"
