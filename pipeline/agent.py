@@ -367,6 +367,7 @@ class Agent:
             if p.term_at is not None and not p.killed and time.time() - p.term_at > self.grace_s:
                 self.kill(p)
         busy = self.busy_slots()
+        phases: dict[str, str] = {}
         for key, d in sorted(desired.items()):
             if d["state"] == STATE_DRAIN and key not in self.procs:
                 self.set_desired(key, {**d, "state": STATE_GONE})
@@ -378,6 +379,10 @@ class Agent:
                 continue
             if self.backoff.get(key, Backoff()).next_at > now or busy & set(d["slots"]):
                 continue   # back-off, or a slot still held by a process that has not exited
+            if d["job"] not in phases:
+                phases[d["job"]] = (self.r.hget(JobKeys(d["job"]).state, "phase") or b"").decode()
+            if phases[d["job"]] not in ("running", "trained"):
+                continue   # the job is over (or gone): desired state left behind is not revived
             self.spawn(key, d)
             busy |= set(d["slots"])
 

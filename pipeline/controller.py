@@ -628,9 +628,9 @@ class Controller:
         actions = self.act(jc, new, nodes)
         placements[name] = new
         self.commit(jc, alloc, cur, new, target, now)
-        if event is not None or actions:
-            record_event(self.r, jc.info, {**(event or {"kind": "repair"}), "epoch": self.lease.epoch,
-                                           "actions": actions})
+        if event is not None or actions or drained:
+            record_event(self.r, jc.info, {**(event or {"kind": "drain" if drained else "repair"}),
+                                           "epoch": self.lease.epoch, "actions": actions, "drained": drained})
 
     def ensure_allocation(self, jc: JobControl) -> dict:
         """The job's allocation record, created from its config on first sight."""
@@ -666,7 +666,7 @@ class Controller:
             reason = d.reason
             event = {"kind": "decision", "mode": "auto", **d.event(m), "from": base, "to": target,
                      "summary": policy.explain(d)}
-        changed = target != alloc["target"] or not cur
+        changed = target != alloc["target"]
         if not changed and reason == jc.last_reason:
             return target, None
         jc.last_reason = reason

@@ -213,6 +213,18 @@ def test_worker_that_exits_cleanly_is_not_restarted(r, redis_url, tmp_path, stop
     assert [e["event"] for e in log_events(r)].count("spawned") == 1
 
 
+def test_desired_workers_of_a_finished_job_are_not_started(r, redis_url, tmp_path, stop_agents):
+    run_dir = sim_job(r, redis_url, tmp_path)
+    r.hset(JobKeys(JOB).state, "phase", "done")
+    a = make_agent(r, redis_url)
+    stop_agents.append(a)
+    control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    for _ in range(5):
+        a.step()
+    assert r.hget(agent_desired(NODE), worker_key(JOB, "rollout-n1-0")) and not a.procs
+    assert not log_events(r)
+
+
 @pytest.mark.slow
 def test_drain_kills_after_grace_and_hands_pending_work_over(r, redis_url, tmp_path, stop_agents):
     # a call of one group takes ~4 s: the worker cannot finish it within the grace

@@ -299,6 +299,28 @@ def test_allocation_status_shape(r, redis_url, tmp_path):
                                                                        "state": "running", "role": "rollout"}
 
 
+def test_drain_goes_through_the_controller_or_straight_to_the_agent(r, redis_url, tmp_path, capsys):
+    sim_job(r, redis_url, tmp_path, control={"mode": "pinned"})
+    pin(r, JOB, {"rollout": 2})
+    jobs = fake_agent(r, "n1", 2)
+    ctl = Controller(r, interval_s=1.0)
+    ctl.tick()
+    jobs.run_pending()
+    assert cli.main(["drain", "rollout-n1-1", "--redis", redis_url]) == 0      # a controller holds the lease
+    ctl.tick()
+    jobs.run_pending()
+    e = read_events(r, JOB)[-1]
+    assert e["kind"] == "drain" and e["drained"] == ["rollout-n1-1"]
+    assert {(a["action"], a["worker"]) for a in e["actions"]} == {("drain", "rollout-n1-1")}   # no free slot
+    assert json.loads(r.hget(agent_desired("n1"), f"{JOB}/rollout-n1-1"))["state"] == "drain"
+    ctl.lease.release()
+    assert cli.main(["drain", LEARNER, "--redis", redis_url]) == 0             # none does: straight to the agent
+    assert "no controller acts" in capsys.readouterr().out
+    jobs.run_pending()
+    assert json.loads(r.hget(agent_desired("n1"), f"{JOB}/{LEARNER}"))["state"] == "drain"
+    assert cli.main(["drain", "nobody", "--redis", redis_url]) == 2
+
+
 # --- end to end: libra-ctl agent + controller + sim workers ------------------------------------------------------
 
 
@@ -434,3 +456,28 @@ def test_policy_reaches_the_best_split_from_a_bad_one(r, redis_url, tmp_path):
     a = audit(r, JOB, str(run_dir))
     assert a["ok"], a["problems"]
     c.stopped_pids_were_started_by_the_agent()
+
+
+@pytest.mark.slow
+def test_start_local_control_runs_a_job_and_stops_everything(r, redis_url, tmp_path):
+    from pipeline.controller import start_local_control
+    from pipeline.worker import load_run_config
+
+    run_dir = sim_job(r, redis_url, tmp_path, time_scale=20.0, control={"mode": "pinned"}, job={"steps": 3})
+    handle = start_local_control(load_run_config(run_dir), run_dir, redis_url, slots=2, node="local",
+                                 interval_s=1.0)
+    try:
+        wait_for(lambda: r.hexists(AGENTS, "local"), 30, "the local agent")
+        control_jobs.ensure(r, "local", {"job": JOB, "worker": "feeder-0", "role": "feeder", "slots": [],
+                                         "run_dir": str(run_dir), "backend": "sim"})   # libra-ctl run's part
+        wait_for(lambda: r.hget(JobKeys(JOB).state, "phase") == b"trained", 120, "3 learner steps")
+        handle.check()
+    finally:
+        handle.stop()
+    log = [{k.decode(): v.decode() for k, v in f.items()} for _i, f in r.xrange(agent_log("local"))]
+    spawned = [int(e["pid"]) for e in log if e["event"] == "spawned"]
+    assert len(spawned) >= 4 and all(not Path(f"/proc/{pid}").exists() or
+                                     "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+                                     for pid in spawned)
+    assert not r.hexists(AGENTS, "local") and r.get(CONTROLLER_LEASE) is None
+    assert audit(r, JOB, str(run_dir))["ok"]
