@@ -26,7 +26,6 @@ import hashlib
 import json
 import random
 import re
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,10 +48,11 @@ ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 TOOL_STOPS: tuple[str, ...] = (CALL_CLOSE, ANSWER_CLOSE)
 ERROR_TEXT = "error"
 
-_BINARY_RE = re.compile(r"(-?\d{1,%d})([+*-])(-?\d{1,%d})" % (MAX_TOOL_DIGITS, MAX_TOOL_DIGITS))
-_ANSWER_RE = re.compile(re.escape(ANSWER_OPEN) + r"(.*?)" + re.escape(ANSWER_CLOSE), re.S)
-_INT_RE = re.compile(r"-?\d{1,%d}" % MAX_TOOL_DIGITS)
-_RESULT_SPAN_RE = re.compile(re.escape(RESULT_OPEN) + r".*?" + re.escape(RESULT_CLOSE), re.S)
+_INT = rf"-?\d{{1,{MAX_TOOL_DIGITS}}}"
+_BINARY_RE = re.compile(rf"({_INT})([+*-])({_INT})")
+_ANSWER_RE = re.compile(re.escape(ANSWER_OPEN) + r"(.*?)" + re.escape(ANSWER_CLOSE), re.DOTALL)
+_INT_RE = re.compile(_INT)
+_RESULT_SPAN_RE = re.compile(re.escape(RESULT_OPEN) + r".*?" + re.escape(RESULT_CLOSE), re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,7 @@ def make_problems(seed: int, n: int, split: str) -> list[Problem]:
 
 def write_prompt_file(path: str | Path, problems: Iterable[Problem]) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        for p in problems:
-            f.write(json.dumps({"prompt_id": p.prompt_id, "prompt": p.prompt, "answer": p.answer}) + "\n")
+        f.writelines(json.dumps({"prompt_id": p.prompt_id, "prompt": p.prompt, "answer": p.answer}) + "\n" for p in problems)
 
 
 def _problem_from_json(obj: object) -> Problem | str:

@@ -1,0 +1,457 @@
+"""The tiny policy: a char-level tokenizer and a small Qwen2 model in Hugging Face format.
+
+Who calls it: ``scripts/build_policy.py`` and the run setup (``ensure_policy``),
+the learner process (``load_model``, ``completion_logprobs``, ``save_weights``)
+and tests (``TorchGenerator``, ``greedy_episodes``: a pure-torch reference of
+the rollout loop that vLLM must match).
+
+A model directory holds config.json, generation_config.json, model.safetensors
+(float32, HF parameter names) and the tokenizer files, and loads both in
+``transformers.Qwen2ForCausalLM.from_pretrained`` and in vLLM. The tokenizer
+maps every printable ASCII character, space and newline to one token, so
+``decode(encode(s)) == s`` and one character of the task is one action (the
+agent loop and the warm start rely on that: a character mask is a token mask).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import shutil
+import string
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, DynamicCache, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.utils import logging as hf_logging
+
+from workers.agent_loop import Episode, TurnOutput, evaluate, run_episodes
+from workers.envs import calc
+from workers.envs.calc import Problem
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+SPECIALS = (PAD, EOS, UNK)  # ids 0, 1, 2
+ALPHABET = "\n" + "".join(c for c in string.printable if c not in string.whitespace) + " "
+# Bump when the model or tokenizer layout changes, so cached policies rebuild.
+FORMAT_VERSION = 2
+
+# Defaults of ensure_policy's spec, calibrated (see the test and the report)
+# so that the warm start succeeds sometimes and GRPO has room to improve.
+DEFAULT_SPEC: dict = {
+    "format": FORMAT_VERSION,
+    "seed": 0,
+    "hidden_size": 128,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 512,
+    "max_position_embeddings": 256,
+    "warm_steps": 700,
+    "warm_lr": 1e-3,
+    "warm_noise": 0.5,
+    "warm_batch_size": 16,
+    "warm_target_success": 0.3,
+    "warm_problems": 4096,
+}
+
+Progress = Callable[[str], None]
+
+
+# --- tokenizer ------------------------------------------------------------
+
+
+def build_tokenizer() -> Qwen2Tokenizer:
+    """A byte-level BPE with no merges over ``ALPHABET``: one token per character.
+
+    It is a ``Qwen2Tokenizer`` because transformers (and so vLLM) loads every
+    qwen2 model's tokenizer as one, rebuilding its byte-level pipeline around
+    the saved vocabulary; a tokenizer of any other shape (say WordLevel) would
+    be silently re-interpreted and lose newlines and spaces. Characters
+    outside the alphabet encode to nothing.
+    """
+    byte_symbol = bytes_to_unicode()  # byte-level spelling: "\n" is "Ċ", " " is "Ġ"
+    vocab = {tok: i for i, tok in enumerate(list(SPECIALS) + [byte_symbol[ord(c)] for c in ALPHABET])}
+    return Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=UNK, eos_token=EOS, pad_token=PAD, clean_up_tokenization_spaces=False)
+
+
+def load_tokenizer(model_dir: str | Path):
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+# --- model files ----------------------------------------------------------
+
+
+def build_policy(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 256,
+) -> Path:
+    """Write a freshly initialised model directory; the weights depend only on the arguments."""
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        # Untied head: vLLM's in-place reload then maps every tensor by name.
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    # generation_config.json must carry no sampling defaults: vLLM would apply them.
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return save_weights(model, out_dir)
+
+
+def load_model(model_dir: str | Path) -> Qwen2ForCausalLM:
+    hf_logging.disable_progress_bar()  # one bar per load would flood worker logs
+    model = Qwen2ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return model.to(torch.float32)
+
+
+def save_weights(model: Qwen2ForCausalLM, out_dir: str | Path) -> Path:
+    """Write a complete model directory (weights, config, tokenizer) into ``out_dir``.
+
+    Files are overwritten in place; a publisher that readers watch should write
+    to a fresh directory and rename it, so nobody loads half a checkpoint.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()
+    model.save_pretrained(str(out), safe_serialization=True)
+    build_tokenizer().save_pretrained(str(out))
+    return out
+
+
+# --- log-probs ------------------------------------------------------------
+
+
+def _right_padded(seqs: list[list[int]], pad_id: int) -> torch.Tensor:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return ids
+
+
+def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
+    """Log-prob of each completion token given all tokens before it, with grad.
+
+    Right padding needs no attention mask: pads come after every real token,
+    so causal attention already hides them, and positions are 0..len-1 as in
+    the rollout engine. Returns one float32 tensor of len(completion) per row.
+    """
+    seqs = [p + c for p, c in zip(prompts, completions)]
+    ids = _right_padded(seqs, pad_id=0)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    logits = model(input_ids=ids, position_ids=positions).logits  # (B, T, V)
+    # logp[:, t] is log p(ids[:, t + 1] | ids[:, :t + 1])
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return [logp[row, len(p) - 1 : len(p) - 1 + len(c)] for row, (p, c) in enumerate(zip(prompts, completions))]
+
+
+# --- torch reference generator ---------------------------------------------
+
+
+class TorchGenerator:
+    """A ``Generator`` on a torch model: left-padded batches and a KV cache.
+
+    It is the reference vLLM is checked against, and a sampler for torch-only
+    experiments. Stop strings are matched on the decoded text after each token,
+    so a turn ends on exactly the token that completes a stop string, as in
+    vLLM with ``include_stop_str_in_output``.
+    """
+
+    def __init__(self, model, tokenizer, *, batch_size: int = 512):
+        self.model = model
+        self.batch_size = batch_size
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id
+        vocab = model.config.vocab_size
+        self.pieces = [tokenizer.decode([i], skip_special_tokens=True) for i in range(vocab)]
+
+    def generate(self, requests, *, greedy, seeds, max_tokens, stops) -> list[TurnOutput]:
+        outs: list[TurnOutput] = []
+        for start in range(0, len(requests), self.batch_size):
+            chunk = requests[start : start + self.batch_size]
+            chunk_seeds = None if seeds is None else seeds[start : start + self.batch_size]
+            outs.extend(self._generate_batch(chunk, greedy, chunk_seeds, max_tokens, tuple(stops)))
+        return outs
+
+    def _prefill(self, requests: list[list[int]]):
+        width = max(len(r) for r in requests)
+        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for row, r in enumerate(requests):
+            ids[row, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[row, width - len(r) :] = 1
+        # Left padding: each row's first real token is at position 0.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        return out.logits[:, -1], mask, positions[:, -1] + 1, cache
+
+    def _pick(self, logp: torch.Tensor, greedy: bool, gens: list[torch.Generator] | None) -> torch.Tensor:
+        if greedy:
+            return logp.argmax(-1)
+        probs = logp.exp()
+        if gens is None:
+            return torch.multinomial(probs, 1).squeeze(-1)
+        return torch.cat([torch.multinomial(probs[row], 1, generator=g) for row, g in enumerate(gens)])
+
+    @torch.no_grad()
+    def _generate_batch(self, requests, greedy, seeds, max_tokens, stops) -> list[TurnOutput]:
+        gens = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
+        logits, mask, next_pos, cache = self._prefill(requests)
+        outs = [TurnOutput([], [], "", "") for _ in requests]
+        for step in range(max_tokens):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            tokens = self._pick(logp, greedy, gens)
+            chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+            for row, out in enumerate(outs):
+                if not out.finish_reason:
+                    self._extend(out, int(tokens[row]), float(chosen[row]), stops)
+            if all(o.finish_reason for o in outs) or step == max_tokens - 1:
+                break
+            mask = torch.cat([mask, mask.new_ones((len(requests), 1))], dim=1)
+            out = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits, next_pos = out.logits[:, -1], next_pos + 1
+        for out in outs:
+            out.finish_reason = out.finish_reason or "length"
+        return outs
+
+    def _extend(self, out: TurnOutput, token: int, logprob: float, stops: tuple[str, ...]) -> None:
+        out.token_ids.append(token)
+        out.logprobs.append(logprob)
+        if token == self.eos_id:
+            out.finish_reason = "eos"
+            return
+        out.text += self.pieces[token]
+        if out.text.endswith(stops):
+            out.finish_reason = "stop"
+
+
+def greedy_episodes(
+    model, tokenizer, problems: list[Problem], max_turns: int, max_tokens_per_turn: int, *, tool_timeout_s: float = 5.0
+) -> list[Episode]:
+    """The rollout loop on the torch model, greedy: what vLLM must reproduce."""
+    return run_episodes(
+        TorchGenerator(model, tokenizer),
+        tokenizer,
+        [(p, 0) for p in problems],
+        greedy=True,
+        max_turns=max_turns,
+        max_tokens_per_turn=max_tokens_per_turn,
+        tool_timeout_s=tool_timeout_s,
+        seed=0,
+    )
+
+
+# --- warm start -----------------------------------------------------------
+
+
+def demonstration_batch(tokenizer, problems: list[Problem], rng: random.Random, noise: float):
+    """(prompt ids, completion ids, completion loss mask) of one demonstration each."""
+    prompts, completions, masks = [], [], []
+    for p in problems:
+        text = calc.demonstration(p, rng, noise)
+        prompts.append(tokenizer.encode(p.prompt, add_special_tokens=False))
+        completions.append(tokenizer.encode(text, add_special_tokens=False))
+        # One character is one token, so the per-character tool mask applies as is.
+        masks.append(calc.tool_span_mask(text))
+    return prompts, completions, masks
+
+
+def _lr_at(step: int, lr: float, warmup: int = 30) -> float:
+    # Constant after warmup: success then grows smoothly with steps, so a stop
+    # at a target success lands near it (a decaying schedule jumps past it).
+    return lr * min(1.0, (step + 1) / warmup)
+
+
+def sft_loss(model, prompts, completions, masks) -> torch.Tensor:
+    logps = completion_logprobs(model, prompts, completions)
+    num = sum((lp * torch.tensor(m, dtype=lp.dtype)).sum() for lp, m in zip(logps, masks))
+    return -num / max(1, sum(sum(m) for m in masks))
+
+
+def _greedy_success(model, tokenizer, problems: list[Problem]) -> float:
+    model.eval()
+    rate, _ = evaluate(
+        TorchGenerator(model, tokenizer), tokenizer, problems, max_turns=4, max_tokens_per_turn=32, tool_timeout_s=5.0
+    )
+    model.train()
+    return rate
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run the block with ``n`` intra-op threads (None: unchanged), then restore."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def warm_start(
+    model_dir: str | Path,
+    *,
+    problems: list[Problem],
+    steps: int,
+    lr: float,
+    noise: float,
+    seed: int,
+    batch_size: int = 16,
+    target_success: float | None = None,
+    check_every: int = 50,
+    check_from: int = 300,
+    check_problems: int = 100,
+    threads: int | None = 1,
+    progress: Progress | None = None,
+) -> Path:
+    """Short supervised pass on (noisy) demonstrations, written back into ``model_dir``.
+
+    The loss covers only the tokens the policy writes (tool results masked),
+    as the RL loss will. With ``target_success``, training stops once greedy
+    success on ``check_problems`` held-back train problems reaches it: RL
+    needs a policy that succeeds sometimes, not one that already solved the
+    task, and where a fixed step count lands varies a lot with the seed.
+
+    One thread by default: on a shared 2-core machine two OpenMP threads
+    that must wait for each other ran 4-8x slower than one (they spin while
+    the other is descheduled); on an idle one they save only ~30%.
+    """
+    rng = random.Random(seed)
+    tokenizer, model = load_tokenizer(model_dir), load_model(model_dir)
+    check, pool = problems[:check_problems], problems[check_problems:]
+    with torch_threads(threads):
+        torch.manual_seed(seed)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        for step in range(steps):
+            batch = demonstration_batch(tokenizer, rng.sample(pool, batch_size), rng, noise)
+            loss = _sft_step(model, opt, batch, _lr_at(step, lr))
+            # A check costs ~10 steps of training, and before ~300 steps the
+            # policy cannot copy operands yet: earlier checks would only cost.
+            if step != steps - 1 and ((step + 1) % check_every or step + 1 < check_from):
+                continue
+            success = _greedy_success(model, tokenizer, check) if target_success is not None else float("nan")
+            if progress:
+                progress(f"warm_start step {step + 1}/{steps} loss {loss:.4f} success {success:.2f}")
+            if target_success is not None and success >= target_success:
+                break
+    model.eval()
+    return save_weights(model, model_dir)
+
+
+def _sft_step(model, opt, batch, lr: float) -> float:
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss = sft_loss(model, *batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
+# --- cached build ---------------------------------------------------------
+
+
+def full_spec(spec: dict) -> dict:
+    unknown = set(spec) - set(DEFAULT_SPEC)
+    if unknown:
+        raise ValueError(f"unknown policy spec keys {sorted(unknown)}; known: {sorted(DEFAULT_SPEC)}")
+    return {**DEFAULT_SPEC, **spec}
+
+
+def spec_hash(spec: dict) -> str:
+    return hashlib.sha256(json.dumps(full_spec(spec), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _build_into(out_dir: Path, spec: dict, progress: Progress | None) -> None:
+    arch = ("seed", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position_embeddings")
+    build_policy(out_dir, **{k: spec[k] for k in arch})
+    problems = calc.make_problems(spec["seed"], spec["warm_problems"], "train")
+    warm_start(
+        out_dir,
+        problems=problems,
+        steps=spec["warm_steps"],
+        lr=spec["warm_lr"],
+        noise=spec["warm_noise"],
+        seed=spec["seed"],
+        batch_size=spec["warm_batch_size"],
+        target_success=spec["warm_target_success"],
+        progress=progress,
+    )
+    (out_dir / "spec.json").write_text(json.dumps(spec, sort_keys=True, indent=1) + "\n")
+
+
+def ensure_policy(cache_dir: str | Path, spec: dict, *, progress: Progress | None = None) -> Path:
+    """The warm-started policy for ``spec`` (defaults filled in), built once and cached.
+
+    The directory is keyed by a hash of the full spec and appears atomically
+    (built in a temp dir, then renamed), so concurrent callers and crashed
+    builds never leave a half-written policy behind the final name.
+    """
+    spec = full_spec(spec)
+    final = Path(cache_dir) / f"policy-{spec_hash(spec)}"
+    if (final / "spec.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    started = time.monotonic()
+    _build_into(tmp, spec, progress)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        # Another process renamed its build first; theirs is the same policy.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (final / "spec.json").exists():
+            raise
+    if progress:
+        progress(f"policy built in {time.monotonic() - started:.1f}s at {final}")
+    return final
+
+
+def torch_success(model_dir: str | Path, problems: list[Problem], *, max_turns: int = 4, max_tokens_per_turn: int = 32) -> float:
+    """Greedy success rate of a model directory, on torch (no vLLM needed)."""
+    tokenizer, model = load_tokenizer(model_dir), load_model(model_dir).eval()
+    rate, _ = evaluate(
+        TorchGenerator(model, tokenizer),
+        tokenizer,
+        problems,
+        max_turns=max_turns,
+        max_tokens_per_turn=max_tokens_per_turn,
+        tool_timeout_s=5.0,
+    )
+    return rate
