@@ -326,7 +326,18 @@ class _Doctor:
             reward_up = rising["reward"]
             ev = [f"learner waited {wait:.0%} of its time {wait_src} (threshold {self.th.learner_wait:.0%})"]
             ev += self._rates()
-            if reward_up:
+            paused = self._rollout_paused()
+            if paused is not None:
+                ev.append(f"every rollout worker was paused (state waiting) in {paused:.0%} of samples")
+                ev.append(f"learner queue mean {self._mean_backlog('learner'):.1f} entries (lag + pending)")
+                self.add(Finding("rollout_paused", "balance", "critical", "the learner waits while rollout is "
+                                 "paused by backpressure: the pipeline is stalled", "queue bound", ev,
+                                 "The backlog that pauses rollout is not reaching the learner. Check what counts "
+                                 "against streams.max_queue_size (entries the learner holds pending until its next "
+                                 "checkpoint count too): raise streams.max_queue_size above "
+                                 "learner.checkpoint_every x learner.batch_size, or checkpoint more often.",
+                                 "max queue size"))
+            elif reward_up:
                 ev.append(reward_up[1])
                 self.add(Finding("reward_short", "balance", "critical", "the reward stage is short: the learner "
                                  "waits while the reward queue grows", "reward", ev,
@@ -391,6 +402,16 @@ class _Doctor:
             return slope, (f"{stage} queue rose from {ys[0]:.0f} to {ys[-1]:.0f} entries in "
                            f"{ts[-1] - ts[0]:.0f} s ({slope:+.1f}/min)")
         return None
+
+    def _rollout_paused(self) -> float | None:
+        """Share of samples in which every live rollout worker was waiting (paused), if that is most."""
+        seen = [(_get(s, "workers", "rollout") or {}) for s in self.samples]
+        seen = [w for w in seen if sum(n for st, n in w.items() if st not in ("exited", "lost"))]
+        if len(seen) < self.th.min_samples:
+            return None
+        share = sum(1 for w in seen if set(st for st, n in w.items() if n and st not in ("exited", "lost"))
+                    == {"waiting"}) / len(seen)
+        return share if share >= 0.8 else None
 
     def _always_full(self) -> str | None:
         cap, g = _cfg(self.config, "streams", "max_queue_size"), _cfg(self.config, "rollout", "group_size")

@@ -238,3 +238,16 @@ def test_a_crashed_worker_is_named_from_its_traceback():
     # An out-of-memory traceback is the oom finding, not a second one.
     oom = ["learner-0: Traceback (most recent call last):", "learner-0: torch.OutOfMemoryError: CUDA out of memory."]
     assert diagnose(window(), oom).codes() == ["oom"]
+
+
+def test_learner_starving_while_rollout_is_paused_is_a_stall():
+    """Seen live: rollout paused at the queue bound by entries the learner holds until its checkpoint."""
+    w = window(wait=lambda i: 1.0, learner_backlog=lambda i: 24, reward_backlog=lambda i: 0)
+    for s in w:
+        s["workers"] = {"rollout": {"waiting": 1}, "learner": {"waiting": 1}, "reward": {"running": 1}}
+    d = diagnose(w, [], config=CONFIG)
+    assert d.codes() == ["rollout_paused"]
+    assert d.primary.bottleneck == "queue bound" and "checkpoint_every" in d.primary.action
+    for s in w:
+        s["workers"]["rollout"] = {"running": 1}
+    assert diagnose(w, [], config=CONFIG).codes() == ["rollout_short"]
