@@ -55,7 +55,7 @@ class RolloutConfig:
     max_tokens_per_turn: int = _f(48, "tokens generated per turn at most")
     tool_timeout_s: float = _f(2.0, "a tool call that takes longer is answered with a timeout")
     gpu_memory_utilization: float = _f(0.02, "share of device memory (host RAM on CPU) the engine reserves")
-    max_model_len: int = _f(512, "longest prompt + completion the engine accepts")
+    max_model_len: int = _f(256, "longest prompt + completion the engine accepts (at most the policy's max_position_embeddings)")
 
 
 @dataclass(frozen=True)

@@ -128,8 +128,11 @@ class Orchestrator:
             self.spawn("rollout", "workers.rollout", f"rollout-{node}-{i}")
 
     def check_children(self) -> None:
+        """Fail the run when a worker dies; the feeder and the learner end by themselves when done."""
         for c in self.children:
             code = c.proc.poll()
+            if code == 0 and c.role in ("feeder", "learner"):
+                continue
             if code is not None:
                 tail = _tail(self.run_dir / "logs" / f"{c.worker_id}.out")
                 raise RunFailed(f"{c.worker_id} exited with code {code}; last output:\n{tail}")
