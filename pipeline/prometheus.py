@@ -78,11 +78,13 @@ class _Fold:
     tool_timeouts: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=WAIT_WINDOW_STEPS))
     diversity: dict = field(default_factory=dict)
+    has_tools: bool = False  # any step carried tool figures (the learner's tool_stats)
 
     def add(self, step: dict) -> None:
         for k, v in (step.get("staleness_hist") or {}).items():
             self.hist[int(k)] = self.hist.get(int(k), 0) + int(v)
             self.stale_sum += int(k) * int(v)
+        self.has_tools = self.has_tools or "tool_calls" in step
         self.tool_calls += step.get("tool_calls", 0) or 0
         self.tool_timeouts += step.get("tool_timeouts", 0) or 0
         self.recent.append((step.get("wait_s", 0.0), step.get("train_s", 0.0),
@@ -177,8 +179,9 @@ class LibraCollector:
         if fold.wait_ratio() is not None:
             f["wait"].add_metric([job], fold.wait_ratio())
         f["staleness"].add_metric([job], fold.buckets(), fold.stale_sum)
-        f["tool_calls"].add_metric([job], fold.tool_calls)
-        f["tool_timeouts"].add_metric([job], fold.tool_timeouts)
+        if fold.has_tools:
+            f["tool_calls"].add_metric([job], fold.tool_calls)
+            f["tool_timeouts"].add_metric([job], fold.tool_timeouts)
         if fold.tool_latency() is not None:
             f["tool_latency"].add_metric([job], fold.tool_latency())
         self._resources(job, f)

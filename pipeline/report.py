@@ -17,6 +17,7 @@ Called by the user, by ``libra-ctl run`` at the end of a run, and by
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import math
@@ -67,6 +68,12 @@ class RunData:
 
     def x(self, at: float) -> float:
         return at - self.t0
+
+    def x_range(self) -> tuple[float, float]:
+        """The run's time span, shared by every time chart so that they line up."""
+        ats = ([s["at"] for s in self.steps + self.samples] + [r["_at"] for r in self.logs] +
+               [e["at"] for e in self.events if isinstance(e.get("at"), (int, float))])
+        return 0.0, max(ats, default=self.t0 + 1.0) - self.t0
 
 
 def load_run(run_dir: Path | str) -> RunData:
@@ -371,9 +378,10 @@ def _step_area(f: Frame, xs: list[float], lower: list[float], upper: list[float]
     return "M" + "L".join(f"{x:.1f},{y:.1f}" for x, y in pts) + "Z"
 
 
-def line_chart(key: str, title: str, series: list[Series], *, y_label: str = "", y_min=None, y_max=None,
+def _line_chart(key: str, title: str, series: list[Series], *, y_label: str = "", y_min=None, y_max=None,
                markers: list[tuple[float, str]] = (), hlines: list[tuple[float, str]] = (),
-               stacked: bool = False, empty: str = "no data", note: str = "") -> str:
+               stacked: bool = False, x_range: tuple[float, float] | None = None, empty: str = "no data",
+               note: str = "") -> str:
     """A figure with one SVG line chart; ``markers`` are vertical lines with a hover label.
 
     ``stacked`` draws step areas on top of each other (counts per role that add up to a total);
@@ -382,7 +390,7 @@ def line_chart(key: str, title: str, series: list[Series], *, y_label: str = "",
     series = [s for s in series if any(y is not None for y in s.ys)]
     if not series:
         return _figure(key, title, f'<p class="empty">{_esc(empty)}</p>', "", note, empty=True)
-    xs = [x for s in series for x in s.xs] + [m[0] for m in markers]
+    xs = [x for s in series for x in s.xs] + [m[0] for m in markers] + list(x_range or ())
     ys = [y for s in series for y in s.ys if y is not None and math.isfinite(y)] + [h[0] for h in hlines]
     layers = _stack(series) if stacked else []
     if layers:
@@ -525,6 +533,7 @@ var f=document.getElementById('selfcheck');if(f)f.textContent=n+' of '+figs.leng
 
 
 def render(d: RunData) -> str:
+    line_chart = functools.partial(_line_chart, x_range=d.x_range())  # every time axis spans the whole run
     traj, tok, tp_src = throughput_series(d)
     markers = decision_markers(d)
     cpu, rss, gpu = resource_series(d)
