@@ -53,6 +53,8 @@ from pipeline.policy import ROLES, Allocation
 from pipeline.redisconn import ENV_URL, connect
 from pipeline.streams import group_pending, stream_lag
 
+MIN_STEPS = 2            # learner steps the metrics window holds at least (it stretches for them) ...
+MAX_WINDOW_FACTOR = 10   # ... up to this many control.window_s
 AGENT_DEAD_S = 10.0      # an agent silent this long is gone: its slots leave the inventory
 RESEND_S = 15.0          # an action not reflected in the agent's desired state after this is sent again
 EVENTS_MAXLEN = 10_000
@@ -307,9 +309,22 @@ class Observer:
             queue=stream_lag(r, k.prompts, GROUP_ROLLOUT) * gs,
             learner_waiting=bool(learner) and json.loads(learner).get("state") == "waiting")
         self.ticks.append(snap)
-        while len(self.ticks) > 2 and now - self.ticks[1].t >= self.job.control.window_s:
+        while len(self.ticks) > 2 and self._droppable(now):
             self.ticks.popleft()
         return snap
+
+    def _droppable(self, now: float) -> bool:
+        """Whether the oldest tick can go: the rest still spans the window and holds MIN_STEPS learner steps.
+
+        A window shorter than a learner step would never see the learner's
+        speed, so it stretches (up to MAX_WINDOW_FACTOR windows) until it does.
+        """
+        span = now - self.ticks[1].t
+        if span < self.job.control.window_s:
+            return False
+        if span >= MAX_WINDOW_FACTOR * self.job.control.window_s:
+            return True
+        return sum(len(t.steps) for t in list(self.ticks)[2:]) >= MIN_STEPS
 
     def metrics(self, alloc: Allocation, since_change_s: float, changed_from: Allocation | None,
                 learner_slots: int) -> policy.Metrics:
@@ -612,18 +627,18 @@ class Controller:
             return
         jc.finished = False
         now = time.time()
-        alloc = self.ensure_allocation(jc)
         slot_map = {n: [s["index"] for s in rec["slots"]] for n, rec in nodes.items()}
         taken = {(rec["node"], s) for j, p in placements.items() if j != name for rec in p.values()
                  for s in rec["slots"]}
+        free = sum(1 for n, ss in slot_map.items() for s in ss if (n, s) not in taken)
+        alloc = self.ensure_allocation(jc, free)
         cur = placements.get(name, {})
         drained = take_drain_requests(self.r, name)
         # a drained worker leaves its slot empty for this tick, so a replacement goes elsewhere if it can
         taken |= {(cur[w]["node"], s) for w in drained if w in cur for s in cur[w]["slots"]}
         cur = {w: rec for w, rec in cur.items() if w not in drained}
         jc.observer.tick(self.r, now)
-        target, event = self.decide(jc, alloc, cur, len([1 for n, ss in slot_map.items() for s in ss
-                                                         if (n, s) not in taken]), now)
+        target, event = self.decide(jc, alloc, cur, free, now)
         new = place(target, cur, slot_map, taken, jc.info.control.reward_on_slots)
         actions = self.act(jc, new, nodes)
         placements[name] = new
@@ -632,11 +647,18 @@ class Controller:
             record_event(self.r, jc.info, {**(event or {"kind": "drain" if drained else "repair"}),
                                            "epoch": self.lease.epoch, "actions": actions, "drained": drained})
 
-    def ensure_allocation(self, jc: JobControl) -> dict:
-        """The job's allocation record, created from its config on first sight."""
+    def ensure_allocation(self, jc: JobControl, slots: int) -> dict:
+        """The job's allocation record, created from its config on first sight.
+
+        In auto mode, slots the config's counts leave empty start as rollout:
+        the policy can only rebalance what it measures, and an empty slot measures nothing.
+        """
         alloc = get_allocation(self.r, jc.info.name)
         if alloc["mode"] is None:
             initial = dict(jc.info.initial)
+            if jc.info.control.mode == "auto":
+                used = sum(counts_of(initial, jc.info.control.reward_on_slots).values())
+                initial["rollout"] += max(0, slots - used)
             self.r.hset(JobKeys(jc.info.name).allocation, mapping={
                 "mode": jc.info.control.mode, "target": json.dumps(initial), "changed_at": time.time(),
                 **({"pinned": json.dumps(initial)} if jc.info.control.mode == "pinned" else {})})
@@ -653,7 +675,7 @@ class Controller:
             reason = "pinned"
             event = {"kind": "pinned", "mode": "pinned", "reason": reason, "from": alloc["target"], "to": target}
         else:
-            now_alloc = Allocation(**{r: base[r] if r != "reward" or ctl.reward_on_slots else 0 for r in ROLES})
+            now_alloc = Allocation(**counts_of(base, ctl.reward_on_slots))
             since = now - alloc["changed_at"]
             before = Allocation(**alloc["changed_from"]) if alloc["changed_from"] else None
             learner = cur.get(LEARNER)
@@ -736,10 +758,13 @@ class Controller:
         jc.finished = True
 
 
+def counts_of(roles: dict, reward_on_slots: bool) -> dict:
+    """Slots per role of worker counts (reward on CPU holds none)."""
+    return {r: roles.get(r, 0) if r != "reward" or reward_on_slots else 0 for r in ROLES}
+
+
 def _slot_counts(target: dict, jc: JobControl) -> dict:
-    ctl = jc.info.control
-    base = {**jc.info.initial, **target}
-    return {r: base[r] if r != "reward" or ctl.reward_on_slots else 0 for r in ROLES}
+    return counts_of({**jc.info.initial, **target}, jc.info.control.reward_on_slots)
 
 
 def _read_placement(r: redis.Redis, job: str) -> dict[str, dict]:
@@ -984,7 +1009,30 @@ def cmd_events(args) -> int:
     return 0
 
 
+def cmd_sim_job(args) -> int:
+    from workers.sim import run_sim_job
+
+    pinned = parse_counts(args.counts) if args.counts else None
+    control = json.loads(args.control) if args.control else None
+    run_dir = run_sim_job(_url(args), args.workload, runs_dir=args.runs_dir, job=args.job, time_scale=args.time_scale,
+                          steps=args.steps, node=args.node, pinned=pinned, control=control)
+    print(f"done: {run_dir} (libra-ctl events --job {args.job}; libra-ctl audit --job {args.job})")
+    return 0
+
+
 def add_commands(sub) -> None:
+    j = sub.add_parser("sim-job", help="run a bench workload on the live agents with sim workers (virtual time)")
+    j.add_argument("workload", help="workload TOML (bench/README.md format), e.g. examples/bench/steady.toml")
+    j.add_argument("counts", nargs="*", metavar="ROLE=N", help="pin these counts (default: the policy decides)")
+    j.add_argument("--job", default="sim")
+    j.add_argument("--time-scale", type=float, default=50.0, help="simulated seconds per wall second")
+    j.add_argument("--steps", type=int, help="stop after this many learner steps (default: the workload's)")
+    j.add_argument("--node", help="the agent that starts the feeder (default: the first live one)")
+    j.add_argument("--control", help='the job\'s control settings as JSON, e.g. \'{"cooldown_s": 5}\'')
+    j.add_argument("--runs-dir", default="runs")
+    j.add_argument("--redis")
+    j.set_defaults(func=cmd_sim_job)
+
     c = sub.add_parser("controller", help="the reconcile loop: moves slots between stages (one acts at a time)")
     c.add_argument("--interval", type=float, default=10.0, help="seconds between reconciles (control.interval_s)")
     c.add_argument("--once", action="store_true", help="one reconcile, then exit")

@@ -173,6 +173,23 @@ def test_observer_maps_live_metrics_onto_plan_inputs(r, redis_url, tmp_path):
     assert d.reason != "warming_up"
 
 
+def test_metrics_window_stretches_until_it_holds_learner_steps(r, redis_url, tmp_path):
+    sim_job(r, redis_url, tmp_path, control={"window_s": 5.0})
+    keys, obs = JobKeys(JOB), Observer(load_job(r, JOB))
+    for i in range(12):                      # a learner step every 20 s, a tick every 2 s
+        if i in (1, 11):
+            r.xadd(keys.metrics, {"kind": "learner_step", "data": json.dumps({
+                "step": i, "trajectories": 32, "tokens": 9600.0, "gpus": 1, "train_s": 3.0, "at": 2.0 * i})})
+        obs.tick(r, 2.0 * i)
+    assert obs.ticks[0].t <= 2.0 and sum(len(t.steps) for t in list(obs.ticks)[1:]) == 2
+    m = obs.metrics(Allocation(1, 1), 1e9, None, learner_slots=1)
+    # no rollout token counts here: the learner speed is in trajectories per second
+    assert m.learner_tokens_per_s == pytest.approx(32 / 3.0) and m.traj_tokens == 1.0 and m.window_s >= 20
+    for i in range(12, 40):                  # no more steps: the window stops stretching at 10 windows
+        obs.tick(r, 2.0 * i)
+    assert obs.ticks[-1].t - obs.ticks[0].t <= 10 * 5.0 + 2.0
+
+
 # --- reconcile against an agent's desired state (no processes) ------------------------------------------------
 
 

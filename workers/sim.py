@@ -154,18 +154,19 @@ def sim_config(wl: Workload, *, job: str, max_queue_size: int | None = None,
 
 def prepare_sim_run(r: redis.Redis, workload: str | Path, runs_dir: str | Path, *, job: str = "sim",
                     time_scale: float = 50.0, redis_url: str = "", max_queue_size: int | None = None,
-                    reward_workers: int = 1, control: dict | None = None) -> Path:
+                    reward_workers: int = 1, control: dict | None = None, steps: int | None = None) -> Path:
     """Create a run directory and the job's Redis state for a sim job; returns the run directory.
 
-    The caller then sets the allocation (``pipeline.controller.set_allocation``)
-    and has an agent start the feeder; the controller starts the stage workers.
-    ``control`` is the job's control settings (``pipeline.controller.ControlConfig``).
+    The caller then may pin the allocation (``pipeline.controller.pin``) and has
+    an agent start the feeder; the controller starts the stage workers.
+    ``control`` is the job's control settings (``pipeline.controller.ControlConfig``);
+    ``steps`` cuts the run short of the workload's.
     """
     from pipeline.run import reset_job
 
     wl = load_workload(workload)
-    cfg = sim_config(wl, job=job, max_queue_size=max_queue_size, reward_workers=reward_workers,
-                     extra={"run": {"runs_dir": str(runs_dir)}})
+    extra = {"run": {"runs_dir": str(runs_dir)}, **({"job": {"steps": steps}} if steps else {})}
+    cfg = sim_config(wl, job=job, max_queue_size=max_queue_size, reward_workers=reward_workers, extra=extra)
     run_dir = manifest_mod.new_run_dir(cfg).resolve()
     manifest = manifest_mod.write_manifest(run_dir, cfg, argv=sys.argv, redis_url=redis_url, embedded=False,
                                            policy_dir="", bad_prompt_lines=[])
@@ -181,6 +182,47 @@ def prepare_sim_run(r: redis.Redis, workload: str | Path, runs_dir: str | Path, 
                                 "pid": os.getpid(), "host": socket.gethostname()})
     r.hset(keys.policy, mapping={"version": 0, "path": "", "step": 0, "published_at": time.time()})
     ensure_groups(r, keys)
+    return run_dir
+
+
+def run_sim_job(url: str, workload: str | Path, *, runs_dir: str = "runs", job: str = "sim",
+                time_scale: float = 50.0, steps: int | None = None, node: str | None = None,
+                pinned: dict | None = None, control: dict | None = None, out=sys.stderr) -> Path:
+    """``libra-ctl sim-job``: a sim job on the running agents and controller, from start to ``done``.
+
+    Prepares the run, pins ``pinned`` counts (else the policy decides), has the
+    agent of ``node`` (else the first live one) start the feeder, prints
+    progress until the learner has trained every step, then marks the job done
+    (the controller drains its workers).
+    """
+    from pipeline import control_jobs
+    from pipeline.controller import allocation_status, live_agents, pin
+    from pipeline.redisconn import connect
+
+    r = connect(url)
+    agents = live_agents(r)
+    if not agents or (node and node not in agents):
+        raise SystemExit(f"sim-job: no live agent{' on ' + node if node else ''}; start one with libra-ctl agent")
+    node = node or sorted(agents)[0]
+    run_dir = prepare_sim_run(r, workload, runs_dir, job=job, time_scale=time_scale, redis_url=url,
+                              control=control, steps=steps)
+    if pinned:
+        pin(r, job, pinned)
+    control_jobs.ensure(r, node, {"job": job, "worker": "feeder-0", "role": "feeder", "slots": [],
+                                  "run_dir": str(run_dir), "backend": "sim"})
+    keys, t0 = JobKeys(job), time.monotonic()
+    print(f"sim job {job}: {run_dir}", file=out, flush=True)
+    try:
+        while r.hget(keys.state, "phase") != b"trained":
+            time.sleep(2.0)
+            trained = int(r.hget(keys.counters, "trained") or 0)
+            roles = allocation_status(r, job)["roles"]
+            rate = trained / ((time.monotonic() - t0) * time_scale)
+            print(f"  step {int(r.hget(keys.policy, 'step') or 0):>5}  trained {trained:>7}  "
+                  f"{rate:7.2f} traj/s (virtual)  " + " ".join(f"{k}={v}" for k, v in sorted(roles.items())),
+                  file=out, flush=True)
+    finally:
+        r.hset(keys.state, "phase", "done")
     return run_dir
 
 
