@@ -88,6 +88,28 @@ def test_slots_from_flag_env_or_nvml(monkeypatch):
         detect_slots(0)
 
 
+def test_nvml_gpu_count_with_a_stand_in_pynvml(monkeypatch):
+    import types
+
+    class NVMLError(Exception):
+        pass
+
+    calls = []
+    fake = types.SimpleNamespace(NVMLError=NVMLError, nvmlInit=lambda: calls.append("init"),
+                                 nvmlDeviceGetCount=lambda: 4, nvmlShutdown=lambda: calls.append("shutdown"))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert agent_mod.nvml_gpu_count() == 4 and calls == ["init", "shutdown"]
+    assert detect_slots(None, {}) == [Slot(i, str(i)) for i in range(4)]
+
+    def no_driver():
+        raise NVMLError("driver not loaded")
+
+    monkeypatch.setattr(fake, "nvmlInit", no_driver)
+    assert agent_mod.nvml_gpu_count() == 0
+    monkeypatch.setitem(sys.modules, "pynvml", None)       # not installed
+    assert agent_mod.nvml_gpu_count() == 0
+
+
 def test_process_start_tells_a_process_from_a_reused_pid():
     assert process_start(os.getpid()) == process_start(os.getpid()) > 0
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
