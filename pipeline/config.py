@@ -105,6 +105,12 @@ class RedisConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    interval_s: float = _f(10.0, "seconds between metric samples (metrics.jsonl and Redis)")
+    diversity_every: int = _f(5, "learner steps between diversity measurements (0: never)")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     runs_dir: str = _f("runs", "where run directories are created")
     progress_s: float = _f(1.0, "seconds between progress line updates")
@@ -119,6 +125,7 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     streams: StreamsConfig = field(default_factory=StreamsConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict:
@@ -232,6 +239,7 @@ def validate(cfg: Config) -> None:
          f"checkpoint acknowledges them (checkpoint_every {lr.checkpoint_every} x step_budget_s "
          f"{lr.step_budget_s:g} + checkpoint_write_s {lr.checkpoint_write_s:g} = {hold_s:g}s); raise it above "
          f"{hold_s:g} or checkpoint more often")
+    need(cfg.metrics.interval_s > 0, "metrics.interval_s", "must be > 0")
     need(st.max_deliveries >= 1, "streams.max_deliveries", "must be >= 1")
     need(min(st.rollout_min_idle_s, st.reward_min_idle_s) > 0, "streams.*_min_idle_s", "must be > 0")
     need(cfg.redis.appendfsync in ("always", "everysec", "no"), "redis.appendfsync", "use always, everysec or no")

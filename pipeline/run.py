@@ -25,6 +25,8 @@ import redis
 from pipeline import manifest as manifest_mod
 from pipeline.config import Config
 from pipeline.keys import JOBS, JobKeys
+from pipeline.metrics import start_sampler
+from pipeline.report import write_report
 from pipeline.redisconn import ENV_URL, EmbeddedRedis, connect, resolve_url
 from pipeline.streams import ensure_groups
 
@@ -305,9 +307,14 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
             r.hset(keys.policy, mapping={"version": 0, "path": policy_dir, "step": 0,
                                          "published_at": time.time()})
         orch = Orchestrator(cfg, run_dir, r, url, out)
-        summary = orch.run()
+        sampler = start_sampler(r, cfg.job.name, run_dir, cfg.metrics.interval_s)
+        try:
+            summary = orch.run()
+        finally:
+            sampler.stop()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(format_summary(summary, run_dir), file=out)
+        print(f"report: {write_report(run_dir)}", file=out)
         return 0
     except RunFailed as exc:
         print(f"\nrun failed: {exc}\nrun directory: {run_dir}", file=out)

@@ -24,7 +24,10 @@ import numpy as np
 import torch
 
 from pipeline import messages
+from pipeline.diversity import diversity_metrics
 from pipeline.keys import GROUP_LEARNER
+from pipeline.metrics import tool_stats
+from pipeline.trace import span
 from pipeline.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
                               take_over_pending, trim)
 from pipeline.worker import WorkerContext, finish_worker, start_worker
@@ -328,21 +331,30 @@ class Learner:
         self.ctx.publish_state("running")
         while self.step < steps and not self.ctx.stopping():
             self.ctx.state = "waiting"
-            batch = self.collect()
+            with span(self.ctx.log, "learner_wait"):
+                batch = self.collect()
             if self.ctx.stopping():
                 break
             self.ctx.state = "running"
             t0 = time.monotonic()
-            metrics = self.train(batch)
+            with span(self.ctx.log, "train", trajectories=batch.trajectories):
+                metrics = self.train(batch)
             metrics["train_s"] = time.monotonic() - t0
+            metrics.update(tool_stats(batch.groups))
+            every = self.ctx.cfg.metrics.diversity_every
+            if every and self.step % every == 0:
+                metrics.update(diversity_metrics([([t.text for t in g.trajectories], list(g.rewards))
+                                                  for g in batch.groups]))
             if self.step % self.cfg.publish_every == 0 or self.step == steps:
-                self.publish()
+                with span(self.ctx.log, "publish", version=self.version):
+                    self.publish()
             self.record(batch, metrics)
             self.ctx.log.info("trained", step=self.step, reward_mean=round(metrics["reward_mean"], 3),
                               staleness_max=metrics["staleness_max"], dropped=batch.dropped_trajectories,
                               train_s=round(metrics["train_s"], 2), wait_s=round(batch.wait_s, 2))
             if self.step % self.cfg.checkpoint_every == 0 or self.step == steps:
-                self.checkpoint()
+                with span(self.ctx.log, "checkpoint", step=self.step):
+                    self.checkpoint()
         if self.step >= steps:
             self.ctx.r.hset(self.ctx.keys.state, "phase", "trained")
             self.ctx.log.info("training_done", step=self.step, version=self.version)

@@ -12,6 +12,7 @@ import time
 
 from pipeline import messages
 from pipeline.keys import GROUP_REWARD
+from pipeline.trace import span
 from pipeline.streams import Reject, ensure_groups, run_stage
 from pipeline.worker import claim_policy, dedup_for, WorkerContext, finish_worker, start_worker
 from workers.envs.calc import Problem, VerifierError, verify
@@ -35,6 +36,11 @@ def score_group(group: messages.Group, retries: int, verifier=verify) -> message
 
 
 def handle(ctx: WorkerContext, groups: list[messages.Group]) -> list:
+    with span(ctx.log, "reward", groups=len(groups)):
+        return _score_all(ctx, groups)
+
+
+def _score_all(ctx: WorkerContext, groups: list[messages.Group]) -> list:
     out = []
     for g in groups:
         if not isinstance(g, messages.Group) or any(t.reward is not None for t in g.trajectories):

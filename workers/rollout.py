@@ -18,6 +18,7 @@ import numpy as np
 
 from pipeline import messages
 from pipeline.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT
+from pipeline.trace import span
 from pipeline.streams import ensure_groups, group_pending, run_stage, stream_lag
 from pipeline.worker import claim_policy, dedup_for, WorkerContext, finish_worker, start_worker
 from workers.agent_loop import evaluate, run_episodes
@@ -85,7 +86,8 @@ class Rollout:
         if version <= self.ctx.policy_version:
             return
         t0 = time.monotonic()
-        self.engine.reload(path)
+        with span(self.ctx.log, "weight_sync", version=version):
+            self.engine.reload(path)
         self.ctx.set_version(version)
         self.ctx.log.info("weights_reloaded", version=version, reload_s=round(time.monotonic() - t0, 2))
 
@@ -115,10 +117,11 @@ class Rollout:
         if not self.ctx.r.set(self.ctx.keys.eval_claim(claim), self.ctx.worker_id, nx=True, ex=3600):
             return
         t0 = time.monotonic()
-        rate, episodes = evaluate(self.engine, self.tokenizer, self.eval_problems,
-                                  max_turns=self.cfg.max_turns,
-                                  max_tokens_per_turn=self.cfg.max_tokens_per_turn,
-                                  tool_timeout_s=self.cfg.tool_timeout_s)
+        with span(self.ctx.log, "eval", tag=tag):
+            rate, episodes = evaluate(self.engine, self.tokenizer, self.eval_problems,
+                                      max_turns=self.cfg.max_turns,
+                                      max_tokens_per_turn=self.cfg.max_tokens_per_turn,
+                                      tool_timeout_s=self.cfg.tool_timeout_s)
         samples = [{"prompt_id": e.prompt_id, "completion": list(map(int, e.completion_tokens)),
                     "text": e.text} for e in episodes[:16]]
         self.ctx.r.xadd(self.ctx.keys.eval_results, {
@@ -136,13 +139,16 @@ class Rollout:
         problems = [Problem(p.prompt_id, p.prompt, p.answer) for p in prompts]
         items = [(prob, i) for prob in problems for i in range(g)]
         version, t0, started = self.ctx.policy_version, time.monotonic(), time.time()
-        episodes = run_episodes(self.engine, self.tokenizer, items, greedy=False,
-                                max_turns=self.cfg.max_turns,
-                                max_tokens_per_turn=self.cfg.max_tokens_per_turn,
-                                tool_timeout_s=self.cfg.tool_timeout_s,
-                                seed=self.ctx.cfg.job.seed)
+        with span(self.ctx.log, "rollout", groups=len(prompts), version=version):
+            episodes = run_episodes(self.engine, self.tokenizer, items, greedy=False,
+                                    max_turns=self.cfg.max_turns,
+                                    max_tokens_per_turn=self.cfg.max_tokens_per_turn,
+                                    tool_timeout_s=self.cfg.tool_timeout_s,
+                                    seed=self.ctx.cfg.job.seed)
         gen_s = time.monotonic() - t0
         gen_tokens = sum(int(sum(e.completion_mask)) for e in episodes)
+        # Counted when generated, not when written: a duplicate's tokens were spent all the same.
+        self.ctx.r.hincrby(self.ctx.keys.counters, "rollout_tokens", gen_tokens)
         self.ctx.count(len(episodes))
         self.ctx.log.info("generated", groups=len(prompts), trajectories=len(episodes),
                           tokens=gen_tokens, gen_s=round(gen_s, 2),
