@@ -370,8 +370,9 @@ class Observer:
             out["pause"] += now["pause_s"] - before["pause_s"]
             out["items"] += now["items"] - before["items"]
             out["tokens"] += now["tokens"] - before["tokens"]
-            if last.t - now["at"] < AGENT_DEAD_S:          # still reporting: alive
-                out["elapsed"] += now["at"] - max(now["since"], first.t)
+            # time alive in the window, up to its last report (a worker that stopped before it has none)
+            out["elapsed"] += max(0.0, now["at"] - max(now["since"], first.t))
+            if last.t - now["at"] < AGENT_DEAD_S:          # still reporting: its scorers count
                 out["lanes"] += now.get("lanes", 1)
         return out
 

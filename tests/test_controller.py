@@ -173,6 +173,22 @@ def test_observer_maps_live_metrics_onto_plan_inputs(r, redis_url, tmp_path):
     assert d.reason != "warming_up"
 
 
+def test_a_worker_that_stopped_before_the_window_adds_no_time():
+    from pipeline.controller import Snapshot
+
+    def snap(t, costs):
+        return Snapshot(t=t, counters={}, costs=costs, steps=[], backlog=0, inflight=0, queue=0,
+                        learner_waiting=False)
+
+    gone = json.loads(_costs("rollout", 0.0, 97.0, busy=50, pause=2, items=100))        # drained at 97
+    live = json.loads(_costs("rollout", 0.0, 100.0, busy=60, pause=2, items=120))
+    live_now = json.loads(_costs("rollout", 0.0, 105.0, busy=64, pause=2.5, items=128))
+    out = Observer._role_costs("rollout", snap(100.0, {"w0": gone, "w1": live}),
+                               snap(105.0, {"w0": gone, "w1": live_now}))
+    assert out["elapsed"] == pytest.approx(5.0) and out["busy"] == pytest.approx(4.0)
+    assert out["pause"] == pytest.approx(0.5) and out["items"] == 8
+
+
 def test_metrics_window_stretches_until_it_holds_learner_steps(r, redis_url, tmp_path):
     sim_job(r, redis_url, tmp_path, control={"window_s": 5.0})
     keys, obs = JobKeys(JOB), Observer(load_job(r, JOB))
