@@ -94,7 +94,6 @@ class StreamsConfig:
                                    "must exceed checkpoint_every x learner.step_budget_s + learner.checkpoint_write_s")
     max_deliveries: int = _f(3, "an entry delivered more often than this is dead-lettered")
     dedup: bool = _f(True, "exactly-once effects keyed by trajectory id (turn off only to test the audit)")
-    dedup_ttl_s: int = _f(86400, "how long a stage remembers the groups it wrote; longer than any redelivery")
 
 
 @dataclass(frozen=True)

@@ -76,10 +76,19 @@ def claim_policy(cfg: config_mod.Config, stage: str):
 
 
 def dedup_for(cfg: config_mod.Config, stage: str):
-    """The stage's exactly-once marks, or None when ``streams.dedup`` is off."""
+    """The stage's exactly-once marks, or None when ``streams.dedup`` is off.
+
+    A duplicate of a group can only come from a redelivery of its input, and
+    an input is redelivered at most ``max_deliveries`` times, each after
+    ``min_idle``: the marks need to outlive that window and no more, which
+    bounds their memory by the stage's rate times the window.
+    """
     from pipeline.streams import Dedup
 
-    return Dedup(stage=stage, ttl_s=cfg.streams.dedup_ttl_s) if cfg.streams.dedup else None
+    if not cfg.streams.dedup:
+        return None
+    window_s = (cfg.streams.max_deliveries + 1) * getattr(cfg.streams, f"{stage}_min_idle_s")
+    return Dedup(stage=stage, ttl_s=int(window_s) + 60)
 
 
 def worker_args(role: str) -> argparse.Namespace:
