@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import redis
@@ -102,6 +102,7 @@ class ControlConfig:
     """A job's control settings: its config's ``[control]`` table (or the manifest's ``control``) over these."""
 
     mode: str = "auto"                  # initial mode: auto (the policy) or pinned (the config's counts)
+    interval_s: float = 10.0            # the controller's period (start_local_control; a running one has --interval)
     window_s: float = 60.0              # metrics window the policy sees
     cooldown_s: float = 150.0           # no move sooner than this after the previous one
     horizon_s: float = 900.0            # a move must pay for itself within this time
@@ -755,7 +756,8 @@ class Controller:
                     control_jobs.drain(self.r, node, jc.info.name, d["worker"], epoch=self.lease.epoch)
                     sent.append({"action": "drain", "node": node, "worker": d["worker"], "role": d["role"]})
         self.r.delete(JobKeys(jc.info.name).placement)
-        record_event(self.r, jc.info, {"kind": "job_done", "epoch": self.lease.epoch, "actions": sent})
+        if sent:   # a restarted controller finds finished jobs with nothing left to drain: no event
+            record_event(self.r, jc.info, {"kind": "job_done", "epoch": self.lease.epoch, "actions": sent})
         jc.finished = True
 
 
@@ -859,7 +861,7 @@ class LocalControl:
 
 
 def start_local_control(cfg, run_dir: Path, redis_url: str, *, slots: int | None = None,
-                        node: str | None = None, interval_s: float = 10.0) -> LocalControl:
+                        node: str | None = None, interval_s: float | None = None) -> LocalControl:
     """Start ``libra-ctl controller`` and ``libra-ctl agent`` for a local run; returns their handle.
 
     ``slots``: CPU slots for the agent; None: the GPUs it finds (``LIBRA_GPUS``
@@ -870,6 +872,8 @@ def start_local_control(cfg, run_dir: Path, redis_url: str, *, slots: int | None
     """
     from pipeline.agent import SlotError, detect_slots
 
+    if interval_s is None:
+        interval_s = ControlConfig.from_dict(getattr(cfg, "control", None) and asdict(cfg.control)).interval_s
     if slots is None:
         try:
             detect_slots(None)
