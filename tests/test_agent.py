@@ -199,6 +199,21 @@ def test_actions_of_a_fenced_controller_are_ignored(r, redis_url, tmp_path, stop
     assert Job.fetch(bad.id, connection=r, serializer=bad.serializer).get_status() in ("scheduled", "failed")
 
 
+def test_restart_action_bumps_the_generation_once(r, redis_url, tmp_path, stop_agents):
+    run_dir = sim_job(r, redis_url, tmp_path)
+    a = make_agent(r, redis_url)
+    stop_agents.append(a)
+    key = worker_key(JOB, "rollout-n1-0")
+    control_jobs.restart(r, NODE, JOB, "rollout-n1-0")          # nothing desired yet: no-op
+    control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    first = control_jobs.restart(r, NODE, JOB, "rollout-n1-0")
+    a.jobs.run_pending()
+    assert json.loads(r.hget(agent_desired(NODE), key))["generation"] == 1
+    control_jobs.queue(r, NODE).enqueue_job(Job.fetch(first.id, connection=r, serializer=first.serializer))
+    a.jobs.run_pending()                                         # the same action retried: still 1
+    assert json.loads(r.hget(agent_desired(NODE), key))["generation"] == 1
+
+
 @pytest.mark.slow
 def test_crashed_worker_restarts_with_backoff(r, redis_url, tmp_path, stop_agents):
     run_dir = sim_job(r, redis_url, tmp_path)
