@@ -51,7 +51,8 @@ import redis
 
 from pipeline import config as config_mod, manifest as manifest_mod, messages
 from pipeline.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT, JOBS, JobKeys
-from pipeline.streams import backlog_groups, dead_letter, decode_entries, ensure_groups, read, run_stage
+from pipeline.streams import (dead_letter, decode_entries, ensure_groups, group_pending, read, run_stage,
+                              stream_lag)
 from pipeline.workload import Workload, load_workload
 
 ROLES = ("rollout", "reward", "learner")
@@ -251,7 +252,6 @@ class SimRollout:
     def __init__(self, ctx, model: CostModel, clock: Clock, meter):
         self.ctx, self.model, self.clock, self.meter = ctx, model, clock, meter
         self.group_size = ctx.cfg.rollout.group_size
-        self.downstream = [(ctx.keys.rollouts, GROUP_REWARD), (ctx.keys.scored, GROUP_LEARNER)]
         self.load_weights()
 
     def published_version(self) -> int:
@@ -267,7 +267,10 @@ class SimRollout:
         """Reload a newer version, then wait while downstream is full (as the vLLM worker does)."""
         if self.published_version() > self.ctx.policy_version:
             self.load_weights()
-        backlog = backlog_groups(self.ctx.r, self.downstream) * self.group_size
+        # as workers/rollout.py counts it: reward's lag and pending, and the scored stream's lag
+        k = self.ctx.keys
+        backlog = (stream_lag(self.ctx.r, k.rollouts, GROUP_REWARD) + group_pending(self.ctx.r, k.rollouts, GROUP_REWARD)
+                   + stream_lag(self.ctx.r, k.scored, GROUP_LEARNER)) * self.group_size
         if backlog >= self.ctx.cfg.streams.max_queue_size:
             self.ctx.state = "waiting"
             time.sleep(0.05)
