@@ -110,6 +110,24 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class ControlConfig:
+    mode: str = _f("auto", "initial allocation mode: auto (the policy moves slots) or pinned (the configured counts)")
+    interval_s: float = _f(10.0, "the controller's reconcile period")
+    window_s: float = _f(60.0, "metrics window the policy sees")
+    cooldown_s: float = _f(150.0, "no move sooner than this after the previous one (against flapping)")
+    horizon_s: float = _f(900.0, "a move must pay for its transition cost within this time")
+    switch_cost_s: float = _f(40.0, "seconds a slot yields nothing while it changes role")
+    learner_scaling_exponent: float = _f(0.9, "n learner slots train at n**e times one")
+    reward_on_slots: bool = _f(False, "reward workers hold slots (else they run on CPUs beside the slots)")
+    min_rollout: int = _f(1, "fewest rollout workers")
+    max_rollout: int = _f(1 << 30, "most rollout workers")
+    min_learner: int = _f(1, "fewest learner slots")
+    max_learner: int = _f(1 << 30, "most learner slots (the vllm backend's learner is one process: 1)")
+    min_reward: int = _f(1, "fewest reward workers")
+    max_reward: int = _f(1 << 30, "most reward workers")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     runs_dir: str = _f("runs", "where run directories are created")
     progress_s: float = _f(1.0, "seconds between progress line updates")
@@ -125,6 +143,7 @@ class Config:
     streams: StreamsConfig = field(default_factory=StreamsConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict:
@@ -238,6 +257,12 @@ def validate(cfg: Config) -> None:
          f"checkpoint acknowledges them (checkpoint_every {lr.checkpoint_every} x step_budget_s "
          f"{lr.step_budget_s:g} + checkpoint_write_s {lr.checkpoint_write_s:g} = {hold_s:g}s); raise it above "
          f"{hold_s:g} or checkpoint more often")
+    ctl = cfg.control
+    need(ctl.mode in ("auto", "pinned"), "control.mode", f"{ctl.mode!r}: use auto or pinned")
+    need(ctl.interval_s > 0, "control.interval_s", "must be > 0")
+    for role in ("rollout", "learner", "reward"):
+        need(getattr(ctl, f"min_{role}") <= getattr(ctl, f"max_{role}"), f"control.min_{role}",
+             f"exceeds control.max_{role}")
     need(cfg.metrics.interval_s > 0, "metrics.interval_s", "must be > 0")
     need(st.max_deliveries >= 1, "streams.max_deliveries", "must be >= 1")
     need(min(st.rollout_min_idle_s, st.reward_min_idle_s) > 0, "streams.*_min_idle_s", "must be > 0")

@@ -24,6 +24,7 @@ import redis
 
 from pipeline import manifest as manifest_mod
 from pipeline.config import Config
+from pipeline.controller import start_local_control
 from pipeline.keys import JOBS, JobKeys
 from pipeline.metrics import start_sampler
 from pipeline.report import write_report
@@ -105,6 +106,7 @@ class Orchestrator:
         self.cfg, self.run_dir, self.r, self.url, self.out = cfg, run_dir, r, url, out
         self.keys = JobKeys(cfg.job.name)
         self.children: list[Child] = []
+        self.control = None
         self.t0 = time.monotonic()
         self.tty = out.isatty()
 
@@ -120,26 +122,28 @@ class Orchestrator:
         self.children.append(Child(worker_id, role, proc))
 
     def start_workers(self) -> None:
-        node = socket.gethostname().split(".")[0]
+        """The feeder here; the stage workers through a local controller and node agent."""
         self.spawn("feeder", "pipeline.feeder", "feeder-0")
-        for i in range(self.cfg.learner.workers):
-            self.spawn("learner", "workers.learner", f"learner-{i}")
-        for i in range(self.cfg.reward.workers):
-            self.spawn("reward", "workers.reward", f"reward-{node}-{i}")
-        for i in range(self.cfg.rollout.workers):
-            self.spawn("rollout", "workers.rollout", f"rollout-{node}-{i}")
+        self.control = start_local_control(self.cfg, self.run_dir, self.url)
 
     def check_children(self) -> None:
-        """Fail the run when a worker dies; the feeder and the learner end by themselves when done."""
+        """Fail the run when the feeder, the controller or the agent dies (the agent restarts workers)."""
+        if self.control is not None:
+            try:
+                self.control.check()
+            except RuntimeError as exc:
+                raise RunFailed(str(exc)) from None
         for c in self.children:
             code = c.proc.poll()
-            if code == 0 and c.role in ("feeder", "learner"):
-                continue
+            if code == 0:
+                continue  # the feeder ends by itself once training is done
             if code is not None:
                 tail = _tail(self.run_dir / "logs" / f"{c.worker_id}.out")
                 raise RunFailed(f"{c.worker_id} exited with code {code}; last output:\n{tail}")
 
     def stop_children(self) -> None:
+        if self.control is not None:
+            self.control.stop()  # the controller, then the agent, which drains the stage workers
         for c in self.children:
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
@@ -225,7 +229,7 @@ class Orchestrator:
         if not resumed:
             self.request_eval("start", 0)
         self.start_workers()
-        print(f"workers: {', '.join(c.worker_id for c in self.children)}  (logs in {self.run_dir / 'logs'})",
+        print(f"controller and agent started; workers come up through the agent (logs in {self.run_dir / 'logs'})",
               file=self.out, flush=True)
         start = self.wait_eval("start")
         print(f"held-out greedy success at start: {start['success_rate']:.1%} "
@@ -325,8 +329,9 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
     finally:
         if orch is not None:
             try:
-                if orch.r.hget(orch.keys.state, "phase") != b"trained":
-                    orch.r.hset(orch.keys.state, "phase", "stopped")
+                # Any phase but running/trained tells the controller and agent the job is over.
+                done = orch.r.hget(orch.keys.state, "phase") == b"trained"
+                orch.r.hset(orch.keys.state, "phase", "done" if done else "stopped")
             except redis.RedisError:
                 pass
             orch.stop_children()
