@@ -74,6 +74,16 @@ def dead_letter(pipe, keys: JobKeys, source: str, entry_id: bytes, reason: str,
     pipe.hincrby(keys.counters, "dead_letter_messages", 1)
 
 
+def redis_full(exc: redis.ResponseError) -> bool:
+    """Whether Redis refused a write because it is at ``maxmemory`` (``noeviction``).
+
+    redis-py 5 and later raise ``OutOfMemoryError`` and strip the ``OOM``
+    error code from the message; older ones raise a ResponseError whose
+    message starts with it.
+    """
+    return isinstance(exc, redis.exceptions.OutOfMemoryError) or str(exc).startswith("OOM")
+
+
 def execute_with_backpressure(build: Callable[[], "redis.client.Pipeline"], log=None,
                               stop: Callable[[], bool] = lambda: False) -> list:
     """Run a transaction, waiting while Redis is full (``noeviction`` refuses writes with OOM).
@@ -87,7 +97,7 @@ def execute_with_backpressure(build: Callable[[], "redis.client.Pipeline"], log=
         try:
             return pipe.execute()
         except redis.ResponseError as exc:
-            if not str(exc).startswith("OOM") or stop():
+            if not redis_full(exc) or stop():
                 raise
             if log:
                 log.warning("redis_full_waiting", delay_s=delay)
@@ -200,12 +210,15 @@ def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: st
         n = counts.get(entry_id, 1)
         (over if n > policy.max_deliveries else keep).append((entry_id, payload, n))
     if over:
-        pipe = r.pipeline(transaction=True)
-        for entry_id, payload, n in over:
-            dead_letter(pipe, keys, source, entry_id, f"exceeded max_deliveries ({policy.max_deliveries}): "
-                        f"delivered {n} times", payload, deliveries=n, trajectories=_payload_size(payload))
-            pipe.xack(source, group, entry_id)
-        pipe.execute()
+        def build():
+            pipe = r.pipeline(transaction=True)
+            for entry_id, payload, n in over:
+                dead_letter(pipe, keys, source, entry_id, f"exceeded max_deliveries ({policy.max_deliveries}): "
+                            f"delivered {n} times", payload, deliveries=n, trajectories=_payload_size(payload))
+                pipe.xack(source, group, entry_id)
+            return pipe
+
+        execute_with_backpressure(build, log)
         if log:
             log.warning("dead_lettered_redelivered", entries=len(over))
     if keep and log:
@@ -355,7 +368,7 @@ def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log
             except redis.WatchError:
                 continue
             except redis.ResponseError as exc:
-                if not str(exc).startswith("OOM") or stop():
+                if not redis_full(exc) or stop():
                     raise
                 if log:
                     log.warning("redis_full_waiting", delay_s=delay)
