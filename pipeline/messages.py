@@ -79,7 +79,13 @@ class Group:
         return [t.reward for t in self.trajectories]
 
     def with_rewards(self, rewards: list[float], scored_at: float) -> "Group":
-        trajs = tuple(replace(t, reward=float(r)) for t, r in zip(self.trajectories, rewards))
+        # Built field by field rather than with dataclasses.replace, which introspects the class
+        # on every call: the reward stage does this for every trajectory it passes on.
+        trajs = tuple(Trajectory(sample_idx=t.sample_idx, completion=t.completion, mask=t.mask,
+                                 logprobs=t.logprobs, text=t.text, finish=t.finish, turns=t.turns,
+                                 tool_calls=t.tool_calls, tool_latency_s=t.tool_latency_s,
+                                 tool_timeouts=t.tool_timeouts, reward=float(r))
+                      for t, r in zip(self.trajectories, rewards))
         return replace(self, trajectories=trajs, scored_at=scored_at)
 
 
@@ -102,7 +108,19 @@ def encode(msg: Prompt | Group) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-def _bytes(arr: np.ndarray, dtype: np.dtype) -> bytes:
+def _bytes(arr: np.ndarray, dtype: np.dtype):
+    """The array's bytes for msgpack's bin type, copied only when they are not already laid out right.
+
+    A decoded array is a view on the bytes it came in (``np.frombuffer``), so a
+    stage that passes it on re-sends those bytes as they are; any other array
+    of the right dtype and layout goes as a memoryview, which msgpack copies
+    once into its buffer.
+    """
+    if type(arr) is np.ndarray and arr.dtype == dtype and arr.flags.c_contiguous:
+        base = arr.base
+        if type(base) is bytes and len(base) == arr.nbytes:
+            return base
+        return memoryview(arr).cast("B") if arr.size else b""
     return np.ascontiguousarray(arr, dtype=dtype).tobytes()
 
 
@@ -134,69 +152,91 @@ def decode(payload: bytes, max_bytes: int) -> Prompt | Group:
         raise BadMessage(f"unknown schema version {version!r} (this build reads {SCHEMA_VERSION})")
     kind = body.get("kind")
     if kind == "prompt":
-        return Prompt(prompt_id=_get(body, "prompt_id", str), prompt=_get(body, "prompt", str),
-                      answer=_get(body, "answer", int), issued_at=_get(body, "issued_at", float))
+        return Prompt(*_fields(body, _PROMPT_FIELDS, _PROMPT_TYPES))
     if kind == "group":
         return _decode_group(body)
     raise BadMessage(f"unknown message kind {kind!r}")
 
 
+# Required fields of each map and their exact types. ``_fields`` checks them all in one pass of C
+# loops; only when that fails does it go field by field, to coerce an int where a float goes and to
+# name the first field that is missing or mistyped.
+_PROMPT_FIELDS = ("prompt_id", "prompt", "answer", "issued_at")
+_PROMPT_TYPES = (str, str, int, float)
+_GROUP_FIELDS = ("prompt_id", "prompt", "answer", "prompt_tokens", "version", "worker", "generated_at", "gen_s",
+                 "trajectories")
+_GROUP_TYPES = (str, str, int, bytes, int, str, float, float, list)
+_TRAJ_FIELDS = ("sample_idx", "completion", "mask", "logprobs", "text", "finish", "turns", "tool_calls",
+                "tool_latency_s", "tool_timeouts")
+_TRAJ_TYPES = (int, bytes, bytes, bytes, str, str, int, int, list, int)
+_SCALARS = (int, float, str, bool, type(None))
+_MISSING = object()
+
+
+def _fields(body: dict, names: tuple[str, ...], types: tuple[type, ...]) -> tuple:
+    values = tuple(map(body.get, names))
+    if tuple(map(type, values)) == types:  # msgpack yields exact types, so bool never passes for int
+        return values
+    return tuple(_get(body, name, typ) for name, typ in zip(names, types))
+
+
 def _get(body: dict, name: str, typ: type, optional: bool = False):
-    if name not in body or (optional and body[name] is None):
+    value = body.get(name, _MISSING)
+    if type(value) is typ:
+        return value
+    if value is _MISSING or (optional and value is None):
         if optional:
             return None
         raise BadMessage(f"missing field {name!r}")
-    value = body[name]
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise BadMessage(f"field {name!r}: expected {typ.__name__}, got {type(value).__name__}")
-    return value
+    if typ is float and type(value) is int:
+        return float(value)
+    raise BadMessage(f"field {name!r}: expected {typ.__name__}, got {type(value).__name__}")
 
 
-def _array(body: dict, name: str, dtype: np.dtype) -> np.ndarray:
-    raw = _get(body, name, bytes)
+def _array(name: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
     if len(raw) % dtype.itemsize:
         raise BadMessage(f"field {name!r}: {len(raw)} bytes is not a whole number of {dtype}")
-    return np.frombuffer(raw, dtype=dtype)
+    return np.frombuffer(raw, dtype=dtype)  # zero-copy, read-only view on the payload's bytes
 
 
 def _decode_group(body: dict) -> Group:
-    raw_trajs = _get(body, "trajectories", list)
+    prompt_id, prompt, answer, prompt_tokens, version, worker, generated_at, gen_s, raw_trajs = _fields(
+        body, _GROUP_FIELDS, _GROUP_TYPES)
     if not raw_trajs:
         raise BadMessage("empty group: no trajectories")
-    trajs = tuple(_decode_traj(t) for t in raw_trajs)
+    trajs = tuple(map(_decode_traj, raw_trajs))
     extra = _get(body, "extra", dict, optional=True) or {}
-    return Group(
-        prompt_id=_get(body, "prompt_id", str), prompt=_get(body, "prompt", str),
-        answer=_get(body, "answer", int), prompt_tokens=_array(body, "prompt_tokens", TOKEN_DTYPE),
-        version=_get(body, "version", int), worker=_get(body, "worker", str),
-        generated_at=_get(body, "generated_at", float), gen_s=_get(body, "gen_s", float),
-        trajectories=trajs, scored_at=_get(body, "scored_at", float, optional=True), extra=extra,
-    )
+    for key, value in extra.items():
+        if type(value) not in _SCALARS:
+            raise BadMessage(f"field 'extra': {key!r} is a {type(value).__name__}, not a scalar")
+    return Group(prompt_id=prompt_id, prompt=prompt, answer=answer,
+                 prompt_tokens=_array("prompt_tokens", prompt_tokens, TOKEN_DTYPE), version=version,
+                 worker=worker, generated_at=generated_at, gen_s=gen_s, trajectories=trajs,
+                 scored_at=_get(body, "scored_at", float, optional=True), extra=extra)
 
 
 def _decode_traj(body) -> Trajectory:
-    if not isinstance(body, dict):
+    if type(body) is not dict:
         raise BadMessage("malformed trajectory: not a map")
-    completion = _array(body, "completion", TOKEN_DTYPE)
-    mask = _array(body, "mask", MASK_DTYPE)
-    logprobs = _array(body, "logprobs", LOGPROB_DTYPE)
-    idx = _get(body, "sample_idx", int)
-    if completion.size == 0:
+    idx, completion, mask, logprobs, text, finish, turns, tool_calls, latencies, timeouts = _fields(
+        body, _TRAJ_FIELDS, _TRAJ_TYPES)
+    if not completion:
         raise BadMessage(f"empty trajectory: sample {idx} has no tokens")
-    if not (completion.size == mask.size == logprobs.size):
+    completion = _array("completion", completion, TOKEN_DTYPE)
+    if mask.translate(None, b"\x00\x01"):  # what is left once every 0 and 1 byte is deleted
+        raise BadMessage(f"trajectory {idx}: mask holds a value other than 0 and 1")
+    logprobs = _array("logprobs", logprobs, LOGPROB_DTYPE)
+    if not (completion.size == len(mask) == logprobs.size):
         raise BadMessage(f"trajectory {idx}: completion, mask and logprobs lengths differ")
-    if not np.all(np.isfinite(logprobs)):
+    # The float32 sum is finite when every log-prob is, unless it overflows: then check one by one.
+    if not math.isfinite(logprobs.sum()) and not np.isfinite(logprobs).all():
         raise BadMessage(f"trajectory {idx}: non-finite behaviour log-prob")
     reward = _get(body, "reward", float, optional=True)
     if reward is not None and not math.isfinite(reward):
         raise BadMessage(f"trajectory {idx}: reward is {reward}, not a finite number")
-    latencies = _get(body, "tool_latency_s", list)
-    return Trajectory(
-        sample_idx=idx, completion=completion, mask=mask, logprobs=logprobs,
-        text=_get(body, "text", str), finish=_get(body, "finish", str),
-        turns=_get(body, "turns", int), tool_calls=_get(body, "tool_calls", int),
-        tool_latency_s=tuple(float(x) for x in latencies),
-        tool_timeouts=_get(body, "tool_timeouts", int), reward=reward,
-    )
+    for x in latencies:
+        if type(x) is not float and type(x) is not int:
+            raise BadMessage(f"trajectory {idx}: tool_latency_s holds a {type(x).__name__}, not a number")
+    return Trajectory(sample_idx=idx, completion=completion, mask=np.frombuffer(mask, dtype=MASK_DTYPE),
+                      logprobs=logprobs, text=text, finish=finish, turns=turns, tool_calls=tool_calls,
+                      tool_latency_s=tuple(map(float, latencies)), tool_timeouts=timeouts, reward=reward)
