@@ -105,19 +105,36 @@ def execute_with_backpressure(build: Callable[[], "redis.client.Pipeline"], log=
             delay = min(delay * 2, 5.0)
 
 
+# Counts the entries of KEYS[1] after id ARGV[1] (exclusive), at most ARGV[2], in pages, inside the
+# server: the payloads never cross the wire. Only for Redis 6.2, whose XINFO GROUPS has no lag.
+_COUNT_AFTER = """
+local n, start, cap = 0, '(' .. ARGV[1], tonumber(ARGV[2])
+while n < cap do
+  local page = redis.call('XRANGE', KEYS[1], start, '+', 'COUNT', math.min(100, cap - n))
+  if #page == 0 then break end
+  n = n + #page
+  start = '(' .. page[#page][1]
+end
+return n
+"""
+
+
 def stream_lag(r: redis.Redis, stream: str, group: str, cap: int = 10_000) -> int:
     """Entries not yet delivered to ``group`` (at most ``cap``).
 
-    Redis 6.2 (the embedded server) has no ``lag`` in XINFO GROUPS, so this
-    counts the entries after the group's last-delivered id.
+    Redis 7 reports it (XINFO GROUPS ``lag``). Redis 6.2 (the embedded
+    server) does not, so there the entries after the group's last-delivered
+    id are counted by a server-side script: a round trip, not the payloads.
     """
     last = b"0-0"
     for info in r.xinfo_groups(stream):
         if info["name"] in (group, group.encode()):
+            if info.get("lag") is not None:
+                return min(int(info["lag"]), cap)
             last = info["last-delivered-id"]
             break
     last = last.decode() if isinstance(last, bytes) else last
-    return len(r.xrange(stream, min="(" + last, max="+", count=cap))
+    return int(r.eval(_COUNT_AFTER, 1, stream, last, cap))
 
 
 def _id_key(entry_id) -> tuple[int, int]:
@@ -203,7 +220,7 @@ def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: st
     next_cursor = next_cursor.decode() if isinstance(next_cursor, bytes) else next_cursor
     if not claimed:
         return [], next_cursor
-    counts = delivery_counts(r, source, group, [i for i, _f in claimed])
+    counts = delivery_counts(r, source, group, [i for i, _f in claimed], consumer)
     keep, over = [], []
     for entry_id, fields in claimed:
         payload = (fields or {}).get(messages.FIELD, b"")
@@ -226,56 +243,84 @@ def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: st
     return [(i, p) for i, p, _n in keep], next_cursor
 
 
-def delivery_counts(r: redis.Redis, stream: str, group: str, ids: list[bytes]) -> dict[bytes, int]:
-    """How many times each pending entry has been delivered."""
-    out = {}
+def delivery_counts(r: redis.Redis, stream: str, group: str, ids: list[bytes],
+                    consumer: str | None = None) -> dict[bytes, int]:
+    """How many times each pending entry has been delivered.
+
+    With ``consumer`` (the one that holds them all, as after XAUTOCLAIM) one
+    XPENDING over the ids' range answers for all of them; entries it misses
+    (the range held more of that consumer's entries than it returned) are
+    asked for one by one.
+    """
+    out: dict[bytes, int] = {}
+    if consumer and len(ids) > 1:
+        lo, hi = min(ids, key=_id_key), max(ids, key=_id_key)
+        wanted = set(ids)
+        for info in r.xpending_range(stream, group, min=lo, max=hi, count=4 * len(ids), consumername=consumer):
+            mid = _as_bytes(info["message_id"])
+            if mid in wanted:
+                out[mid] = int(info["times_delivered"])
     for entry_id in ids:
+        if entry_id in out:
+            continue
         for info in r.xpending_range(stream, group, min=entry_id, max=entry_id, count=1):
-            mid = info["message_id"]
-            out[mid if isinstance(mid, bytes) else mid.encode()] = int(info["times_delivered"])
+            out[_as_bytes(info["message_id"])] = int(info["times_delivered"])
     return out
+
+
+def _as_bytes(value) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
 
 
 class ClaimKeeper:
     """Refresh our claim on entries in hand during a long handler (XCLAIM ... JUSTID).
 
     JUSTID resets the idle time without counting a delivery, so another
-    consumer's XAUTOCLAIM does not take entries we are still working on.
+    consumer's XAUTOCLAIM does not take entries we are still working on. One
+    thread per stage, started with the first batch and kept until ``close``:
+    starting a thread per batch costs more than a fast handler's whole batch
+    on a loaded machine. It refreshes the ids in hand every ``interval_s``
+    (a third of ``min_idle``); a refresh that races the batch's ack claims
+    ids no longer pending, which XCLAIM ignores.
     """
 
     def __init__(self, r: redis.Redis, stream: str, group: str, consumer: str, min_idle_ms: int):
         self.r, self.stream, self.group, self.consumer = r, stream, group, consumer
         self.interval_s = max(0.5, min_idle_ms / 3000)
         self.ids: list[bytes] = []
-        self._stop = threading.Event()
+        self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
     def refresh(self) -> None:
-        if self.ids:
-            self.r.xclaim(self.stream, self.group, self.consumer, 0, self.ids, justid=True)
+        ids = self.ids
+        if ids:
+            self.r.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
 
     def __call__(self, ids: list[bytes]) -> "ClaimKeeper":
         self.ids = list(ids)
         return self
 
     def __enter__(self) -> "ClaimKeeper":
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="claim-keeper")
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="claim-keeper")
+            self._thread.start()
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._closed.wait(self.interval_s):
             try:
                 self.refresh()
             except redis.RedisError:
                 pass  # the next refresh or the reclaim after a restart covers it
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
+        self.ids = []
+
+    def close(self) -> None:
+        self._closed.set()
         if self._thread:
             self._thread.join()
-        self.ids = []
+            self._thread = None
 
 
 def run_stage(
@@ -308,21 +353,24 @@ def run_stage(
     cursor = "0-0"
     keeper = ClaimKeeper(r, source, group, consumer, claims.min_idle_ms)
     rounds = 0
-    while not stop():
-        if not before_read():
-            continue
-        rounds += 1
-        if rounds % TRIM_EVERY == 0:
-            trim(r, source)
-        entries, cursor = reclaim(r, keys, source, group, consumer, claims, count, cursor, log)
-        if not entries:
-            entries = read(r, source, group, consumer, count, block_ms)
-        if not entries:
-            continue
-        good, bad = decode_entries(entries, max_bytes)
-        with keeper([i for i, _p in entries]):
-            outputs = handle([msg for _id, msg in good]) if good else []
-        write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop, dedup)
+    try:
+        while not stop():
+            if not before_read():
+                continue
+            rounds += 1
+            if rounds % TRIM_EVERY == 0:
+                trim(r, source)
+            entries, cursor = reclaim(r, keys, source, group, consumer, claims, count, cursor, log)
+            if not entries:
+                entries = read(r, source, group, consumer, count, block_ms)
+            if not entries:
+                continue
+            good, bad = decode_entries(entries, max_bytes)
+            with keeper([i for i, _p in entries]):
+                outputs = handle([msg for _id, msg in good]) if good else []
+            write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop, dedup)
+    finally:
+        keeper.close()
 
 
 @dataclass(frozen=True)
@@ -357,7 +405,7 @@ def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log
                 watched = [m for m in marks if m]
                 if watched:
                     pipe.watch(*watched)
-                    already = {m for m in watched if pipe.exists(m)}
+                    already = {m for m, v in zip(watched, pipe.mget(watched)) if v is not None}
                     pipe.multi()
                 else:
                     already = set()
@@ -382,7 +430,6 @@ def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log
 def _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already, dedup) -> None:
     for entry_id, payload, reason in bad:
         dead_letter(pipe, keys, source, entry_id, reason, payload)
-        pipe.xack(source, group, entry_id)
     written = duplicates = 0
     for (entry_id, msg), out, mark in zip(good, outputs, marks):
         if isinstance(out, Reject):
@@ -396,7 +443,9 @@ def _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, 
                 pipe.set(mark, 1, ex=dedup.ttl_s)
                 already.add(mark)  # a second copy in this very batch is a duplicate too
             written += _size(out)
-        pipe.xack(source, group, entry_id)
+    acked = [entry_id for entry_id, _p, _r in bad] + [entry_id for entry_id, _m in good]
+    if acked:
+        pipe.xack(source, group, *acked)  # in the same MULTI as the writes: both or neither
     if counter and written:
         pipe.hincrby(keys.counters, counter, written)
     if duplicates:
