@@ -64,7 +64,8 @@ def poll_status(proc, runs: Path, env: dict) -> list[dict]:
                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
             if st.returncode == 0:
                 doc = json.loads(st.stdout)
-                if doc["jobs"] and doc["jobs"][0]["workers"]:
+                roles = {w["role"] for w in doc["jobs"][0]["workers"]} if doc["jobs"] else set()
+                if roles >= {"rollout", "reward", "learner"}:  # the agent has brought every stage up
                     r = connect(url)
                     groups = {s["stream"]: [g["name"].decode() for g in r.xinfo_groups(s["stream"])]
                               for s in doc["jobs"][0]["stages"]}
