@@ -11,6 +11,7 @@ import time
 
 import redis
 
+from pipeline.controller import allocation_status, format_allocation
 from pipeline.keys import JOBS, JobKeys
 from pipeline.streams import group_pending, stream_lag
 
@@ -20,14 +21,17 @@ STALE_HEARTBEAT_S = 10.0
 
 def job_status(r: redis.Redis, job: str) -> dict:
     keys = JobKeys(job)
+    alloc = allocation_status(r, job)
     workers = []
     for wid, raw in sorted(r.hgetall(keys.workers).items()):
         rec = json.loads(raw)
+        placed = alloc["workers"].get(rec["id"], {})
         state = rec["state"]
         if state not in ("exited",) and time.time() - rec.get("heartbeat", 0) > STALE_HEARTBEAT_S:
             state = "lost"  # no heartbeat: the process is gone or stuck
-        workers.append({"id": rec["id"], "role": rec["role"], "pid": rec["pid"], "node": rec["node"],
-                        "slots": rec.get("slots", []), "state": state,
+        workers.append({"id": rec["id"], "role": rec["role"], "pid": rec["pid"],
+                        "node": placed.get("node", rec["node"]), "slots": placed.get("slots", rec.get("slots", [])),
+                        "state": state,
                         "rate_per_s": rec.get("rate_per_s", 0.0), "policy_version": rec.get("policy_version")})
     stages = []
     for stage, stream, group in keys.stages:
@@ -40,16 +44,12 @@ def job_status(r: redis.Redis, job: str) -> dict:
             "lag": stream_lag(r, stream, group) if exists else 0,
             "rate_per_s": round(sum(w["rate_per_s"] for w in live), 3),
         })
-    roles = {}
-    for w in workers:
-        if w["state"] not in ("exited", "lost") and w["role"] in ROLE_OF_STAGE.values():
-            roles[w["role"]] = roles.get(w["role"], 0) + 1
     version = r.hget(keys.policy, "version")
     phase = r.hget(keys.state, "phase")
     return {
         "name": job, "phase": phase.decode() if phase else None,
         "policy_version": int(version) if version is not None else None,
-        "allocation": {"mode": "pinned", "roles": roles},
+        "allocation": {k: alloc[k] for k in ("mode", "roles", "target", "pinned", "nodes")},
         "stages": stages, "workers": workers,
         "counters": {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()},
     }
@@ -67,9 +67,8 @@ def format_status(st: dict) -> str:
         return "no jobs on this Redis"
     out = []
     for j in st["jobs"]:
-        roles = " ".join(f"{k}={v}" for k, v in sorted(j["allocation"]["roles"].items()))
-        out.append(f"job {j['name']}  phase {j['phase']}  policy v{j['policy_version']}  "
-                   f"allocation ({j['allocation']['mode']}) {roles}")
+        out.append(f"job {j['name']}  phase {j['phase']}  policy v{j['policy_version']}")
+        out.append("  " + format_allocation(j["allocation"]).replace("\n", "\n  "))
         out.append(f"  {'stage':<8} {'stream':<28} {'length':>7} {'pending':>8} {'lag':>6} {'rate/s':>8}")
         for s in j["stages"]:
             out.append(f"  {s['name']:<8} {s['stream']:<28} {s['length']:>7} {s['pending']:>8} "
