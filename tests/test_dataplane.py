@@ -1,0 +1,403 @@
+"""The data plane's guarantees, against real Redis servers and real processes.
+
+- a reward worker killed with SIGKILL while it holds entries: another worker
+  completes them once they have been idle ``min_idle``, and not before;
+- every kind of bad message is dead-lettered with its own reason while the
+  stage goes on with the good ones;
+- a long run keeps stream lengths and Redis memory bounded (MINID trimming);
+- a full Redis (noeviction) makes producers wait, not crash or drop;
+- the feeder stops at ``admission_limit`` trajectories in flight and resumes
+  as the learner trains;
+- ``libra-ctl bench streams`` delivers every group exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from pipeline import bench_streams, config as config_mod, messages as m
+from pipeline.feeder import admission_limit
+from pipeline.keys import GROUP_LEARNER, GROUP_REWARD, JOBS, JobKeys
+from pipeline.redisconn import ENV_URL, EmbeddedRedis, connect
+from pipeline.streams import (TRIM_EVERY, ClaimPolicy, Dedup, ensure_groups, execute_with_backpressure,
+                              group_pending, run_stage, stream_lag, trim)
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = "dp"
+
+
+def group(pid: str, n: int = 4, tokens: int = 32, reward: float | None = None) -> m.Group:
+    trajs = tuple(m.Trajectory(
+        sample_idx=i, completion=np.arange(tokens, dtype=np.int32), mask=np.ones(tokens, np.uint8),
+        logprobs=np.full(tokens, -0.5, np.float32), text="t", finish="answer", turns=1, tool_calls=0,
+        tool_latency_s=(), tool_timeouts=0, reward=reward) for i in range(n))
+    return m.Group(prompt_id=pid, prompt="Q", answer=1, prompt_tokens=np.array([1, 2], np.int32), version=0,
+                   worker="test", generated_at=1.0, gen_s=0.0, trajectories=trajs)
+
+
+def push(r, stream: str, payload: bytes) -> bytes:
+    return r.xadd(stream, {m.FIELD: payload})
+
+
+def wait_for(cond, timeout_s: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def start_worker(redis_url: str, consumer: str, *extra: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "tests.dataplane_worker", "--url", redis_url, "--job", JOB,
+                             "--consumer", consumer, *extra], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=30)
+
+
+def scored_ids(r) -> list[str]:
+    return [m.decode(f[m.FIELD], 1 << 30).prompt_id for _i, f in r.xrange(JobKeys(JOB).scored)]
+
+
+def pending_of(r, stream: str, group: str, consumer: str) -> int:
+    return len(r.xpending_range(stream, group, min="-", max="+", count=1000, consumername=consumer))
+
+
+# --- a dead reward worker's entries are reclaimed after min_idle -----------------------------------
+
+
+@pytest.mark.slow
+def test_a_killed_reward_worker_s_entries_are_completed_by_another_after_min_idle(r, redis_url):
+    keys = JobKeys(JOB)
+    ensure_groups(r, keys)
+    for i in range(6):
+        push(r, keys.rollouts, m.encode(group(f"g{i}")))
+    slow = start_worker(redis_url, "reward-slow", "--sleep-s", "600", "--min-idle-ms", "1000")
+    wait_for(lambda: pending_of(r, keys.rollouts, GROUP_REWARD, "reward-slow") == 6, what="the slow worker's read")
+    fast = start_worker(redis_url, "reward-fast", "--min-idle-ms", "1000")
+    try:
+        # Alive, the slow worker's claim keeper refreshes its claim: nobody takes its entries.
+        time.sleep(2.5)
+        assert r.xlen(keys.scored) == 0
+        assert pending_of(r, keys.rollouts, GROUP_REWARD, "reward-slow") == 6
+        slow.send_signal(signal.SIGKILL)
+        slow.wait()
+        killed_at = time.monotonic()
+        wait_for(lambda: r.xlen(keys.scored) == 6, 20, "the fast worker to complete the dead one's entries")
+        # Not before min_idle: idle counts from the keeper's last refresh, at most its interval
+        # (0.5 s) before the kill.
+        assert time.monotonic() - killed_at >= 1.0 - 0.5 - 0.05
+        assert sorted(scored_ids(r)) == [f"g{i}" for i in range(6)]
+        assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
+        assert int(r.hget(keys.counters, "scored")) == 6 * 4
+        assert r.xlen(keys.dead_letters) == 0  # two deliveries, under max_deliveries
+    finally:
+        if slow.poll() is None:
+            slow.kill()
+        assert stop(fast) == 0
+
+
+# --- bad input is contained ------------------------------------------------------------------------
+
+
+def _body(g: m.Group) -> dict:
+    return msgpack.unpackb(m.encode(g), raw=False)
+
+
+def _with(change) -> bytes:
+    body = _body(group("bad"))
+    change(body)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def bad_payloads() -> dict[str, tuple[bytes, str]]:
+    """name -> (payload, the start of its dead-letter reason)."""
+    empty_traj = group("bad")
+    t0 = empty_traj.trajectories[0]
+    empty_traj = m.Group(**{**empty_traj.__dict__, "trajectories": (m.Trajectory(**{
+        **t0.__dict__, "completion": np.zeros(0, np.int32), "mask": np.zeros(0, np.uint8),
+        "logprobs": np.zeros(0, np.float32)}),)})
+    return {
+        "malformed msgpack": (b"\xc1\xc1 not msgpack", "malformed msgpack"),
+        "truncated msgpack": (m.encode(group("cut"))[:50], "malformed msgpack"),
+        "unknown schema version": (_with(lambda b: b.update(v=99)), "unknown schema version 99"),
+        "missing field": (_with(lambda b: b.pop("prompt_id")), "missing field 'prompt_id'"),
+        "mistyped field": (_with(lambda b: b.update(version="7")), "field 'version': expected int, got str"),
+        "mistyped trajectory field": (_with(lambda b: b["trajectories"][1].update(turns=1.5)),
+                                      "field 'turns': expected int, got float"),
+        "mistyped list element": (_with(lambda b: b["trajectories"][0].update(tool_latency_s=["slow"])),
+                                  "trajectory 0: tool_latency_s holds a str"),
+        "oversized": (m.encode(group("big", tokens=20_000)), "oversized"),
+        "NaN reward": (m.encode(group("nan", reward=math.nan)), "trajectory 0: reward is nan"),
+        "infinite reward": (m.encode(group("inf", reward=math.inf)), "trajectory 0: reward is inf"),
+        "NaN log-prob": (_with(lambda b: b["trajectories"][2].update(
+            logprobs=np.array([math.nan] * 32, np.float32).tobytes())), "trajectory 2: non-finite behaviour log-prob"),
+        "ragged arrays": (_with(lambda b: b["trajectories"][0].update(mask=b"\x01")),
+                          "trajectory 0: completion, mask and logprobs lengths differ"),
+        "empty trajectory": (m.encode(empty_traj), "empty trajectory: sample 0 has no tokens"),
+        "empty group": (_with(lambda b: b.update(trajectories=[])), "empty group"),
+        "not a map": (msgpack.packb([1, 2, 3]), "malformed message: a list"),
+    }
+
+
+@pytest.mark.slow
+def test_each_kind_of_bad_message_is_dead_lettered_with_its_reason_while_the_stage_goes_on(r, redis_url):
+    keys = JobKeys(JOB)
+    ensure_groups(r, keys)
+    worker = start_worker(redis_url, "reward-0", "--max-bytes", "200000", "--count", "4")
+    try:
+        expected, good = {}, []
+        for k, (name, (payload, reason)) in enumerate(bad_payloads().items()):
+            push(r, keys.rollouts, m.encode(group(f"good-{k}")))
+            good.append(f"good-{k}")
+            expected[push(r, keys.rollouts, payload)] = (name, reason)
+        wait_for(lambda: r.xlen(keys.scored) == len(good) and r.xlen(keys.dead_letters) == len(expected),
+                 30, "every message to be scored or dead-lettered")
+        for _id, f in r.xrange(keys.dead_letters):
+            name, reason = expected[f[b"id"]]
+            assert f[b"reason"].decode().startswith(reason), (name, f[b"reason"])
+            assert f[b"stream"].decode() == keys.rollouts and int(f[b"deliveries"]) == 1
+        assert sorted(scored_ids(r)) == sorted(good)
+        assert worker.poll() is None  # still running: one more good message goes through
+        push(r, keys.rollouts, m.encode(group("after")))
+        wait_for(lambda: "after" in scored_ids(r), 10, "the message after the bad ones")
+        assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
+    finally:
+        assert stop(worker) == 0
+    listed = subprocess.run([sys.executable, "-m", "pipeline.cli", "dlq", "list", "--json", "--job", JOB,
+                             "--redis", redis_url], cwd=ROOT, capture_output=True, text=True)
+    assert listed.returncode == 0 and len(json.loads(listed.stdout)) == len(expected)
+
+
+# --- a long run keeps memory bounded -----------------------------------------------------------------
+
+
+class Pipeline:
+    """The bench's three stages (production loop, no compute) in threads, fed prompt by prompt."""
+
+    def __init__(self, url: str, spec: bench_streams.BenchSpec):
+        self.r, self.keys, self.spec = connect(url), JobKeys(JOB), spec
+        ensure_groups(self.r, self.keys)
+        self.halt = threading.Event()
+        self.threads = [threading.Thread(target=fn, args=(connect(url), self.keys, spec, self.halt.is_set),
+                                         daemon=True)
+                        for fn in (bench_streams.libra_rollout, bench_streams.libra_reward,
+                                   bench_streams.libra_learner)]
+        for t in self.threads:
+            t.start()
+        self.issued = 0
+        self.longest = 0  # the longest any stream got while running
+
+    def trained_groups(self) -> int:
+        return int(self.r.hget(self.keys.counters, "trained") or 0) // self.spec.group_size
+
+    def run(self, groups: int, in_flight: int = 64) -> None:
+        target = self.issued + groups
+        while self.issued < target:
+            if self.issued - self.trained_groups() >= in_flight:
+                self.longest = max(self.longest, *(self.r.xlen(s) for _n, s, _g in self.keys.stages))
+                time.sleep(0.002)
+                continue
+            pipe = self.r.pipeline(transaction=False)
+            for _ in range(min(16, target - self.issued)):
+                pipe.xadd(self.keys.prompts, {m.FIELD: m.encode(m.Prompt(f"p{self.issued}", "Q", 1, 0.0))})
+                self.issued += 1
+            pipe.execute()
+        wait_for(lambda: self.trained_groups() == self.issued, 120, "the pipeline to drain")
+
+    def stop(self) -> None:
+        self.halt.set()
+        for t in self.threads:
+            t.join(timeout=10)
+
+
+def settle(r, keys: JobKeys) -> tuple[int, dict[str, int]]:
+    """Trim every stream once more, then (memory of the data, stream lengths).
+
+    The data's memory is ``used_memory`` less Redis's own buffers: clients'
+    output buffers and, while an AOF rewrite runs, the AOF rewrite buffer,
+    which holds a copy of every write made meanwhile (it is freed when the
+    rewrite ends).
+    """
+    for _stage, stream, _group in keys.stages:
+        trim(r, stream)
+    wait_for(lambda: not int(r.info("persistence").get("aof_rewrite_in_progress", 0)), 60, "the AOF rewrite")
+    mem = r.info("memory")
+    return int(mem["used_memory_dataset"]), {s.rsplit(":", 1)[-1]: r.xlen(s) for _n, s, _g in keys.stages}
+
+
+@pytest.mark.slow
+def test_a_long_run_keeps_streams_and_memory_bounded(redis_url):
+    n = 1500
+    spec = bench_streams.BenchSpec(group_size=4, tokens=512, count=16, block_ms=20)
+    bytes_per_group = len(m.encode(group("x", n=4, tokens=512)))
+    pipeline = Pipeline(redis_url, spec)
+    try:
+        pipeline.run(n)
+        mem_1, lengths_1 = settle(pipeline.r, pipeline.keys)
+        pipeline.run(2 * n)
+        mem_3, lengths_3 = settle(pipeline.r, pipeline.keys)
+    finally:
+        pipeline.stop()
+    r, keys = pipeline.r, pipeline.keys
+    assert int(r.hget(keys.counters, "trained")) == 3 * n * 4
+    # While running, a stream holds what is in flight plus what was acknowledged since its stage's
+    # last trim (every TRIM_EVERY rounds of up to `count` entries); trimmed, only the last-delivered
+    # entry stays.
+    assert pipeline.longest <= 64 + TRIM_EVERY * spec.count + 1
+    assert max(lengths_1.values()) <= 1 and max(lengths_3.values()) <= 1, (lengths_1, lengths_3)
+    # 2n more groups crossed two payload streams (2 x 2n x ~8 KB, ~50 MB); what stays is the dedup
+    # marks (about 100 bytes a group and stage, expiring after their window) and allocator noise.
+    grown = mem_3 - mem_1
+    assert grown < 0.05 * 2 * (2 * n * bytes_per_group), (mem_1, mem_3)
+    assert r.xlen(keys.dead_letters) == 0
+
+
+# --- a full Redis is backpressure ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_redis(tmp_path):
+    with EmbeddedRedis(tmp_path / "full-redis") as server:
+        yield server.url
+
+
+@pytest.mark.slow
+def test_a_full_redis_makes_producers_wait_and_loses_nothing(small_redis):
+    r, keys = connect(small_redis), JobKeys(JOB)
+    ensure_groups(r, keys)
+    for i in range(10):
+        push(r, keys.rollouts, m.encode(group(f"g{i}", tokens=4096)))
+    # Full: half of what is in use (the AOF buffer, counted in used_memory, is not counted against it).
+    r.config_set("maxmemory", str(int(r.info("memory")["used_memory"]) // 2))
+    halt = threading.Event()
+    errors: list[BaseException] = []
+
+    def stage():
+        try:
+            run_stage(connect(small_redis), keys, source=keys.rollouts, group=GROUP_REWARD, consumer="reward-0",
+                      sink=keys.scored, handle=lambda gs: [g.with_rewards([1.0] * 4, 0.0) for g in gs], count=4,
+                      block_ms=50, max_bytes=1 << 20, claims=ClaimPolicy(60_000, 3), stop=halt.is_set,
+                      counter="scored", dedup=Dedup("reward", 600))
+        except BaseException as exc:  # the test fails on any
+            errors.append(exc)
+
+    def feeder():  # the feeder's write path: entry and counters in one transaction, retried while full
+        try:
+            for i in range(5):
+                def build(i=i):
+                    pipe = r.pipeline(transaction=True)
+                    pipe.xadd(keys.prompts, {m.FIELD: m.encode(m.Prompt(f"p{i}", "Q", 1, 0.0))})
+                    pipe.hincrby(keys.counters, "issued_prompts", 1)
+                    return pipe
+                execute_with_backpressure(build)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stage, daemon=True), threading.Thread(target=feeder, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.5)
+        assert all(t.is_alive() for t in threads) and not errors
+        assert r.xlen(keys.scored) == 0 and r.xlen(keys.prompts) == 0  # nothing written ...
+        assert group_pending(r, keys.rollouts, GROUP_REWARD) == 4  # ... and the batch in hand still held
+        assert r.xlen(keys.dead_letters) == 0
+        r.config_set("maxmemory", "2gb")
+        wait_for(lambda: r.xlen(keys.scored) == 10 and not threads[1].is_alive(), 30, "the writes after the raise")
+    finally:
+        halt.set()
+        for t in threads:
+            t.join(timeout=10)
+    assert not errors
+    assert sorted(scored_ids_of(r, keys)) == sorted(f"g{i}" for i in range(10))
+    assert r.xlen(keys.prompts) == 5 and int(r.hget(keys.counters, "issued_prompts")) == 5
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0 and stream_lag(r, keys.rollouts, GROUP_REWARD) == 0
+    assert int(r.hget(keys.counters, "scored")) == 40
+
+
+def scored_ids_of(r, keys: JobKeys) -> list[str]:
+    return [m.decode(f[m.FIELD], 1 << 30).prompt_id for _i, f in r.xrange(keys.scored)]
+
+
+# --- the feeder's admission bound ---------------------------------------------------------------------
+
+
+def feeder_run(tmp_path: Path, r, redis_url: str) -> tuple[Path, config_mod.Config]:
+    cfg = config_mod.load(None, [f"job.name={JOB}", "rollout.group_size=4", "learner.batch_size=8",
+                                 "learner.max_staleness=1", "learner.publish_every=1",
+                                 "streams.max_queue_size=64"])
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "manifest.json").write_text(json.dumps({"config": cfg.to_dict(),
+                                                       "redis": {"url": redis_url, "embedded": False}}))
+    r.sadd(JOBS, JOB)
+    r.hset(JobKeys(JOB).state, mapping={"phase": "running", "run_dir": str(run_dir)})
+    return run_dir, cfg
+
+
+def test_the_feeder_stops_at_the_admission_limit_and_resumes_as_the_learner_trains(tmp_path, r, redis_url):
+    run_dir, cfg = feeder_run(tmp_path, r, redis_url)
+    keys = JobKeys(JOB)
+    limit = admission_limit(cfg)
+    assert limit == 16  # (max_staleness + 1) x batch_size, under max_queue_size
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.feeder", "--run-dir", str(run_dir),
+                             "--worker-id", "feeder-0"], cwd=ROOT, env=dict(os.environ, **{ENV_URL: redis_url}))
+    try:
+        def issued() -> int:
+            return int(r.hget(keys.counters, "issued") or 0)
+
+        wait_for(lambda: issued() == limit, 30, "the feeder to fill the admission window")
+        time.sleep(1.0)
+        assert issued() == limit and r.xlen(keys.prompts) == limit // 4  # stopped there
+        r.hincrby(keys.counters, "trained", 8)  # the learner trains a batch: two groups' room
+        wait_for(lambda: issued() == limit + 8, 10, "the feeder to resume")
+        time.sleep(0.5)
+        assert issued() == limit + 8
+        r.hincrby(keys.counters, "dead_lettered", 4)  # dead letters are accounted for too
+        wait_for(lambda: issued() == limit + 12, 10, "room from a dead letter")
+        r.hset(keys.state, "phase", "done")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    ids = [m.decode(f[m.FIELD], 1 << 20).prompt_id for _i, f in r.xrange(keys.prompts)]
+    assert len(ids) == len(set(ids)) == (limit + 12) // 4
+
+
+# --- the benchmark delivers every group exactly once ---------------------------------------------------
+
+
+def test_bench_streams_json_and_exactly_once(tmp_path, redis_url):
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "bench", "streams", "--seconds", "0.7",
+                           "--warmup", "0.3", "--rounds", "1", "--tokens", "256", "--json", str(out),
+                           "--redis", redis_url], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    res = json.loads(out.read_text())
+    assert {"trajectories_per_s", "mb_per_s", "raw_trajectories_per_s", "ratio"} <= set(res)
+    assert res["trajectories_per_s"] > 0 and res["raw_trajectories_per_s"] > 0 and res["mb_per_s"] > 0
+    assert res["ratio"] == pytest.approx(res["trajectories_per_s"] / res["raw_trajectories_per_s"], rel=0.01)
+    eo = res["exactly_once"]
+    assert eo["issued_groups"] > 0 and eo["drained"]
+    assert eo["delivered_entries"] == eo["distinct_groups"] == eo["issued_groups"]
+    assert eo["lost_groups"] == 0 and eo["duplicate_entries"] == 0 and eo["bad"] == 0
+    assert "ratio" in done.stdout
+    assert not connect(redis_url).keys("libra:{bench-streams-*")  # it cleans up after itself
