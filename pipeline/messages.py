@@ -231,12 +231,15 @@ def _decode_traj(body) -> Trajectory:
     # The float32 sum is finite when every log-prob is, unless it overflows: then check one by one.
     if not math.isfinite(logprobs.sum()) and not np.isfinite(logprobs).all():
         raise BadMessage(f"trajectory {idx}: non-finite behaviour log-prob")
-    reward = _get(body, "reward", float, optional=True)
-    if reward is not None and not math.isfinite(reward):
-        raise BadMessage(f"trajectory {idx}: reward is {reward}, not a finite number")
+    reward = body.get("reward")
+    if reward is not None:
+        if type(reward) is not float:
+            reward = _get(body, "reward", float, optional=True)
+        if not math.isfinite(reward):
+            raise BadMessage(f"trajectory {idx}: reward is {reward}, not a finite number")
     for x in latencies:
         if type(x) is not float and type(x) is not int:
             raise BadMessage(f"trajectory {idx}: tool_latency_s holds a {type(x).__name__}, not a number")
-    return Trajectory(sample_idx=idx, completion=completion, mask=np.frombuffer(mask, dtype=MASK_DTYPE),
-                      logprobs=logprobs, text=text, finish=finish, turns=turns, tool_calls=tool_calls,
-                      tool_latency_s=tuple(map(float, latencies)), tool_timeouts=timeouts, reward=reward)
+    # Positional, in Trajectory's field order: this runs for every sample of every group.
+    return Trajectory(idx, completion, np.frombuffer(mask, dtype=MASK_DTYPE), logprobs, text, finish, turns,
+                      tool_calls, tuple(map(float, latencies)) if latencies else (), timeouts, reward)
