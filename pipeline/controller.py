@@ -176,7 +176,7 @@ def load_job(r: redis.Redis, job: str) -> JobInfo | None:
                    group_size=cfg["rollout"]["group_size"], max_staleness=cfg["learner"]["max_staleness"],
                    initial={"rollout": cfg["rollout"]["workers"], "reward": cfg["reward"]["workers"],
                             "learner": cfg["learner"]["workers"]},
-                   control=ControlConfig.from_dict(cfg.get("control", manifest.get("control"))))
+                   control=ControlConfig.from_dict(manifest.get("control") or cfg.get("control")))
 
 
 # --- the lease -----------------------------------------------------------------------------------------

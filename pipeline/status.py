@@ -44,6 +44,11 @@ def job_status(r: redis.Redis, job: str) -> dict:
             "lag": stream_lag(r, stream, group) if exists else 0,
             "rate_per_s": round(sum(w["rate_per_s"] for w in live), 3),
         })
+    if not alloc["roles"]:
+        # Workers started by hand (not through an agent): count the live ones that registered.
+        for w in workers:
+            if w["state"] not in ("exited", "lost") and w["role"] in ROLE_OF_STAGE.values():
+                alloc["roles"][w["role"]] = alloc["roles"].get(w["role"], 0) + 1
     version = r.hget(keys.policy, "version")
     phase = r.hget(keys.state, "phase")
     return {
