@@ -186,7 +186,7 @@ def test_top_once_shows_allocation_streams_rates_staleness_reward(r, redis_url, 
     assert main(["top", "--once", "--redis", redis_url, "--job", "obs"]) == 0
     out = capsys.readouterr().out
     assert "\x1b[" not in out  # --once: no terminal escapes
-    assert "allocation (pinned)  learner 1  reward 1  rollout 1" in out
+    assert "allocation (auto)  learner 1  reward 1  rollout 1" in out
     assert "learner" in out and "reward 0.625" in out and "staleness    mean 0.50  max 1" in out
     assert "wait 10%" in out and "learner-0" in out
 
