@@ -125,6 +125,7 @@ class ControlConfig:
     max_learner: int = _f(1 << 30, "most learner slots (the vllm backend's learner is one process: 1)")
     min_reward: int = _f(1, "fewest reward workers")
     max_reward: int = _f(1 << 30, "most reward workers")
+    metrics_port: int = _f(9464, "the controller serves Prometheus /metrics here (0: off)")
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,7 @@ class ControlConfig:
     max_learner: int = 1 << 30          # the vllm backend's learner is single-process: capped to 1 there
     min_reward: int = 1
     max_reward: int = 1 << 30
+    metrics_port: int = 9464            # the controller's Prometheus /metrics (0: off)
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "ControlConfig":
@@ -884,7 +885,9 @@ def start_local_control(cfg, run_dir: Path, redis_url: str, *, slots: int | None
     logs.mkdir(parents=True, exist_ok=True)
     agent_argv = ["agent"] + (["--slots", str(slots)] if slots else []) + (["--node", node] if node else [])
     procs = []
-    for name, argv in (("controller", ["controller", "--interval", str(interval_s)]), ("agent", agent_argv)):
+    port = getattr(getattr(cfg, "control", None), "metrics_port", 0)
+    controller_argv = ["controller", "--interval", str(interval_s), "--metrics-port", str(port)]
+    for name, argv in (("controller", controller_argv), ("agent", agent_argv)):
         with open(logs / f"{name}.out", "ab") as out:
             procs.append((name, subprocess.Popen([sys.executable, "-m", "pipeline.cli", *argv], env=env,
                                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)))
@@ -927,9 +930,29 @@ def cmd_controller(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     if args.once:
         return 0 if ctl.tick() else 1
-    log.info("controller_started", interval_s=args.interval)
-    ctl.run()
+    metrics = serve_metrics(ctl.r, args.metrics_port, log)
+    log.info("controller_started", interval_s=args.interval, metrics_port=args.metrics_port)
+    try:
+        ctl.run()
+    finally:
+        if metrics is not None:
+            metrics.stop()
     return 0
+
+
+def serve_metrics(r: redis.Redis, port: int, log):
+    """Prometheus /metrics for every job on this Redis; a taken port is logged, not fatal."""
+    if not port:
+        return None
+    from pipeline.prometheus import serve
+
+    try:
+        server = serve(r, port, host="0.0.0.0")
+    except OSError as exc:
+        log.warning("metrics_port_unavailable", port=port, error=str(exc))
+        return None
+    log.info("metrics_serving", url=f"http://0.0.0.0:{port}/metrics")
+    return server
 
 
 def parse_counts(items: list[str]) -> dict[str, int]:
@@ -1041,6 +1064,8 @@ def add_commands(sub) -> None:
     c = sub.add_parser("controller", help="the reconcile loop: moves slots between stages (one acts at a time)")
     c.add_argument("--interval", type=float, default=10.0, help="seconds between reconciles (control.interval_s)")
     c.add_argument("--once", action="store_true", help="one reconcile, then exit")
+    c.add_argument("--metrics-port", type=int, default=9464,
+                   help="serve Prometheus /metrics on this port (0: off; control.metrics_port)")
     c.add_argument("--redis", help=f"Redis URL (default: ${ENV_URL})")
     c.set_defaults(func=cmd_controller)
 
