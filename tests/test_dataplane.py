@@ -401,3 +401,24 @@ def test_bench_streams_json_and_exactly_once(tmp_path, redis_url):
     assert eo["lost_groups"] == 0 and eo["duplicate_entries"] == 0 and eo["bad"] == 0
     assert "ratio" in done.stdout
     assert not connect(redis_url).keys("libra:{bench-streams-*")  # it cleans up after itself
+
+
+# --- lag without moving payloads, on both servers ---------------------------------------------------
+
+
+@pytest.mark.parametrize("server", ["embedded", "redis7"])
+def test_stream_lag_counts_undelivered_entries_on_redis_6_and_7(request, server):
+    from pipeline.streams import read
+
+    url = request.getfixturevalue("redis_url" if server == "embedded" else "server_redis_url")
+    r, keys = connect(url), JobKeys(JOB)
+    ids = [push(r, keys.rollouts, m.encode(group(f"g{i}"))) for i in range(10)]
+    ensure_groups(r, keys)
+    assert stream_lag(r, keys.rollouts, GROUP_REWARD) == 10
+    got = read(r, keys.rollouts, GROUP_REWARD, "reward-0", 4, 10)
+    r.xack(keys.rollouts, GROUP_REWARD, *[i for i, _p in got])
+    trim(r, keys.rollouts)
+    assert stream_lag(r, keys.rollouts, GROUP_REWARD) == 6
+    assert stream_lag(r, keys.rollouts, GROUP_REWARD, cap=5) == 5
+    r.xdel(keys.rollouts, ids[7])  # Redis 7 then reports no lag; it is counted instead
+    assert stream_lag(r, keys.rollouts, GROUP_REWARD) == 5
