@@ -71,7 +71,9 @@ class BenchSpec:
     block_ms: int = 100
     drain_s: float = 30.0  # the longest to wait for the pipeline to empty after measuring
     rounds: int = 3  # alternations of raw and libra runs; each figure is the median
-    aof: bool = True  # the embedded server's append-only file, as a run has it (everysec)
+    # CONFIG SET on the embedded server before measuring, e.g. (("appendonly", "no"),); by default it
+    # runs as `libra-ctl run` starts it (AOF on, appendfsync everysec, noeviction)
+    redis_config: tuple[tuple[str, str], ...] = ()
 
 
 # --- synthetic messages ---------------------------------------------------------------------
@@ -394,10 +396,12 @@ def run_bench(spec: BenchSpec, url: str | None = None, say=lambda line: None) ->
         raise ValueError(f"stages = {spec.stages!r}: use processes or threads")
     url = url or os.environ.get(ENV_URL)
     if url:
+        if spec.redis_config:
+            raise ValueError("--redis-config applies to the embedded server only; configure yours yourself")
         return _run_all(spec, url, say)
     with tempfile.TemporaryDirectory(prefix="libra-bench-") as tmp, EmbeddedRedis(Path(tmp)) as server:
-        if not spec.aof:
-            connect(server.url).config_set("appendonly", "no")
+        for key, value in spec.redis_config:
+            connect(server.url).config_set(key, value)
         return _run_all(spec, server.url, say)
 
 
@@ -436,8 +440,8 @@ def _run_all(spec: BenchSpec, url: str, say) -> dict:
 def _redis_facts(r) -> dict:
     facts = {"version": r.info("server").get("redis_version")}
     try:
-        facts["appendonly"] = r.config_get("appendonly").get("appendonly")
-        facts["appendfsync"] = r.config_get("appendfsync").get("appendfsync")
+        for key in ("appendonly", "appendfsync", "auto-aof-rewrite-min-size", "maxmemory-policy"):
+            facts[key] = r.config_get(key).get(key)
     except redis.ResponseError:  # a managed Redis may refuse CONFIG
         pass
     return facts
@@ -465,8 +469,9 @@ def add_parser(subparsers) -> None:
                    help="one process per stage (default) or one thread per stage")
     p.add_argument("--rounds", type=int, default=d.rounds, help="alternations of the raw and libra runs (median)")
     p.add_argument("--no-dedup", action="store_true", help="switch the exactly-once marks off")
-    p.add_argument("--no-aof", action="store_true",
-                   help="embedded server without its append-only file (a run has it on, appendfsync everysec)")
+    p.add_argument("--redis-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="CONFIG SET on the embedded server (repeatable), e.g. appendonly=no or "
+                        "auto-aof-rewrite-min-size=8gb; default: as libra-ctl run starts it")
     p.add_argument("--redis", help=f"Redis URL (default: ${ENV_URL}, else a private embedded server)")
     p.set_defaults(func=cmd_bench_streams)
 
@@ -481,7 +486,14 @@ def cmd_bench_streams(args) -> int:
             return 2
     spec = BenchSpec(seconds=args.seconds, warmup_s=max(0.0, args.warmup), group_size=args.group_size,
                      tokens=args.tokens, count=args.count, in_flight_groups=args.in_flight,
-                     stages=args.stages, dedup=not args.no_dedup, rounds=args.rounds, aof=not args.no_aof)
+                     stages=args.stages, dedup=not args.no_dedup, rounds=args.rounds,
+                     redis_config=tuple(tuple(kv.split("=", 1)) for kv in args.redis_config))
+    if any(len(kv) != 2 for kv in spec.redis_config):
+        say("--redis-config takes KEY=VALUE, e.g. appendonly=no")
+        return 2
+    if spec.redis_config and (args.redis or os.environ.get(ENV_URL)):
+        say("--redis-config applies to the embedded server only, not to --redis or $LIBRA_REDIS_URL")
+        return 2
     result = run_bench(spec, args.redis, say)
     print(format_result(result))
     if args.json:
