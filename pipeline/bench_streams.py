@@ -309,7 +309,7 @@ def measure(kind: str, url: str, job: str, spec: BenchSpec, say=lambda line: Non
     try:
         _wait_ready(workers, ready)
         feeder.start()
-        rate = _rate(r, keys, spec, feeder)
+        rate = _rate(r, keys, spec, feeder, workers)
         feeder.halt.set()
         feeder.join()
         drained = _drain(r, keys, spec, feeder)
@@ -335,7 +335,7 @@ def measure(kind: str, url: str, job: str, spec: BenchSpec, say=lambda line: Non
     cpu.update(feeder=feeder.cpu_s, redis=_redis_cpu_s(r) - redis_cpu0)
     cpu_us = {k: round(v / done * 1e6, 1) for k, v in cpu.items()}
     out = {"trajectories_per_s": rate, "issued_groups": feeder.issued, "drained": drained,
-           "learner_entries": learner.get("entries", 0), "learner_distinct": learner.get("distinct"),
+           "learner_entries": learner.get("entries", 0), "learner_distinct": learner.get("distinct", 0),
            "learner_bad": learner.get("bad", 0), "stream_lengths": {s: r.xlen(s) for _n, s, _g in keys.stages},
            "used_memory_mb": round(int(r.info("memory")["used_memory"]) / 1e6, 1),
            "cpu_us_per_trajectory": cpu_us}
@@ -362,7 +362,7 @@ def _redis_cpu_s(r) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
-def _rate(r, keys: JobKeys, spec: BenchSpec, feeder: Feeder) -> float:
+def _rate(r, keys: JobKeys, spec: BenchSpec, feeder: Feeder, workers: list) -> float:
     """The learner's trajectories/s over ``seconds`` after ``warmup_s``."""
     time.sleep(spec.warmup_s)
     t0, n0 = time.perf_counter(), int(r.hget(keys.counters, "trained") or 0)
@@ -370,6 +370,8 @@ def _rate(r, keys: JobKeys, spec: BenchSpec, feeder: Feeder) -> float:
     while time.perf_counter() < deadline:
         if feeder.error:
             raise feeder.error
+        if not all(w.is_alive() for w in workers):
+            raise RuntimeError("bench streams: a stage stopped while measuring (see its traceback above)")
         time.sleep(POLL_S)
     t1, n1 = time.perf_counter(), int(r.hget(keys.counters, "trained") or 0)
     return (n1 - n0) / (t1 - t0)
