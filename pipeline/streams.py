@@ -428,10 +428,15 @@ def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log
 
 
 def _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already, dedup) -> None:
+    acked = []
     for entry_id, payload, reason in bad:
         dead_letter(pipe, keys, source, entry_id, reason, payload)
+        acked.append(entry_id)
     written = duplicates = 0
+    # Only inputs with an output are acknowledged: were a handler to return fewer outputs than
+    # inputs, the rest stay pending and come back through reclaim instead of being lost.
     for (entry_id, msg), out, mark in zip(good, outputs, marks):
+        acked.append(entry_id)
         if isinstance(out, Reject):
             dead_letter(pipe, keys, source, entry_id, out.reason, messages.encode(msg),
                         trajectories=_size(msg))
@@ -443,7 +448,6 @@ def _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, 
                 pipe.set(mark, 1, ex=dedup.ttl_s)
                 already.add(mark)  # a second copy in this very batch is a duplicate too
             written += _size(out)
-    acked = [entry_id for entry_id, _p, _r in bad] + [entry_id for entry_id, _m in good]
     if acked:
         pipe.xack(source, group, *acked)  # in the same MULTI as the writes: both or neither
     if counter and written:

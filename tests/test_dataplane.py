@@ -422,3 +422,19 @@ def test_stream_lag_counts_undelivered_entries_on_redis_6_and_7(request, server)
     assert stream_lag(r, keys.rollouts, GROUP_REWARD, cap=5) == 5
     r.xdel(keys.rollouts, ids[7])  # Redis 7 then reports no lag; it is counted instead
     assert stream_lag(r, keys.rollouts, GROUP_REWARD) == 5
+
+
+def test_an_input_without_an_output_stays_pending_for_reclaim(r):
+    """A handler that returns fewer outputs than inputs (a bug) must not get the rest acknowledged."""
+    from pipeline.streams import decode_entries, read, write_and_ack
+
+    keys = JobKeys(JOB)
+    ensure_groups(r, keys)
+    for i in range(3):
+        push(r, keys.rollouts, m.encode(group(f"g{i}")))
+    good, bad = decode_entries(read(r, keys.rollouts, GROUP_REWARD, "reward-0", 10, 10), 1 << 20)
+    outputs = [good[0][1].with_rewards([1.0] * 4, 0.0)]  # one output for three inputs
+    write_and_ack(r, keys, keys.rollouts, GROUP_REWARD, keys.scored, good, outputs, bad, "scored", None,
+                  lambda: False, Dedup("reward", 60))
+    assert r.xlen(keys.scored) == 1
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 2
