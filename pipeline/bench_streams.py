@@ -212,6 +212,7 @@ def raw_stage(r, source: str, group: str, consumer: str, sink: str | None, paylo
 
 def stage_main(kind: str, role: str, url: str, job: str, spec: BenchSpec, stop_event, ready, results) -> None:
     """Body of one stage process or thread: connect, say ready, run until ``stop_event``."""
+    streams.tune_allocator()  # as run_stage does; the raw loop gets the same process settings
     r = connect(url)
     keys = JobKeys(job)
     stop = stop_event.is_set
