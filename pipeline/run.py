@@ -9,6 +9,7 @@ writes ``summary.json``. Ctrl-C stops the children, then Redis, in order.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -32,6 +33,7 @@ from pipeline.redisconn import ENV_URL, EmbeddedRedis, connect, resolve_url
 from pipeline.streams import ensure_groups
 
 STOP_GRACE_S = 20.0
+RATE_WINDOW_S = 30.0
 EVAL_TIMEOUT_S = 300.0
 
 
@@ -107,6 +109,7 @@ class Orchestrator:
         self.keys = JobKeys(cfg.job.name)
         self.children: list[Child] = []
         self.control = None
+        self.rate_samples: collections.deque = collections.deque()
         self.t0 = time.monotonic()
         self.tty = out.isatty()
 
@@ -188,8 +191,14 @@ class Orchestrator:
 
     def progress_line(self) -> str:
         s, c = self.stats(), self.counters()
-        elapsed = time.monotonic() - self.t0
-        tps = c.get("trained", 0) / max(elapsed, 1e-6)
+        now = time.monotonic()
+        elapsed = now - self.t0
+        # Trained trajectories/s over the last RATE_WINDOW_S (a resumed run starts with old counts).
+        self.rate_samples.append((now, c.get("trained", 0)))
+        while len(self.rate_samples) > 2 and now - self.rate_samples[1][0] >= RATE_WINDOW_S:
+            self.rate_samples.popleft()
+        (t_old, n_old), (t_new, n_new) = self.rate_samples[0], self.rate_samples[-1]
+        tps = max(n_new - n_old, 0) / max(t_new - t_old, 1e-6)
         return (f"step {s.get('step', 0):>4}/{self.cfg.job.steps}  "
                 f"reward {s.get('reward_mean', 0.0):.3f}  success {s.get('success_rate', 0.0):5.1%}  "
                 f"traj/s {tps:6.1f}  staleness {s.get('staleness_mean', 0.0):.2f}/{s.get('staleness_max', 0)}  "
@@ -281,6 +290,9 @@ def format_summary(summary: dict, run_dir: Path) -> str:
 
 def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | None = None) -> int:
     """The whole of ``libra-ctl run`` (and ``libra-ctl resume``); returns the exit code."""
+    # honcho and systemd stop us with SIGTERM: take it as Ctrl-C, so the controller, the agent,
+    # the workers and the embedded Redis are stopped in order instead of being orphaned.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     bad_lines = check_prompt_files(cfg, out)
     run_dir = resume_dir or manifest_mod.new_run_dir(cfg)
     print(f"run {run_dir.name}: {'resuming' if resume_dir else 'preparing the policy'}", file=out, flush=True)
@@ -337,6 +349,10 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
             orch.stop_children()
         if embedded:
             embedded.stop()
+
+
+def _raise_interrupt(signum, _frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def check_resumable(r: redis.Redis, keys: JobKeys, run_dir: Path) -> None:

@@ -80,13 +80,23 @@ class Learner:
     # --- state ------------------------------------------------------------------------------
 
     def restore_or_init(self):
-        """Load the newest checkpoint if there is one, else the published version 0."""
+        """Load the newest checkpoint if there is one, else the run's initial policy (version 0).
+
+        Without a checkpoint, the published weights may already hold updates
+        whose entries were never acknowledged; they will be replayed, so the
+        learner starts again from the initial policy, not from those weights.
+        """
         latest = latest_checkpoint(self.ckpt_dir)
         info = self.ctx.r.hgetall(self.ctx.keys.policy)
         published = int(info[b"version"]) if info else 0
         if latest is None:
-            self.model = load_model(info[b"path"].decode())
-            self.version = published
+            manifest = json.loads((self.ctx.run_dir / "manifest.json").read_text())
+            self.model = load_model(manifest.get("initial_policy") or info[b"path"].decode())
+            self.version = 0
+            if published > 0:  # a learner ran before: restart under a new version number
+                self.version = published + 1
+                self.ctx.r.hset(self.ctx.keys.counters, mapping={"trained": 0, "dropped_stale": 0})
+                self.publish()
             return None
         state = json.loads((latest / "state.json").read_text())
         self.model = load_model(latest / "model")
@@ -203,7 +213,7 @@ class Learner:
             loss, st = clipped_loss(new, old, masks, [r[2] for r in chunk],
                                     self.cfg.clip_eps, total_tokens)
             loss.backward()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
             stats_all.append(st)
             fresh += self.fresh_ratio_devs(new, old, masks, chunk)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
