@@ -126,9 +126,11 @@ def run_episodes(
     """Play one episode per (problem, sample_idx), all advanced turn by turn in batches.
 
     ``max_total_tokens`` (prompt + completion) ends a sequence with "length"
-    before a turn that could overflow it; pass the engine's max_model_len.
-    ``tool_delay_s`` simulates a slow tool service.
+    before a turn that could overflow it; it defaults to the generator's
+    ``max_model_len`` if it has one. ``tool_delay_s`` simulates a slow tool.
     """
+    if max_total_tokens is None:
+        max_total_tokens = getattr(generator, "max_model_len", None)
     episodes = [_new_episode(tokenizer, p, i) for p, i in items]
     active = list(range(len(episodes)))
     for turn in range(max_turns):

@@ -37,6 +37,7 @@ from workers.envs.calc import Problem
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIALS = (PAD, EOS, UNK)  # ids 0, 1, 2
+PAD_ID = 0
 ALPHABET = "\n" + "".join(c for c in string.printable if c not in string.whitespace) + " "
 # Bump when the model or tokenizer layout changes, so cached policies rebuild.
 FORMAT_VERSION = 3
@@ -162,7 +163,7 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
     the rollout engine. Returns one float32 tensor of len(completion) per row.
     """
     seqs = [p + c for p, c in zip(prompts, completions)]
-    ids = _right_padded(seqs, pad_id=0)
+    ids = _right_padded(seqs, pad_id=PAD_ID)
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     logits = model(input_ids=ids, position_ids=positions).logits  # (B, T, V)
     # logp[:, t] is log p(ids[:, t + 1] | ids[:, :t + 1])
@@ -440,17 +441,23 @@ def ensure_policy(cache_dir: str | Path, spec: dict, *, progress: Progress | Non
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     started = time.monotonic()
-    _build_into(tmp, spec, progress)
+    try:
+        _build_into(tmp, spec, progress)
+        _publish(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a rename
+    if progress:
+        progress(f"policy built in {time.monotonic() - started:.1f}s at {final}")
+    return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
     try:
         os.rename(tmp, final)
     except OSError:
         # Another process renamed its build first; theirs is the same policy.
-        shutil.rmtree(tmp, ignore_errors=True)
         if not (final / "spec.json").exists():
             raise
-    if progress:
-        progress(f"policy built in {time.monotonic() - started:.1f}s at {final}")
-    return final
 
 
 def torch_success(model_dir: str | Path, problems: list[Problem], *, max_turns: int = 4, max_tokens_per_turn: int = 32) -> float:

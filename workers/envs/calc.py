@@ -201,7 +201,11 @@ def result_text(value: int | None) -> str:
 
 # Tool calls run on worker threads so that a slow call can be abandoned at its
 # deadline; evaluate_binary is bounded, so only an injected delay is ever slow.
-_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="calc-tool")
+# The pool is the tool service's concurrency: with a delay, calls beyond it
+# queue, and the queueing counts in their latency and against their timeout,
+# as it would against a real service.
+TOOL_CONCURRENCY = 16
+_POOL = ThreadPoolExecutor(max_workers=TOOL_CONCURRENCY, thread_name_prefix="calc-tool")
 
 
 def _call(expr: str, delay_s: float, done_at: list[float]) -> str:
