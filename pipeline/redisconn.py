@@ -75,6 +75,9 @@ class EmbeddedRedis:
         conf.write_text("\n".join([
             "port 0", f"unixsocket {self.socket}", "unixsocketperm 700",
             f"dir {self.data_dir}", "appendonly yes", f"appendfsync {self.appendfsync}",
+            # Trajectories pass through at tens of MB/s while trimming keeps the data set small:
+            # the default 64 MB threshold would rewrite the AOF every few seconds.
+            "auto-aof-rewrite-min-size 1gb",
             "save \"\"", f"maxmemory {self.maxmemory}", "maxmemory-policy noeviction",
             f"logfile {self.data_dir / 'redis.log'}", "daemonize no",
         ]) + "\n")

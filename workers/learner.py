@@ -95,7 +95,7 @@ class Learner:
             self.version = 0
             if published > 0:  # a learner ran before: restart under a new version number
                 self.version = published + 1
-                self.ctx.r.hset(self.ctx.keys.counters, mapping={"trained": 0, "dropped_stale": 0})
+                self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={"trained": 0, "dropped_stale": 0}))
                 self.publish()
             return None
         state = json.loads((latest / "state.json").read_text())
@@ -109,8 +109,8 @@ class Learner:
         opt = torch.load(latest / "optimizer.pt", weights_only=True)
         self.restore_trained_ids()
         # Counters follow the checkpoint: steps after it will be trained again from the replay.
-        self.ctx.r.hset(self.ctx.keys.counters, mapping={"trained": self.trained_total,
-                                                        "dropped_stale": self.dropped_total})
+        self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={
+            "trained": self.trained_total, "dropped_stale": self.dropped_total}))
         self.publish()
         return opt
 
@@ -182,13 +182,24 @@ class Learner:
             self.replay_cursor = None
         return read(self.ctx.r, self.ctx.keys.scored, GROUP_LEARNER, self.ctx.worker_id, count, block_ms)
 
+    def write(self, queue) -> None:
+        """A transaction of small writes, waiting while Redis is full (backpressure, never a crash)."""
+        def build():
+            pipe = self.ctx.r.pipeline(transaction=True)
+            queue(pipe)
+            return pipe
+
+        execute_with_backpressure(build, self.ctx.log, self.ctx.stopping)
+
     def dead_letter_bad(self, bad) -> None:
-        pipe = self.ctx.r.pipeline(transaction=True)
-        for entry_id, payload, reason in bad:
-            dead_letter(pipe, self.ctx.keys, self.ctx.keys.scored, entry_id, reason, payload)
-            pipe.xack(self.ctx.keys.scored, GROUP_LEARNER, entry_id)
+        def queue(pipe):
+            for entry_id, payload, reason in bad:
+                dead_letter(pipe, self.ctx.keys, self.ctx.keys.scored, entry_id, reason, payload)
+                pipe.xack(self.ctx.keys.scored, GROUP_LEARNER, entry_id)
+
+        self.write(queue)
+        for _id, _payload, reason in bad:
             self.ctx.log.warning("dead_lettered", reason=reason)
-        pipe.execute()
 
     # --- training ------------------------------------------------------------------------------
 
@@ -270,9 +281,9 @@ class Learner:
         shutil.rmtree(tmp, ignore_errors=True)
         save_weights(self.model, tmp)
         os.replace(tmp, final) if not final.exists() else (shutil.rmtree(final), os.replace(tmp, final))
-        self.ctx.r.hset(self.ctx.keys.policy, mapping={
-            "version": self.version, "path": str(final.resolve()), "step": self.step,
-            "published_at": time.time()})
+        announce = {"version": self.version, "path": str(final.resolve()), "step": self.step,
+                    "published_at": time.time()}
+        self.write(lambda pipe: pipe.hset(self.ctx.keys.policy, mapping=announce))
         self.ctx.set_version(self.version)
         versions = sorted(p for p in self.pub_dir.glob("v*") if not p.name.endswith(".tmp"))
         for old in versions[:-self.cfg.keep_published]:

@@ -19,7 +19,7 @@ import numpy as np
 from pipeline import messages
 from pipeline.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT
 from pipeline.trace import span
-from pipeline.streams import ensure_groups, group_pending, run_stage, stream_lag
+from pipeline.streams import ensure_groups, execute_with_backpressure, group_pending, run_stage, stream_lag
 from pipeline.worker import claim_policy, dedup_for, WorkerContext, finish_worker, start_worker
 from workers.agent_loop import evaluate, run_episodes
 from workers.envs.calc import Problem, read_prompt_file
@@ -124,12 +124,22 @@ class Rollout:
                                       tool_timeout_s=self.cfg.tool_timeout_s)
         samples = [{"prompt_id": e.prompt_id, "completion": list(map(int, e.completion_tokens)),
                     "text": e.text} for e in episodes[:16]]
-        self.ctx.r.xadd(self.ctx.keys.eval_results, {
+        record = {
             "tag": tag, "version": self.ctx.policy_version, "success_rate": rate,
             "n": len(episodes), "worker": self.ctx.worker_id, "at": time.time(),
-            "samples": msgpack.packb(samples)})
+            "samples": msgpack.packb(samples)}
+        self.write(lambda pipe: pipe.xadd(self.ctx.keys.eval_results, record))
         self.ctx.log.info("evaluated", tag=tag, success_rate=round(rate, 4), n=len(episodes),
                           eval_s=round(time.monotonic() - t0, 2))
+
+    def write(self, queue) -> None:
+        """One small write, waiting while Redis is full (backpressure, never a crash)."""
+        def build():
+            pipe = self.ctx.r.pipeline(transaction=True)
+            queue(pipe)
+            return pipe
+
+        execute_with_backpressure(build, self.ctx.log, self.ctx.stopping)
 
     # --- the stage --------------------------------------------------------------------------
 
@@ -148,7 +158,7 @@ class Rollout:
         gen_s = time.monotonic() - t0
         gen_tokens = sum(int(sum(e.completion_mask)) for e in episodes)
         # Counted when generated, not when written: a duplicate's tokens were spent all the same.
-        self.ctx.r.hincrby(self.ctx.keys.counters, "rollout_tokens", gen_tokens)
+        self.write(lambda pipe: pipe.hincrby(self.ctx.keys.counters, "rollout_tokens", gen_tokens))
         self.ctx.count(len(episodes))
         self.ctx.log.info("generated", groups=len(prompts), trajectories=len(episodes),
                           tokens=gen_tokens, gen_s=round(gen_s, 2),
