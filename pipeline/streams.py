@@ -150,6 +150,17 @@ return n
 """
 
 
+def transact(r: redis.Redis, queue: Callable[["redis.client.Pipeline"], None], log=None,
+             stop: Callable[[], bool] = lambda: False) -> list:
+    """Queue writes with ``queue(pipe)`` and run them as one transaction, waiting while Redis is full."""
+    def build():
+        pipe = r.pipeline(transaction=True)
+        queue(pipe)
+        return pipe
+
+    return execute_with_backpressure(build, log, stop)
+
+
 def stream_lag(r: redis.Redis, stream: str, group: str, cap: int = 10_000) -> int:
     """Entries not yet delivered to ``group`` (at most ``cap``).
 

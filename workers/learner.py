@@ -29,7 +29,7 @@ from pipeline.keys import GROUP_LEARNER
 from pipeline.metrics import tool_stats
 from pipeline.trace import span
 from pipeline.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
-                              take_over_pending, trim)
+                              take_over_pending, transact, trim)
 from pipeline.worker import WorkerContext, finish_worker, start_worker
 from workers.grpo import clipped_loss, group_advantages
 from workers.tiny_policy import completion_logprobs, load_model, save_weights
@@ -184,12 +184,7 @@ class Learner:
 
     def write(self, queue) -> None:
         """A transaction of small writes, waiting while Redis is full (backpressure, never a crash)."""
-        def build():
-            pipe = self.ctx.r.pipeline(transaction=True)
-            queue(pipe)
-            return pipe
-
-        execute_with_backpressure(build, self.ctx.log, self.ctx.stopping)
+        transact(self.ctx.r, queue, self.ctx.log, self.ctx.stopping)
 
     def dead_letter_bad(self, bad) -> None:
         def queue(pipe):

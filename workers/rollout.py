@@ -19,7 +19,7 @@ import numpy as np
 from pipeline import messages
 from pipeline.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT
 from pipeline.trace import span
-from pipeline.streams import ensure_groups, execute_with_backpressure, group_pending, run_stage, stream_lag
+from pipeline.streams import ensure_groups, group_pending, run_stage, stream_lag, transact
 from pipeline.worker import claim_policy, dedup_for, WorkerContext, finish_worker, start_worker
 from workers.agent_loop import evaluate, run_episodes
 from workers.envs.calc import Problem, read_prompt_file
@@ -133,13 +133,8 @@ class Rollout:
                           eval_s=round(time.monotonic() - t0, 2))
 
     def write(self, queue) -> None:
-        """One small write, waiting while Redis is full (backpressure, never a crash)."""
-        def build():
-            pipe = self.ctx.r.pipeline(transaction=True)
-            queue(pipe)
-            return pipe
-
-        execute_with_backpressure(build, self.ctx.log, self.ctx.stopping)
+        """A transaction of small writes, waiting while Redis is full (backpressure, never a crash)."""
+        transact(self.ctx.r, queue, self.ctx.log, self.ctx.stopping)
 
     # --- the stage --------------------------------------------------------------------------
 
