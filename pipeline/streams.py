@@ -15,7 +15,7 @@ import ctypes
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 import redis
 
@@ -122,18 +122,29 @@ def execute_with_backpressure(build: Callable[[], "redis.client.Pipeline"], log=
     A full Redis is backpressure, never a crash or a drop: the same
     transaction is rebuilt and retried until it goes through.
     """
-    delay = 0.1
+    wait = FullRedisWait(log, stop)
     while True:
         pipe = build()
         try:
             return pipe.execute()
         except redis.ResponseError as exc:
-            if not redis_full(exc) or stop():
-                raise
-            if log:
-                log.warning("redis_full_waiting", delay_s=delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            wait.after(exc)
+
+
+class FullRedisWait:
+    """The wait between tries of a write that a full Redis refused: doubling, up to 5 s."""
+
+    def __init__(self, log=None, stop: Callable[[], bool] = lambda: False):
+        self.log, self.stop, self.delay = log, stop, 0.1
+
+    def after(self, exc: redis.ResponseError) -> None:
+        """Sleep before the next try; re-raise anything that is not a full Redis, or when stopping."""
+        if not redis_full(exc) or self.stop():
+            raise exc
+        if self.log:
+            self.log.warning("redis_full_waiting", delay_s=self.delay)
+        time.sleep(self.delay)
+        self.delay = min(self.delay * 2, 5.0)
 
 
 # Counts the entries of KEYS[1] after id ARGV[1] (exclusive), at most ARGV[2], in pages, inside the
@@ -236,9 +247,17 @@ def group_pending(r: redis.Redis, stream: str, group: str) -> int:
     return 0
 
 
-def backlog_groups(r: redis.Redis, streams_groups: Sequence[tuple[str, str]]) -> int:
-    """Messages (groups) waiting in or being processed from the given streams."""
-    return sum(stream_lag(r, s, g) + group_pending(r, s, g) for s, g in streams_groups)
+def downstream_backlog(r: redis.Redis, keys: JobKeys) -> int:
+    """Groups generated and not yet taken by the learner: what rollout backpressure counts.
+
+    Entries the learner has read stay pending until its next checkpoint
+    although they are trained already, so only the scored stream's lag
+    counts there; at the reward stage pending entries are real work.
+    """
+    from pipeline.keys import GROUP_LEARNER, GROUP_REWARD
+
+    return (stream_lag(r, keys.rollouts, GROUP_REWARD) + group_pending(r, keys.rollouts, GROUP_REWARD)
+            + stream_lag(r, keys.scored, GROUP_LEARNER))
 
 
 @dataclass(frozen=True)
@@ -441,7 +460,7 @@ def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log
     """
     marks = [keys.seen(dedup.stage, out.prompt_id) if dedup and not isinstance(out, Reject) else None
              for out in outputs]
-    delay = 0.1
+    wait = FullRedisWait(log, stop)
     while True:
         with r.pipeline(transaction=True) as pipe:
             try:
@@ -459,12 +478,7 @@ def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log
             except redis.WatchError:
                 continue
             except redis.ResponseError as exc:
-                if not redis_full(exc) or stop():
-                    raise
-                if log:
-                    log.warning("redis_full_waiting", delay_s=delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                wait.after(exc)
     for _id, _payload, reason in bad:
         if log:
             log.warning("dead_lettered", reason=reason)

@@ -10,16 +10,15 @@ single policy version that generated all of its samples.
 
 from __future__ import annotations
 
-import json
 import time
 
 import msgpack
 import numpy as np
 
 from pipeline import messages
-from pipeline.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT
+from pipeline.keys import GROUP_ROLLOUT
 from pipeline.trace import span
-from pipeline.streams import ensure_groups, group_pending, run_stage, stream_lag, transact
+from pipeline.streams import downstream_backlog, ensure_groups, run_stage, transact
 from pipeline.worker import claim_policy, dedup_for, WorkerContext, finish_worker, start_worker
 from workers.agent_loop import evaluate, run_episodes
 from workers.envs.calc import Problem, read_prompt_file
@@ -61,25 +60,13 @@ class Rollout:
         self.maybe_reload()
         self.serve_eval_requests()
         self.maybe_periodic_eval()
-        backlog = self.downstream_backlog() * self.cfg.group_size
+        backlog = downstream_backlog(self.ctx.r, self.ctx.keys) * self.cfg.group_size
         if backlog >= self.ctx.cfg.streams.max_queue_size:
             self.ctx.state = "waiting"
             time.sleep(0.1)
             return False
         self.ctx.state = "running"
         return True
-
-    def downstream_backlog(self) -> int:
-        """Groups generated and not yet taken by the learner.
-
-        Entries the learner has read stay pending until its next checkpoint
-        although they are trained already, so only the scored stream's lag
-        counts there; at the reward stage pending entries are real work.
-        """
-        keys = self.ctx.keys
-        return (stream_lag(self.ctx.r, keys.rollouts, GROUP_REWARD)
-                + group_pending(self.ctx.r, keys.rollouts, GROUP_REWARD)
-                + stream_lag(self.ctx.r, keys.scored, GROUP_LEARNER))
 
     def maybe_reload(self, min_version: int = 0) -> None:
         version, path = published_policy(self.ctx)

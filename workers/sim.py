@@ -51,8 +51,7 @@ import redis
 
 from pipeline import config as config_mod, manifest as manifest_mod, messages
 from pipeline.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT, JOBS, JobKeys
-from pipeline.streams import (dead_letter, decode_entries, ensure_groups, group_pending, read, run_stage,
-                              stream_lag)
+from pipeline.streams import dead_letter, decode_entries, downstream_backlog, ensure_groups, read, run_stage
 from pipeline.workload import Workload, load_workload
 
 ROLES = ("rollout", "reward", "learner")
@@ -267,10 +266,7 @@ class SimRollout:
         """Reload a newer version, then wait while downstream is full (as the vLLM worker does)."""
         if self.published_version() > self.ctx.policy_version:
             self.load_weights()
-        # as workers/rollout.py counts it: reward's lag and pending, and the scored stream's lag
-        k = self.ctx.keys
-        backlog = (stream_lag(self.ctx.r, k.rollouts, GROUP_REWARD) + group_pending(self.ctx.r, k.rollouts, GROUP_REWARD)
-                   + stream_lag(self.ctx.r, k.scored, GROUP_LEARNER)) * self.group_size
+        backlog = downstream_backlog(self.ctx.r, self.ctx.keys) * self.group_size
         if backlog >= self.ctx.cfg.streams.max_queue_size:
             self.ctx.state = "waiting"
             time.sleep(0.05)
