@@ -207,7 +207,10 @@ def trim_point(r: redis.Redis, stream: str) -> str | None:
     for info in r.xinfo_groups(stream):
         needed.append(info["last-delivered-id"])
         if int(info["pending"]):
-            needed.append(r.xpending(stream, info["name"])["min"])
+            # a separate call: the group may have acknowledged everything since XINFO (then min is None)
+            oldest_pending = r.xpending(stream, info["name"])["min"]
+            if oldest_pending is not None:
+                needed.append(oldest_pending)
     if not needed:
         return None
     oldest = min(needed, key=_id_key)

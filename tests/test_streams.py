@@ -111,3 +111,25 @@ def test_trim_keeps_everything_a_group_still_needs(r):
     trim(r, keys.rollouts)
     # The last-delivered entry stays; the two never delivered are untouched.
     assert [i for i, _f in r.xrange(keys.rollouts)] == ids[3:]
+
+
+def test_trim_point_when_the_group_acks_between_its_two_reads(r):
+    """XINFO saw pending entries, and by XPENDING they were acknowledged: trim on, with no crash."""
+    from pipeline.streams import read, trim_point
+
+    keys = JobKeys("t")
+    ensure_groups(r, keys)
+    for i in range(3):
+        r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group(str(i)))})
+    got = read(r, keys.rollouts, GROUP_REWARD, "reward-0", 3, 10)
+    info_then = r.xinfo_groups(keys.rollouts)                      # pending = 3 here
+    r.xack(keys.rollouts, GROUP_REWARD, *[i for i, _p in got])     # ... and acknowledged before XPENDING
+
+    class StaleInfo:
+        def __getattr__(self, name):
+            return getattr(r, name)
+
+        def xinfo_groups(self, stream):
+            return info_then
+
+    assert trim_point(StaleInfo(), keys.rollouts) == got[-1][0].decode()
