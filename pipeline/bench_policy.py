@@ -3,9 +3,10 @@
 Registered on the ``bench`` subcommand by ``pipeline.cli`` (``add_parser``);
 runs in the CLI process. ``run_bench`` runs one workload under several modes
 (``bench/README.md``: sync, static, static-best, libra, ideal) on the
-discrete-event engine (``pipeline.sim_des``) and returns the README's JSON
-shape, plus per-mode timelines under the extra key ``details`` (kept out of
-``--json``). ``format_table`` is the terminal view, ``plot`` the picture of
+discrete-event engine (``pipeline.sim_des``), and with ``engine="live"`` also
+runs the asynchronous modes on the real control plane (``pipeline.bench_live``);
+it returns the README's JSON shape, plus per-mode timelines under the extra key
+``details`` (kept out of ``--json``). ``format_table`` is the terminal view, ``plot`` the picture of
 allocation and throughput over time.
 """
 
@@ -18,9 +19,12 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline import sim_des
+from pipeline.bench_live import LIVE_MODES, LiveBench, LiveEngineError, LiveSettings
+from pipeline.policy import Allocation
 from pipeline.workload import WorkloadError, load_workload
 
 MODES = ("sync", "static", "static-best", "libra", "ideal")
+ENGINES = ("des", "live")
 BASELINES = ("sync", "static", "static-best", "ideal")
 Report = Callable[[str], None]
 
@@ -29,40 +33,74 @@ class BenchInputError(ValueError):
     """An unknown mode or engine; the message says the choices."""
 
 
-class LiveEngineUnavailable(BenchInputError):
-    """--engine live needs the controller and node agents."""
-
-
 def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed: int | None = None,
-              report: Report | None = None) -> dict:
+              report: Report | None = None, live: LiveSettings | None = None) -> dict:
     """Run ``modes`` of one workload; returns {"workload", "modes", "ratios", "details"}.
 
     ``seed`` defaults to the workload's [job] seed. ``report`` receives
-    progress lines (the CLI prints them on stderr). Raises WorkloadError for a
-    bad or multi-job workload, BenchInputError for an unknown mode or engine.
+    progress lines (the CLI prints them on stderr). With ``engine="live"``
+    the modes of ``bench_live.LIVE_MODES`` run on the control plane
+    (``live`` settings) after the des engine has run every mode, and the
+    result adds ``engine`` and ``live_vs_des`` (each live mode's rate over
+    its des rate). Raises WorkloadError for a bad or multi-job workload,
+    BenchInputError for an unknown mode or engine or a workload the live
+    engine cannot run, LiveEngineError when a live run fails.
     """
     modes = _check_modes(modes)
-    if engine == "live":
-        raise LiveEngineUnavailable("the live engine needs the controller and node agents, which are not "
-                                    "built yet: use --engine des (the discrete-event simulator)")
-    if engine != "des":
-        raise BenchInputError(f"unknown engine {engine!r}: use des or live")
+    if engine not in ENGINES:
+        raise BenchInputError(f"unknown engine {engine!r}: use {' or '.join(ENGINES)}")
     wl = load_workload(workload_path)
     job = wl.job            # raises for multi-job workloads
     seed = job.seed if seed is None else seed
     say = report or (lambda line: None)
+    live = live or LiveSettings()
+    if engine == "live":
+        try:
+            live.check(wl)
+        except ValueError as exc:
+            raise BenchInputError(str(exc)) from None
     results: dict[str, sim_des.ModeResult] = {}
     details: dict[str, dict] = {}
     for mode in modes:
         t0 = time.perf_counter()
         results[mode], details[mode] = _run_mode(wl, mode, seed, results, say)
         details[mode]["wall_s"] = time.perf_counter() - t0
-        say(f"{mode}: {results[mode].trajectories_per_s:.2f} trajectories/s "
-            f"({details[mode]['wall_s']:.1f} s wall)")
-    return {"workload": wl.name,
-            "modes": {m: results[m].report() for m in modes},
-            "ratios": _ratios(results),
-            "details": details}
+        say(f"{mode}{' (des)' if engine == 'live' else ''}: {results[mode].trajectories_per_s:.2f} "
+            f"trajectories/s ({details[mode]['wall_s']:.1f} s wall)")
+    out = {"workload": wl.name}
+    if engine == "live":
+        des = dict(results)
+        for mode in modes:
+            details[mode]["engine"] = "des"
+        _run_live(wl, workload_path, [m for m in modes if m in LIVE_MODES], live, results, details, say)
+        out["engine"] = "live"
+        out["live_vs_des"] = {m: results[m].trajectories_per_s / des[m].trajectories_per_s
+                              for m in modes if details[m]["engine"] == "live" and des[m].trajectories_per_s}
+    out.update(modes={m: results[m].report() for m in modes}, ratios=_ratios(results), details=details)
+    return out
+
+
+def _run_live(wl, workload_path, modes: list[str], settings: LiveSettings, results: dict, details: dict,
+              say: Report) -> None:
+    """Replace the des results of ``modes`` by live runs (static-best at the split des found best)."""
+    static = sim_des.static_split(wl)
+    splits = {"static": static, "libra": static}
+    if "static-best" in modes:
+        splits["static-best"] = Allocation(**results["static-best"].final_allocation)
+    ran: dict[Allocation, str] = {}
+    with LiveBench(wl, workload_path, settings, say) as bench:
+        for mode in modes:
+            split, t0 = splits[mode], time.perf_counter()
+            if mode == "static-best" and ran.get(split) == "static":
+                results[mode], details[mode] = results["static"], {**details["static"], "same_run_as": "static"}
+                say("static-best: the des engine's best split is the static split; the static run stands for it")
+                continue
+            results[mode], details[mode] = bench.run_mode(mode, split)
+            details[mode]["wall_s"] = time.perf_counter() - t0
+            if mode != "libra":
+                ran[split] = mode
+            say(f"{mode} (live): {results[mode].trajectories_per_s:.2f} trajectories/s "
+                f"({details[mode]['wall_s']:.0f} s wall)")
 
 
 def _check_modes(modes) -> list[str]:
@@ -128,8 +166,8 @@ def _throttled(say: Report, mode: str, every_s: float = 2.0):
 
 
 def readme_json(result: dict) -> dict:
-    """The README's JSON shape: the result without its ``details``."""
-    return {k: result[k] for k in ("workload", "modes", "ratios")}
+    """The README's JSON shape: the result without its ``details`` (a live run adds its two keys)."""
+    return {k: result[k] for k in ("workload", "engine", "live_vs_des", "modes", "ratios") if k in result}
 
 
 # --- terminal table -----------------------------------------------------------
@@ -162,6 +200,12 @@ def format_table(result: dict) -> str:
     if result["ratios"]:
         lines.append("")
         lines.append("  ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items()))
+    if result.get("engine") == "live":
+        engines = {m: result["details"][m]["engine"] for m in result["modes"]}
+        lines.append("")
+        lines.append("engine: " + "  ".join(f"{m} {e}" for m, e in engines.items()))
+        if result["live_vs_des"]:
+            lines.append("live/des: " + "  ".join(f"{m} {v:.3f}" for m, v in result["live_vs_des"].items()))
     return "\n".join(lines)
 
 
@@ -222,8 +266,14 @@ def add_parser(subparsers) -> None:
                     "trajectories per simulated second, beside the ideal bound.")
     p.add_argument("workload", help="workload TOML file, e.g. bench/drift.toml")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    p.add_argument("--engine", default="des", choices=("des", "live"),
-                   help="des: discrete-event simulator; live: a real cluster (not built yet)")
+    p.add_argument("--engine", default="des", choices=ENGINES,
+                   help="des: discrete-event simulator; live: also run static, static-best and libra on a real "
+                        "Redis, controller and agent with sim workers on compressed time (up to 64 slots)")
+    p.add_argument("--time-scale", type=float, default=LiveSettings.time_scale,
+                   help="live: simulated seconds per wall second")
+    p.add_argument("--redis", help="live: Redis URL to run on (default: an embedded server, removed after)")
+    p.add_argument("--runs-dir", default=LiveSettings.runs_dir,
+                   help="live: where the run directories and logs go")
     p.add_argument("--json", metavar="OUT", help="write the README's JSON shape to OUT")
     p.add_argument("--plot", metavar="OUT.png", help="draw allocation and throughput over time (needs matplotlib)")
     p.add_argument("--seed", type=int, help="seed of the simulation (default: the workload's [job] seed)")
@@ -238,10 +288,15 @@ def cmd_bench_policy(args) -> int:
     t0 = time.perf_counter()
     try:
         result = run_bench(args.workload, args.modes, args.engine, args.seed,
-                           report=lambda line: err(f"bench policy: {line}"))
+                           report=lambda line: err(f"bench policy: {line}"),
+                           live=LiveSettings(time_scale=args.time_scale, redis_url=args.redis,
+                                             runs_dir=args.runs_dir))
     except (WorkloadError, BenchInputError) as exc:
         err(f"libra-ctl bench policy: {exc}")
         return 2
+    except LiveEngineError as exc:
+        err(f"libra-ctl bench policy: live engine: {exc}")
+        return 1
     print(format_table(result))
     err(f"bench policy: done in {time.perf_counter() - t0:.1f} s wall")
     if args.json:

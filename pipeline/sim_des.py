@@ -741,15 +741,15 @@ class AsyncSim:
             trajectories_per_s=self.job.steps * self.B / T,
             gpu_busy_frac=self.busy / (self.G * T),
             learner_wait_frac=self.wait_total / T,
-            staleness_p50=_hist_quantile(self.stale_hist, 0.5),
-            staleness_p99=_hist_quantile(self.stale_hist, 0.99),
+            staleness_p50=hist_quantile(self.stale_hist, 0.5),
+            staleness_p99=hist_quantile(self.stale_hist, 0.99),
             dropped_stale=int(self.dropped),
             reconfigurations=self.reconfigs,
             final_allocation=self.target.as_dict(),
             sim_time_s=T, timeline=self.timeline, events=self.decisions)
 
 
-def _hist_quantile(hist: np.ndarray, q: float) -> float:
+def hist_quantile(hist: np.ndarray, q: float) -> float:
     """The q-quantile of integer values given their counts (lower value at a tie)."""
     total = hist.sum()
     if total == 0:

@@ -25,7 +25,9 @@ The run's manifest carries ``"sim": {"workload": PATH, "time_scale": X}``
   (``weight_publish_s``). Its step, version and counters live in Redis and are
   written in the transaction that acknowledges the step's entries, so a
   drained or killed learner resumes exactly where it stopped (a checkpoint per
-  step), with the world size of its new slots.
+  step), with the world size of its new slots;
+- a role change: a slot worker started into a job that has already generated
+  first sleeps out the workload's ``switch_cost_s`` (``pay_switch_cost``).
 
 Each stage reports its measured busy, pause and idle seconds and its
 trajectories and tokens (``pipeline.controller.CostMeter``) in wall seconds:
@@ -501,6 +503,26 @@ class SimLearner:
 # --- the process --------------------------------------------------------------------------------
 
 
+def pay_switch_cost(ctx, wl: Workload, clock: Clock, role: str, started: float | None = None) -> float:
+    """A slot that changes role yields nothing for ``switch_cost_s`` (drain, start, weight load).
+
+    Paid by a slot worker started into a job that has already generated (a
+    role change or a restart; the initial allocation starts for free, as in
+    the des engine): it sleeps what its own process start-up left of the
+    cost, so a machine slower to start processes than the workload's GPUs
+    overcharges instead of undercharging. ``started``: the process's start
+    (wall clock), by default read from the OS. Returns the wall seconds slept.
+    """
+    import psutil
+
+    if role == "reward" and not wl.reward.gpu:
+        return 0.0
+    if not int(ctx.r.hget(ctx.keys.counters, "generated") or 0):
+        return 0.0
+    spent = (time.time() - (started or psutil.Process().create_time())) * clock.scale
+    return clock.sleep(wl.cluster.switch_cost_s - spent)
+
+
 def slots_from_env() -> list[str]:
     raw = os.environ.get(SLOTS_ENV, "")
     return [s for s in raw.split(",") if s]
@@ -522,6 +544,7 @@ def main(argv: list[str] | None = None) -> None:
         clock = Clock(float(sim["time_scale"]))
         model = CostModel(wl, seed=zlib.crc32(f"{ctx.cfg.job.seed}:{ctx.worker_id}".encode()))
         meter = CostMeter(ctx.r, ctx.keys, ctx.worker_id, args.role)
+        meter.add(pause_s=pay_switch_cost(ctx, wl, clock, args.role))
         ensure_groups(ctx.r, ctx.keys)
         common = dict(block_ms=ctx.cfg.streams.block_ms, max_bytes=ctx.cfg.streams.max_message_bytes,
                       stop=ctx.stopping, log=ctx.log)

@@ -1,0 +1,97 @@
+"""The live engine of ``bench policy``: a workload on Redis, the controller, an agent and sim workers."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline import bench_policy, sim_des
+from pipeline.audit import audit
+from pipeline.bench_live import LiveBench, LiveEngineError, LiveSettings, control_settings, worker_counts
+from pipeline.keys import CONTROLLER_LEASE, JobKeys
+from pipeline.policy import Allocation
+from pipeline.workload import load_workload, parse_workload
+from workers.sim import Clock, pay_switch_cost
+
+try:  # pytest imports tests/ as a package when it has an __init__.py, else as a directory on sys.path
+    from tests.test_sim_workers import BASE, write_workload
+except ModuleNotFoundError:
+    from test_sim_workers import BASE, write_workload
+
+
+def test_control_settings_are_the_des_policy_in_wall_seconds():
+    wl = parse_workload(BASE)
+    c = control_settings(wl, 10.0)
+    des = sim_des.ControlConfig()
+    assert c["interval_s"] == pytest.approx(des.interval_s / 10)
+    assert c["window_s"] == pytest.approx(des.window_ticks * des.interval_s / 10)
+    assert c["cooldown_s"] == pytest.approx(des.plan.cooldown_s / 10)
+    assert c["switch_cost_s"] == pytest.approx(wl.cluster.switch_cost_s / 10)
+    assert c["learner_scaling_exponent"] == wl.learner.scaling_exponent and c["mode"] == "pinned"
+    # reward on CPU: processes beside the slots; on GPU: one per slot of the split
+    assert worker_counts(wl, Allocation(rollout=5, learner=3, reward=0))["reward"] >= 1
+    on_gpu = parse_workload({**BASE, "reward": {**BASE["reward"], "gpu": True}})
+    assert worker_counts(on_gpu, Allocation(rollout=4, learner=3, reward=1)) == {"rollout": 4, "learner": 3,
+                                                                                 "reward": 1}
+
+
+def test_live_settings_reject_what_one_machine_cannot_run():
+    big = parse_workload({**BASE, "cluster": {**BASE["cluster"], "gpus": 65}})
+    with pytest.raises(ValueError, match="up to 64 slots"):
+        LiveSettings().check(big)
+    with pytest.raises(ValueError, match="time-scale"):
+        LiveSettings(time_scale=0).check(parse_workload(BASE))
+
+
+def test_a_slot_worker_started_into_a_running_job_pays_the_switch_cost(r):
+    wl = parse_workload(BASE)                    # switch_cost_s = 5
+    ctx = SimpleNamespace(r=r, keys=JobKeys("sw"))
+    clock = Clock(10.0)                          # 5 simulated s = 0.5 wall s
+    assert pay_switch_cost(ctx, wl, clock, "rollout", started=time.time()) == 0.0     # initial allocation
+    r.hset(ctx.keys.counters, "generated", 8)
+    assert 0.4 <= pay_switch_cost(ctx, wl, clock, "rollout", started=time.time()) < 2.0
+    assert pay_switch_cost(ctx, wl, clock, "learner", started=time.time() - 1.0) == pytest.approx(0.0, abs=0.05)
+    assert pay_switch_cost(ctx, wl, clock, "reward", started=time.time()) == 0.0      # CPU reward holds no slot
+
+
+def test_a_redis_with_its_own_controller_is_refused(r, redis_url, tmp_path):
+    r.set(CONTROLLER_LEASE, "someone")
+    wl_path = write_workload(tmp_path / "tiny.toml", job={"steps": 2})
+    bench = LiveBench(load_workload(wl_path), wl_path, LiveSettings(redis_url=redis_url, runs_dir=str(tmp_path)),
+                      lambda line: None)
+    with pytest.raises(LiveEngineError, match="a Redis of its own"):
+        bench.__enter__()
+
+
+@pytest.mark.slow
+def test_live_engine_runs_the_async_modes_on_the_control_plane(r, redis_url, tmp_path):
+    steps = 12
+    wl_path = write_workload(tmp_path / "tiny.toml", job={"steps": steps})
+    lines: list[str] = []
+    res = bench_policy.run_bench(wl_path, "sync,static,static-best,libra,ideal", engine="live",
+                                 report=lines.append,
+                                 live=LiveSettings(time_scale=10.0, redis_url=redis_url, runs_dir=str(tmp_path)))
+    d = res["details"]
+    assert res["engine"] == "live"
+    assert {m: d[m]["engine"] for m in res["modes"]} == {
+        "sync": "des", "static": "live", "static-best": "live", "libra": "live", "ideal": "des"}
+    wl = load_workload(wl_path)
+    for mode in ("static", "libra"):
+        assert [p["step"] for p in d[mode]["timeline"]] == list(range(1, steps + 1))
+        # the same cost model on two engines: far apart only if the live engine mis-times its runs
+        assert 0.7 <= res["live_vs_des"][mode] <= 1.4, (mode, res["live_vs_des"])
+        a = audit(r, f"bench-{mode}", d[mode]["run_dir"])
+        assert a["ok"], a["problems"]
+        assert a["duplicates_trained"] == 0
+        assert res["modes"][mode]["staleness_p99"] <= wl.job.max_staleness
+    assert res["modes"]["static"]["final_allocation"] == sim_des.static_split(wl).as_dict()
+    assert any("static (live)" in line for line in lines)
+    out = bench_policy.readme_json(res)
+    assert set(out) == {"workload", "engine", "live_vs_des", "modes", "ratios"}
+    json.dumps(out)
+    assert "live/des" in bench_policy.format_table(res)
+    # the control plane is gone and every job's workers were drained
+    assert r.get(CONTROLLER_LEASE) is None
