@@ -205,6 +205,11 @@ def _decode_group(body: dict) -> Group:
     if not raw_trajs:
         raise BadMessage("empty group: no trajectories")
     trajs = tuple(map(_decode_traj, raw_trajs))
+    seen: set[int] = set()
+    for t in trajs:    # a sample's id is (prompt_id, sample_idx): two with one id would be trained as one
+        if t.sample_idx in seen:
+            raise BadMessage(f"repeated sample_idx {t.sample_idx} in group {prompt_id!r}")
+        seen.add(t.sample_idx)
     extra = _get(body, "extra", dict, optional=True) or {}
     for key, value in extra.items():
         if type(value) not in _SCALARS:

@@ -54,6 +54,10 @@ def test_oversized_nan_and_empty_are_rejected():
         m.decode(m.encode(group(reward=math.nan)), 1 << 20)
     with pytest.raises(m.BadMessage, match="empty group"):
         m.decode(m.encode(group(n=0)), 1 << 20)
+    two = group(n=2)
+    twins = m.Group(**{**two.__dict__, "trajectories": (two.trajectories[0], two.trajectories[0])})
+    with pytest.raises(m.BadMessage, match="repeated sample_idx 0"):
+        m.decode(m.encode(twins), 1 << 20)
     empty = group()
     t = empty.trajectories[0]
     bad = m.Group(**{**empty.__dict__, "trajectories": (m.Trajectory(**{**t.__dict__,

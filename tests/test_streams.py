@@ -6,11 +6,11 @@ from pipeline.streams import ClaimPolicy, Reject, ensure_groups, group_pending, 
 
 
 def unscored_group(pid: str) -> m.Group:
-    t = m.Trajectory(sample_idx=0, completion=np.array([1], np.int32), mask=np.array([1], np.uint8),
-                     logprobs=np.array([-0.1], np.float32), text="x", finish="answer", turns=1,
-                     tool_calls=0, tool_latency_s=(), tool_timeouts=0)
+    ts = tuple(m.Trajectory(sample_idx=i, completion=np.array([1], np.int32), mask=np.array([1], np.uint8),
+                            logprobs=np.array([-0.1], np.float32), text="x", finish="answer", turns=1,
+                            tool_calls=0, tool_latency_s=(), tool_timeouts=0) for i in range(2))
     return m.Group(prompt_id=pid, prompt="Q", answer=1, prompt_tokens=np.array([1], np.int32), version=0,
-                   worker="w", generated_at=0.0, gen_s=0.0, trajectories=(t, t))
+                   worker="w", generated_at=0.0, gen_s=0.0, trajectories=ts)
 
 
 def test_stage_writes_acks_and_dead_letters(r):
