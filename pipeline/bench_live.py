@@ -106,6 +106,9 @@ class _Trace:
     steps: list = field(default_factory=list)
     timeline: list = field(default_factory=list)
     cursor: str = "0-0"
+    # (worker, since) -> its last cost record: a worker id that comes back after a role change starts a new
+    # record under the same key in Redis, so each incarnation's costs are kept here as last seen
+    costs: dict = field(default_factory=dict)
 
 
 class LiveBench:
@@ -121,6 +124,14 @@ class LiveBench:
         self.control = None
 
     def __enter__(self) -> "LiveBench":
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         url = self.settings.redis_url
         if url is None:
@@ -137,7 +148,6 @@ class LiveBench:
                                            interval_s=interval)
         self.say(f"live: Redis {url}, controller every {interval:.2f} s, agent with {self.wl.cluster.gpus} "
                  f"slots, {self.scale:g} simulated s per wall s; logs in {self.dir / 'logs'}")
-        return self
 
     def __exit__(self, *exc) -> None:
         if self.control:
@@ -163,8 +173,8 @@ class LiveBench:
                                            "run_dir": str(run_dir), "backend": "sim"})
         trace = _Trace(t0=self._first_prompt_at(job, run_dir))
         try:
-            costs = self._follow(job, mode, trace, run_dir)
-            result = self._result(job, trace, costs)
+            self._follow(job, mode, trace, run_dir)
+            result = self._result(job, trace)
         finally:
             self._finish(job)
         return result, {"timeline": trace.timeline, "decisions": self._decisions(job),
@@ -200,20 +210,22 @@ class LiveBench:
             time.sleep(0.05)
         raise LiveEngineError(f"{job}: the feeder wrote no prompt; see {run_dir / 'logs'}")
 
-    def _follow(self, job: str, mode: str, trace: _Trace, run_dir: Path) -> dict:
-        """Record learner steps and the allocation until the last step; returns the worker costs then."""
+    def _follow(self, job: str, mode: str, trace: _Trace, run_dir: Path) -> None:
+        """Record learner steps, worker costs and the allocation until the last step."""
         keys, steps = JobKeys(job), self.wl.job.steps
         expected_step_s = self.wl.job.batch_size / max(sim_des.ideal_rate(self.wl), 1e-9) / self.scale
         last_progress, last_say = time.monotonic(), 0.0
         while True:
             self.control.check()
             phase = self.r.hget(keys.state, "phase")
-            costs = {w.decode(): json.loads(v) for w, v in self.r.hgetall(keys.worker_costs).items()}
+            for w, v in self.r.hgetall(keys.worker_costs).items():
+                c = json.loads(v)
+                trace.costs[(w.decode(), c["since"])] = c
             roles = allocation_status(self.r, job)["roles"]
             if self._read_steps(keys, trace, roles):
                 last_progress = time.monotonic()
             if phase == b"trained" and len(trace.steps) >= steps:
-                return costs
+                return
             now = time.monotonic()
             if now - last_progress > max(60.0, STALL_STEPS * expected_step_s):
                 raise LiveEngineError(f"{job}: no learner step for {now - last_progress:.0f} s; see "
@@ -240,7 +252,7 @@ class LiveBench:
             new = True
         return new
 
-    def _result(self, job: str, trace: _Trace, costs: dict) -> sim_des.ModeResult:
+    def _result(self, job: str, trace: _Trace) -> sim_des.ModeResult:
         keys = JobKeys(job)
         wall = trace.steps[-1]["at"] - trace.t0
         counters = {a.decode(): int(b) for a, b in self.r.hgetall(keys.counters).items()}
@@ -249,7 +261,7 @@ class LiveBench:
             for v, c in s.get("staleness_hist", {}).items():
                 hist[min(int(v), len(hist) - 1)] += int(c)
         gpu_roles = ("rollout", "learner", "reward") if self.wl.reward.gpu else ("rollout", "learner")
-        busy = sum(c["busy_s"] for c in costs.values() if c["role"] in gpu_roles)
+        busy = sum(c["busy_s"] for c in trace.costs.values() if c["role"] in gpu_roles)
         roles = allocation_status(self.r, job)["roles"]
         trained = sum(s["trajectories"] for s in trace.steps)
         return sim_des.ModeResult(
