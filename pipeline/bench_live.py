@@ -114,9 +114,11 @@ class _Trace:
 class LiveBench:
     """A Redis server, a controller and an agent with the workload's slots; ``run_mode`` per mode."""
 
-    def __init__(self, wl: Workload, workload_path: Path, settings: LiveSettings, say: Report):
+    def __init__(self, wl: Workload, workload_path: Path, settings: LiveSettings, say: Report,
+                 seed: int | None = None):
         settings.check(wl)
         self.wl, self.path, self.settings, self.say = wl, Path(workload_path).resolve(), settings, say
+        self.seed = wl.job.seed if seed is None else seed   # the sim workers' lengths and rewards
         self.scale = settings.time_scale
         self.dir = Path(settings.runs_dir).resolve() / f"bench-{wl.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.redis_dir: Path | None = None
@@ -164,7 +166,8 @@ class LiveBench:
         job, wl = f"bench-{mode}", self.wl
         counts = worker_counts(wl, split)
         run_dir = prepare_sim_run(self.r, self.path, self.dir, job=job, time_scale=self.scale, redis_url=self.url,
-                                  reward_workers=counts["reward"], control=control_settings(wl, self.scale))
+                                  reward_workers=counts["reward"], control=control_settings(wl, self.scale),
+                                  seed=self.seed)
         pin(self.r, job, counts)
         self._wait_started(job, counts, run_dir)
         if mode == "libra":

@@ -72,7 +72,7 @@ def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed:
         des = dict(results)
         for mode in modes:
             details[mode]["engine"] = "des"
-        _run_live(wl, workload_path, [m for m in modes if m in LIVE_MODES], live, results, details, say)
+        _run_live(wl, workload_path, [m for m in modes if m in LIVE_MODES], live, seed, results, details, say)
         out["engine"] = "live"
         out["live_vs_des"] = {m: results[m].trajectories_per_s / des[m].trajectories_per_s
                               for m in modes if details[m]["engine"] == "live" and des[m].trajectories_per_s}
@@ -80,15 +80,15 @@ def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed:
     return out
 
 
-def _run_live(wl, workload_path, modes: list[str], settings: LiveSettings, results: dict, details: dict,
-              say: Report) -> None:
+def _run_live(wl, workload_path, modes: list[str], settings: LiveSettings, seed: int, results: dict,
+              details: dict, say: Report) -> None:
     """Replace the des results of ``modes`` by live runs (static-best at the split des found best)."""
     static = sim_des.static_split(wl)
     splits = {"static": static, "libra": static}
     if "static-best" in modes:
         splits["static-best"] = Allocation(**results["static-best"].final_allocation)
     ran: dict[Allocation, str] = {}
-    with LiveBench(wl, workload_path, settings, say) as bench:
+    with LiveBench(wl, workload_path, settings, say, seed) as bench:
         for mode in modes:
             split, t0 = splits[mode], time.perf_counter()
             if mode == "static-best" and ran.get(split) == "static":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -71,7 +72,7 @@ def test_live_engine_runs_the_async_modes_on_the_control_plane(r, redis_url, tmp
     steps = 12
     wl_path = write_workload(tmp_path / "tiny.toml", job={"steps": steps})
     lines: list[str] = []
-    res = bench_policy.run_bench(wl_path, "sync,static,static-best,libra,ideal", engine="live",
+    res = bench_policy.run_bench(wl_path, "sync,static,static-best,libra,ideal", engine="live", seed=3,
                                  report=lines.append,
                                  live=LiveSettings(time_scale=10.0, redis_url=redis_url, runs_dir=str(tmp_path)))
     d = res["details"]
@@ -87,6 +88,8 @@ def test_live_engine_runs_the_async_modes_on_the_control_plane(r, redis_url, tmp
         assert a["ok"], a["problems"]
         assert a["duplicates_trained"] == 0
         assert res["modes"][mode]["staleness_p99"] <= wl.job.max_staleness
+        manifest = json.loads((Path(d[mode]["run_dir"]) / "manifest.json").read_text())
+        assert manifest["config"]["job"]["seed"] == 3          # the sim workers run the seed asked for
     assert res["modes"]["static"]["final_allocation"] == sim_des.static_split(wl).as_dict()
     assert any("static (live)" in line for line in lines)
     out = bench_policy.readme_json(res)

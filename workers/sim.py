@@ -156,18 +156,20 @@ def sim_config(wl: Workload, *, job: str, max_queue_size: int | None = None,
 
 def prepare_sim_run(r: redis.Redis, workload: str | Path, runs_dir: str | Path, *, job: str = "sim",
                     time_scale: float = 50.0, redis_url: str = "", max_queue_size: int | None = None,
-                    reward_workers: int = 1, control: dict | None = None, steps: int | None = None) -> Path:
+                    reward_workers: int = 1, control: dict | None = None, steps: int | None = None,
+                    seed: int | None = None) -> Path:
     """Create a run directory and the job's Redis state for a sim job; returns the run directory.
 
     The caller then may pin the allocation (``pipeline.controller.pin``) and has
     an agent start the feeder; the controller starts the stage workers.
     ``control`` is the job's control settings (``pipeline.controller.ControlConfig``);
-    ``steps`` cuts the run short of the workload's.
+    ``steps`` cuts the run short of the workload's; ``seed`` replaces its [job] seed.
     """
     from pipeline.run import reset_job
 
     wl = load_workload(workload)
-    extra = {"run": {"runs_dir": str(runs_dir)}, **({"job": {"steps": steps}} if steps else {})}
+    job_over = {**({"steps": steps} if steps else {}), **({"seed": seed} if seed is not None else {})}
+    extra = {"run": {"runs_dir": str(runs_dir)}, **({"job": job_over} if job_over else {})}
     cfg = sim_config(wl, job=job, max_queue_size=max_queue_size, reward_workers=reward_workers, extra=extra)
     run_dir = manifest_mod.new_run_dir(cfg).resolve()
     manifest = manifest_mod.write_manifest(run_dir, cfg, argv=sys.argv, redis_url=redis_url, embedded=False,
