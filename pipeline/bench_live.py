@@ -189,6 +189,7 @@ class LiveBench:
         # processes: one learner process holds all the learner's slots
         want = {role: (1 if role == "learner" else n) for role, n in counts.items() if n}
         self.say(f"{job}: starting " + " ".join(f"{k}={v}" for k, v in counts.items()))
+        last_say = time.monotonic()
         while time.monotonic() < deadline:
             self.control.check()
             up: dict[str, int] = {}
@@ -198,6 +199,9 @@ class LiveBench:
                     up[w["role"]] = up.get(w["role"], 0) + 1
             if all(up.get(role, 0) >= n for role, n in want.items()):
                 return
+            if time.monotonic() - last_say >= 10.0:
+                last_say = time.monotonic()
+                self.say(f"{job}: processes up " + " ".join(f"{r}={up.get(r, 0)}/{n}" for r, n in want.items()))
             time.sleep(POLL_S)
         raise LiveEngineError(f"{job}: its workers did not all start within {self.settings.start_timeout_s:.0f} s "
                               f"(up: {up}, wanted {want}); see {run_dir / 'logs'} and {self.dir / 'logs'}")
