@@ -34,6 +34,8 @@ the report states how far the two engines agree.
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
 import tempfile
 import time
@@ -42,11 +44,12 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import redis
 
 from pipeline import control_jobs, sim_des
 from pipeline.controller import (allocation_status, live_agents, pin, read_events, start_local_control,
                                  unpin)
-from pipeline.keys import CONTROLLER_LEASE, JobKeys
+from pipeline.keys import CONTROLLER_LEASE, JOBS, JobKeys
 from pipeline.policy import Allocation
 from pipeline.redisconn import EmbeddedRedis, connect
 from pipeline.workload import Workload
@@ -74,8 +77,10 @@ class LiveSettings:
     start_timeout_s: float = 300.0      # wall seconds for a mode's initial workers to come up
 
     def check(self, wl: Workload) -> None:
-        if self.time_scale <= 0:
-            raise ValueError(f"--time-scale {self.time_scale}: must be > 0")
+        if not 0 < self.time_scale < math.inf:
+            raise ValueError(f"--time-scale {self.time_scale}: must be a number > 0")
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s {self.start_timeout_s}: must be > 0")
         if wl.cluster.gpus > MAX_SLOTS:
             raise ValueError(f"the live engine runs up to {MAX_SLOTS} slots on one machine and {wl.name} has "
                              f"{wl.cluster.gpus} GPUs: use --engine des")
@@ -120,7 +125,8 @@ class LiveBench:
         self.wl, self.path, self.settings, self.say = wl, Path(workload_path).resolve(), settings, say
         self.seed = wl.job.seed if seed is None else seed   # the sim workers' lengths and rewards
         self.scale = settings.time_scale
-        self.dir = Path(settings.runs_dir).resolve() / f"bench-{wl.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.dir = Path(settings.runs_dir).resolve() / f"bench-{wl.name}-{stamp}"
         self.redis_dir: Path | None = None
         self.embedded: EmbeddedRedis | None = None
         self.control = None
@@ -128,8 +134,11 @@ class LiveBench:
     def __enter__(self) -> "LiveBench":
         try:
             self._start()
-        except BaseException:
+        except BaseException as exc:
             self.__exit__()
+            if isinstance(exc, (RuntimeError, redis.RedisError)) and not isinstance(exc, LiveEngineError):
+                raise LiveEngineError(f"could not start Redis, the controller or the agent: {exc}; see "
+                                      f"{self.dir / 'logs'}") from exc
             raise
         return self
 
@@ -139,24 +148,39 @@ class LiveBench:
         if url is None:
             # a short path: the server's unix socket lives there
             self.redis_dir = Path(tempfile.mkdtemp(prefix="libra-bench-"))
-            self.embedded = EmbeddedRedis(self.redis_dir, maxmemory="4gb", appendfsync="no").start()
+            self.embedded = EmbeddedRedis(self.redis_dir, maxmemory="4gb", appendfsync="no")
+            self.embedded.start()
             url = self.embedded.url
         self.url, self.r = url, connect(url)
-        if self.embedded is None and (self.r.exists(CONTROLLER_LEASE) or live_agents(self.r)):
-            raise LiveEngineError(f"{url} already has a controller or node agents; the live engine needs a Redis "
-                                  "of its own (leave out --redis for an embedded one)")
+        if self.embedded is None:
+            self._check_own_redis(url)
+        # learner steps carry this machine's clock, a first prompt the server's (its stream id)
+        secs, micros = self.r.time()
+        self.clock_offset = secs + micros / 1e6 - time.time()
         interval = control_settings(self.wl, self.scale)["interval_s"]
         self.control = start_local_control(None, self.dir, url, slots=self.wl.cluster.gpus, node=NODE,
                                            interval_s=interval)
         self.say(f"live: Redis {url}, controller every {interval:.2f} s, agent with {self.wl.cluster.gpus} "
                  f"slots, {self.scale:g} simulated s per wall s; logs in {self.dir / 'logs'}")
 
+    def _check_own_redis(self, url: str) -> None:
+        """A given Redis must have no controller, agent or running job: ours would act on them."""
+        busy = [n.decode() for n in self.r.smembers(JOBS)
+                if self.r.hget(JobKeys(n.decode()).state, "phase") in (b"running", b"trained")]
+        if self.r.exists(CONTROLLER_LEASE) or live_agents(self.r) or busy:
+            raise LiveEngineError(f"{url} already has a controller, node agents or running jobs"
+                                  f"{' (' + ', '.join(sorted(busy)) + ')' if busy else ''}; the live engine needs "
+                                  "a Redis of its own (leave out --redis for an embedded one)")
+
     def __exit__(self, *exc) -> None:
-        if self.control:
-            self.control.stop()
-        if self.embedded:
-            self.embedded.stop()
-            shutil.rmtree(self.redis_dir, ignore_errors=True)
+        try:
+            if self.control:
+                self.control.stop()
+        finally:
+            if self.embedded:
+                self.embedded.stop()
+            if self.redis_dir:
+                shutil.rmtree(self.redis_dir, ignore_errors=True)
 
     # --- one mode -------------------------------------------------------------------------------
 
@@ -165,19 +189,27 @@ class LiveBench:
 
         job, wl = f"bench-{mode}", self.wl
         counts = worker_counts(wl, split)
-        run_dir = prepare_sim_run(self.r, self.path, self.dir, job=job, time_scale=self.scale, redis_url=self.url,
-                                  reward_workers=counts["reward"], control=control_settings(wl, self.scale),
-                                  seed=self.seed)
-        pin(self.r, job, counts)
-        self._wait_started(job, counts, run_dir)
-        if mode == "libra":
-            unpin(self.r, job)
-        control_jobs.ensure(self.r, NODE, {"job": job, "worker": "feeder-0", "role": "feeder", "slots": [],
-                                           "run_dir": str(run_dir), "backend": "sim"})
-        trace = _Trace(t0=self._first_prompt_at(job, run_dir))
         try:
+            run_dir = prepare_sim_run(self.r, self.path, self.dir, job=job, time_scale=self.scale,
+                                      redis_url=self.url, reward_workers=counts["reward"],
+                                      control=control_settings(wl, self.scale), seed=self.seed)
+        except (RuntimeError, redis.RedisError) as exc:
+            raise LiveEngineError(f"{job}: could not prepare the job: {exc}") from exc
+        trace = _Trace()
+        try:
+            pin(self.r, job, counts)
+            self._wait_started(job, counts, run_dir)
+            control_jobs.ensure(self.r, NODE, {"job": job, "worker": "feeder-0", "role": "feeder", "slots": [],
+                                               "run_dir": str(run_dir), "backend": "sim"})
+            trace.t0 = self._first_prompt_at(job, run_dir)
+            if mode == "libra":
+                unpin(self.r, job)       # the policy takes over as the first prompt enters the pipeline
             self._follow(job, mode, trace, run_dir)
             result = self._result(job, trace)
+        except (RuntimeError, redis.RedisError) as exc:
+            if isinstance(exc, LiveEngineError):
+                raise
+            raise LiveEngineError(f"{job}: {exc}; see {run_dir / 'logs'} and {self.dir / 'logs'}") from exc
         finally:
             self._finish(job)
         return result, {"timeline": trace.timeline, "decisions": self._decisions(job),
@@ -207,12 +239,12 @@ class LiveBench:
                               f"(up: {up}, wanted {want}); see {run_dir / 'logs'} and {self.dir / 'logs'}")
 
     def _first_prompt_at(self, job: str, run_dir: Path) -> float:
-        """Wall time of the job's first prompt, from its stream entry id."""
+        """Wall time (this machine's clock) of the job's first prompt, from its stream entry id."""
         deadline = time.monotonic() + self.settings.start_timeout_s
         while time.monotonic() < deadline:
             first = self.r.xrange(JobKeys(job).prompts, count=1)
             if first:
-                return int(first[0][0].split(b"-")[0]) / 1000.0
+                return int(first[0][0].split(b"-")[0]) / 1000.0 - self.clock_offset
             self.control.check()
             time.sleep(0.05)
         raise LiveEngineError(f"{job}: the feeder wrote no prompt; see {run_dir / 'logs'}")
@@ -221,6 +253,8 @@ class LiveBench:
         """Record learner steps, worker costs and the allocation until the last step."""
         keys, steps = JobKeys(job), self.wl.job.steps
         expected_step_s = self.wl.job.batch_size / max(sim_des.ideal_rate(self.wl), 1e-9) / self.scale
+        # the first step also waits for the pipeline to fill: a rollout call, reward, a training step
+        first_step_s = max(self.settings.start_timeout_s, STALL_STEPS * expected_step_s)
         last_progress, last_say = time.monotonic(), 0.0
         while True:
             self.control.check()
@@ -234,7 +268,7 @@ class LiveBench:
             if phase == b"trained" and len(trace.steps) >= steps:
                 return
             now = time.monotonic()
-            if now - last_progress > max(60.0, STALL_STEPS * expected_step_s):
+            if now - last_progress > (max(60.0, STALL_STEPS * expected_step_s) if trace.steps else first_step_s):
                 raise LiveEngineError(f"{job}: no learner step for {now - last_progress:.0f} s; see "
                                       f"{run_dir / 'logs'} and {self.dir / 'logs'}")
             if now - last_say >= 5.0 and trace.steps:
@@ -274,7 +308,7 @@ class LiveBench:
         return sim_des.ModeResult(
             trajectories_per_s=trained / (wall * self.scale),
             gpu_busy_frac=min(1.0, busy / (self.wl.cluster.gpus * wall)),
-            learner_wait_frac=min(1.0, sum(s["wait_s"] for s in trace.steps) / wall),
+            learner_wait_frac=min(1.0, sum(self._wait_in_run(s, trace.t0) for s in trace.steps) / wall),
             staleness_p50=sim_des.hist_quantile(hist, 0.5), staleness_p99=sim_des.hist_quantile(hist, 0.99),
             dropped_stale=counters.get("dropped_stale", 0), reconfigurations=len(self._decisions(job)),
             final_allocation={"rollout": roles.get("rollout", 0),
@@ -282,13 +316,28 @@ class LiveBench:
                               "learner": trace.steps[-1]["gpus"]},
             sim_time_s=wall * self.scale, timeline=trace.timeline)
 
+    @staticmethod
+    def _wait_in_run(step: dict, t0: float) -> float:
+        """A step's wait for data after the clock started (the learner may wait for the first prompt)."""
+        return min(step["wait_s"], max(0.0, step["at"] - t0 - step["train_s"] - step["publish_s"]))
+
     def _decisions(self, job: str) -> list[dict]:
         """The controller's decisions that changed the allocation."""
         return [e for e in read_events(self.r, job, 10_000) if e["kind"] == "decision" and e["to"] != e["from"]]
 
     def _finish(self, job: str) -> None:
-        """Mark the job done; the controller drains its workers, and the next mode gets free slots."""
-        self.r.hset(JobKeys(job).state, "phase", "done")
-        deadline = time.monotonic() + 120.0
-        while time.monotonic() < deadline and allocation_status(self.r, job)["workers"]:
-            time.sleep(POLL_S)
+        """Mark the job done; the controller drains its workers, and the next mode gets free slots.
+
+        Never raises: it runs after a failure too, whose error must not be masked.
+        """
+        try:
+            self.r.hset(JobKeys(job).state, "phase", "done")
+            deadline = time.monotonic() + 120.0
+            while allocation_status(self.r, job)["workers"]:
+                self.control.check()
+                if time.monotonic() > deadline:
+                    self.say(f"{job}: workers still running 120 s after the job ended; see {self.dir / 'logs'}")
+                    return
+                time.sleep(POLL_S)
+        except (RuntimeError, redis.RedisError) as exc:
+            self.say(f"{job}: could not drain its workers: {exc}")

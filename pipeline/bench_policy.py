@@ -13,6 +13,7 @@ allocation and throughput over time.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -68,11 +69,14 @@ def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed:
         say(f"{mode}{' (des)' if engine == 'live' else ''}: {results[mode].trajectories_per_s:.2f} "
             f"trajectories/s ({details[mode]['wall_s']:.1f} s wall)")
     out = {"workload": wl.name}
-    if engine == "live":
+    live_modes = [m for m in modes if m in LIVE_MODES]
+    if engine == "live" and not live_modes:
+        say(f"live: none of the modes asked runs live ({', '.join(LIVE_MODES)} do); the des engine's results stand")
+    elif engine == "live":
         des = dict(results)
         for mode in modes:
             details[mode]["engine"] = "des"
-        _run_live(wl, workload_path, [m for m in modes if m in LIVE_MODES], live, seed, results, details, say)
+        _run_live(wl, workload_path, live_modes, live, seed, results, details, say)
         out["engine"] = "live"
         out["live_vs_des"] = {m: results[m].trajectories_per_s / des[m].trajectories_per_s
                               for m in modes if details[m]["engine"] == "live" and des[m].trajectories_per_s}
@@ -280,11 +284,19 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=cmd_bench_policy)
 
 
+def _interrupt(signum, _frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def cmd_bench_policy(args) -> int:
     """The subcommand: 0 done, 2 bad input (workload, modes, engine, missing matplotlib)."""
     def err(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    if args.engine == "live":
+        # a SIGTERM (timeout, CI cancel, systemd) unwinds like Ctrl-C, so the live engine stops the control
+        # plane, its workers and the embedded Redis, which run in sessions of their own
+        signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.perf_counter()
     try:
         result = run_bench(args.workload, args.modes, args.engine, args.seed,
@@ -297,6 +309,9 @@ def cmd_bench_policy(args) -> int:
     except LiveEngineError as exc:
         err(f"libra-ctl bench policy: live engine: {exc}")
         return 1
+    except KeyboardInterrupt:
+        err("libra-ctl bench policy: interrupted; the live engine's processes are stopped")
+        return 130
     print(format_table(result))
     err(f"bench policy: done in {time.perf_counter() - t0:.1f} s wall")
     if args.json:

@@ -7,12 +7,13 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 from pipeline import bench_policy, sim_des
 from pipeline.audit import audit
 from pipeline.bench_live import LiveBench, LiveEngineError, LiveSettings, control_settings, worker_counts
-from pipeline.keys import CONTROLLER_LEASE, JobKeys
+from pipeline.keys import CONTROLLER_LEASE, JOBS, JobKeys
 from pipeline.policy import Allocation
 from pipeline.workload import load_workload, parse_workload
 from workers.sim import Clock, pay_switch_cost
@@ -43,8 +44,24 @@ def test_live_settings_reject_what_one_machine_cannot_run():
     big = parse_workload({**BASE, "cluster": {**BASE["cluster"], "gpus": 65}})
     with pytest.raises(ValueError, match="up to 64 slots"):
         LiveSettings().check(big)
-    with pytest.raises(ValueError, match="time-scale"):
-        LiveSettings(time_scale=0).check(parse_workload(BASE))
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="time-scale"):
+            LiveSettings(time_scale=bad).check(parse_workload(BASE))
+
+
+def test_wait_before_the_first_prompt_is_not_counted():
+    step = {"wait_s": 30.0, "at": 112.0, "train_s": 1.5, "publish_s": 0.5}   # waited from t = 80
+    assert LiveBench._wait_in_run(step, t0=100.0) == pytest.approx(10.0)     # only from the first prompt on
+    assert LiveBench._wait_in_run(step, t0=50.0) == pytest.approx(30.0)
+
+
+def test_live_engine_without_live_modes_runs_nothing_live(tmp_path):
+    wl_path = write_workload(tmp_path / "tiny.toml", job={"steps": 4})
+    lines: list[str] = []
+    res = bench_policy.run_bench(wl_path, "sync,ideal", engine="live", report=lines.append,
+                                 live=LiveSettings(redis_url="redis://127.0.0.1:1/0"))   # never connected
+    assert "engine" not in res and set(res["modes"]) == {"sync", "ideal"}
+    assert any("none of the modes asked runs live" in line for line in lines)
 
 
 def test_a_slot_worker_started_into_a_running_job_pays_the_switch_cost(r):
@@ -58,13 +75,22 @@ def test_a_slot_worker_started_into_a_running_job_pays_the_switch_cost(r):
     assert pay_switch_cost(ctx, wl, clock, "reward", started=time.time()) == 0.0      # CPU reward holds no slot
 
 
-def test_a_redis_with_its_own_controller_is_refused(r, redis_url, tmp_path):
-    r.set(CONTROLLER_LEASE, "someone")
+def test_a_redis_with_a_controller_or_a_running_job_is_refused(r, redis_url, tmp_path):
     wl_path = write_workload(tmp_path / "tiny.toml", job={"steps": 2})
-    bench = LiveBench(load_workload(wl_path), wl_path, LiveSettings(redis_url=redis_url, runs_dir=str(tmp_path)),
-                      lambda line: None)
-    with pytest.raises(LiveEngineError, match="a Redis of its own"):
-        bench.__enter__()
+
+    def enter():
+        bench = LiveBench(load_workload(wl_path), wl_path,
+                          LiveSettings(redis_url=redis_url, runs_dir=str(tmp_path)), lambda line: None)
+        with pytest.raises(LiveEngineError, match="a Redis of its own") as err:
+            bench.__enter__()
+        return str(err.value)
+
+    r.set(CONTROLLER_LEASE, "someone")
+    enter()
+    r.delete(CONTROLLER_LEASE)
+    r.sadd(JOBS, "theirs")
+    r.hset(JobKeys("theirs").state, "phase", "running")
+    assert "(theirs)" in enter()
 
 
 @pytest.mark.slow
@@ -96,5 +122,28 @@ def test_live_engine_runs_the_async_modes_on_the_control_plane(r, redis_url, tmp
     assert set(out) == {"workload", "engine", "live_vs_des", "modes", "ratios"}
     json.dumps(out)
     assert "live/des" in bench_policy.format_table(res)
-    # the control plane is gone and every job's workers were drained
+    # the control plane is gone, and no sim worker of any mode is left running
     assert r.get(CONTROLLER_LEASE) is None
+    assert not _sim_processes(str(tmp_path))
+
+
+def _sim_processes(under: str) -> list:
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "workers.sim" in cmd and under in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            out.append(p)
+    return out
+
+
+@pytest.mark.slow
+def test_live_engine_default_embedded_redis_is_removed_after(tmp_path):
+    wl_path = write_workload(tmp_path / "tiny.toml", job={"steps": 4})
+    lines: list[str] = []
+    res = bench_policy.run_bench(wl_path, "static", engine="live", report=lines.append,
+                                 live=LiveSettings(time_scale=10.0, runs_dir=str(tmp_path)))
+    assert [p["step"] for p in res["details"]["static"]["timeline"]] == [1, 2, 3, 4]
+    started = next(line for line in lines if line.startswith("live: Redis unix://"))
+    socket = Path(started.split()[2].removeprefix("unix://"))
+    assert not socket.parent.exists()                       # the server's directory is gone
+    assert not _sim_processes(str(tmp_path))

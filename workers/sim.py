@@ -521,7 +521,7 @@ def pay_switch_cost(ctx, wl: Workload, clock: Clock, role: str, started: float |
         return 0.0
     if not int(ctx.r.hget(ctx.keys.counters, "generated") or 0):
         return 0.0
-    spent = (time.time() - (started or psutil.Process().create_time())) * clock.scale
+    spent = (time.time() - (psutil.Process().create_time() if started is None else started)) * clock.scale
     return clock.sleep(wl.cluster.switch_cost_s - spent)
 
 
@@ -545,8 +545,10 @@ def main(argv: list[str] | None = None) -> None:
         wl = load_workload(sim["workload"])
         clock = Clock(float(sim["time_scale"]))
         model = CostModel(wl, seed=zlib.crc32(f"{ctx.cfg.job.seed}:{ctx.worker_id}".encode()))
+        # before the meter starts: a switch is neither work nor a weight load (the controller reads pause_s as
+        # weight loads), and the des engine counts it apart too
+        pay_switch_cost(ctx, wl, clock, args.role)
         meter = CostMeter(ctx.r, ctx.keys, ctx.worker_id, args.role)
-        meter.add(pause_s=pay_switch_cost(ctx, wl, clock, args.role))
         ensure_groups(ctx.r, ctx.keys)
         common = dict(block_ms=ctx.cfg.streams.block_ms, max_bytes=ctx.cfg.streams.max_message_bytes,
                       stop=ctx.stopping, log=ctx.log)
