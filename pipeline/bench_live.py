@@ -88,7 +88,8 @@ class LiveSettings:
 
 def control_settings(wl: Workload, scale: float) -> dict:
     """The job's ``[control]`` for the live run: the des engine's libra settings, in wall seconds."""
-    des, plan = sim_des.ControlConfig(), sim_des.ControlConfig().plan
+    des = sim_des.ControlConfig()
+    plan = des.plan
     return {"mode": "pinned", "interval_s": des.interval_s / scale,
             "window_s": des.window_ticks * des.interval_s / scale,
             "cooldown_s": plan.cooldown_s / scale, "horizon_s": plan.horizon_s / scale,
@@ -212,7 +213,7 @@ class LiveBench:
             raise LiveEngineError(f"{job}: {exc}; see {run_dir / 'logs'} and {self.dir / 'logs'}") from exc
         finally:
             self._finish(job)
-        return result, {"timeline": trace.timeline, "decisions": self._decisions(job),
+        return result, {"timeline": trace.timeline, "decisions": result.events,
                         "sim_time_s": result.sim_time_s, "run_dir": str(run_dir), "engine": "live"}
 
     def _wait_started(self, job: str, counts: dict, run_dir: Path) -> None:
@@ -305,16 +306,17 @@ class LiveBench:
         busy = sum(c["busy_s"] for c in trace.costs.values() if c["role"] in gpu_roles)
         roles = allocation_status(self.r, job)["roles"]
         trained = sum(s["trajectories"] for s in trace.steps)
+        decisions = self._decisions(job)
         return sim_des.ModeResult(
             trajectories_per_s=trained / (wall * self.scale),
             gpu_busy_frac=min(1.0, busy / (self.wl.cluster.gpus * wall)),
             learner_wait_frac=min(1.0, sum(self._wait_in_run(s, trace.t0) for s in trace.steps) / wall),
             staleness_p50=sim_des.hist_quantile(hist, 0.5), staleness_p99=sim_des.hist_quantile(hist, 0.99),
-            dropped_stale=counters.get("dropped_stale", 0), reconfigurations=len(self._decisions(job)),
+            dropped_stale=counters.get("dropped_stale", 0), reconfigurations=len(decisions),
             final_allocation={"rollout": roles.get("rollout", 0),
                               "reward": roles.get("reward", 0) if self.wl.reward.gpu else 0,
                               "learner": trace.steps[-1]["gpus"]},
-            sim_time_s=wall * self.scale, timeline=trace.timeline)
+            sim_time_s=wall * self.scale, timeline=trace.timeline, events=decisions)
 
     @staticmethod
     def _wait_in_run(step: dict, t0: float) -> float:

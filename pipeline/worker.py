@@ -67,6 +67,23 @@ class WorkerContext:
         self.r.hset(self.keys.workers, self.worker_id, json.dumps(self.record()))
 
 
+def room_downstream(ctx: WorkerContext, group_size: int, pause_s: float) -> bool:
+    """Whether rollout may generate more: the groups not yet taken by the learner
+    (``streams.downstream_backlog``) hold fewer than ``streams.max_queue_size`` trajectories.
+
+    When they do not, the worker shows as waiting and pauses ``pause_s`` before
+    its next look; the rollout workers call this between engine calls.
+    """
+    from pipeline.streams import downstream_backlog
+
+    if downstream_backlog(ctx.r, ctx.keys) * group_size >= ctx.cfg.streams.max_queue_size:
+        ctx.state = "waiting"
+        time.sleep(pause_s)
+        return False
+    ctx.state = "running"
+    return True
+
+
 def claim_policy(cfg: config_mod.Config, stage: str):
     """The reclaim settings of a stage, from ``streams.<stage>_min_idle_s`` and ``max_deliveries``."""
     from pipeline.streams import ClaimPolicy

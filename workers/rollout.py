@@ -18,8 +18,8 @@ import numpy as np
 from pipeline import messages
 from pipeline.keys import GROUP_ROLLOUT
 from pipeline.trace import span
-from pipeline.streams import downstream_backlog, ensure_groups, run_stage, transact
-from pipeline.worker import claim_policy, dedup_for, WorkerContext, finish_worker, start_worker
+from pipeline.streams import ensure_groups, run_stage, transact
+from pipeline.worker import WorkerContext, claim_policy, dedup_for, finish_worker, room_downstream, start_worker
 from workers.agent_loop import evaluate, run_episodes
 from workers.envs.calc import Problem, read_prompt_file
 from workers.tiny_policy import load_tokenizer
@@ -60,13 +60,7 @@ class Rollout:
         self.maybe_reload()
         self.serve_eval_requests()
         self.maybe_periodic_eval()
-        backlog = downstream_backlog(self.ctx.r, self.ctx.keys) * self.cfg.group_size
-        if backlog >= self.ctx.cfg.streams.max_queue_size:
-            self.ctx.state = "waiting"
-            time.sleep(0.1)
-            return False
-        self.ctx.state = "running"
-        return True
+        return room_downstream(self.ctx, self.cfg.group_size, pause_s=0.1)
 
     def maybe_reload(self, min_version: int = 0) -> None:
         version, path = published_policy(self.ctx)

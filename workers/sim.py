@@ -53,7 +53,8 @@ import redis
 
 from pipeline import config as config_mod, manifest as manifest_mod, messages
 from pipeline.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT, JOBS, JobKeys
-from pipeline.streams import dead_letter, decode_entries, downstream_backlog, ensure_groups, read, run_stage
+from pipeline.streams import dead_letter, decode_entries, ensure_groups, read, run_stage
+from pipeline.worker import room_downstream
 from pipeline.workload import Workload, load_workload
 
 ROLES = ("rollout", "reward", "learner")
@@ -270,13 +271,7 @@ class SimRollout:
         """Reload a newer version, then wait while downstream is full (as the vLLM worker does)."""
         if self.published_version() > self.ctx.policy_version:
             self.load_weights()
-        backlog = downstream_backlog(self.ctx.r, self.ctx.keys) * self.group_size
-        if backlog >= self.ctx.cfg.streams.max_queue_size:
-            self.ctx.state = "waiting"
-            time.sleep(0.05)
-            return False
-        self.ctx.state = "running"
-        return True
+        return room_downstream(self.ctx, self.group_size, pause_s=0.05)
 
     def generate(self, prompts: list) -> list:
         version, started = self.ctx.policy_version, time.time()

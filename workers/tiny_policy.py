@@ -31,7 +31,7 @@ from transformers import AutoTokenizer, DynamicCache, Qwen2Config, Qwen2ForCausa
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging as hf_logging
 
-from workers.agent_loop import Episode, TurnOutput, evaluate, run_episodes
+from workers.agent_loop import Episode, TurnOutput, evaluate
 from workers.envs import calc
 from workers.envs.calc import Problem
 
@@ -262,16 +262,9 @@ def greedy_episodes(
     model, tokenizer, problems: list[Problem], max_turns: int, max_tokens_per_turn: int, *, tool_timeout_s: float = 5.0
 ) -> list[Episode]:
     """The rollout loop on the torch model, greedy: what vLLM must reproduce."""
-    return run_episodes(
-        TorchGenerator(model, tokenizer),
-        tokenizer,
-        [(p, 0) for p in problems],
-        greedy=True,
-        max_turns=max_turns,
-        max_tokens_per_turn=max_tokens_per_turn,
-        tool_timeout_s=tool_timeout_s,
-        seed=0,
-    )
+    _rate, episodes = evaluate(TorchGenerator(model, tokenizer), tokenizer, problems, max_turns=max_turns,
+                               max_tokens_per_turn=max_tokens_per_turn, tool_timeout_s=tool_timeout_s)
+    return episodes
 
 
 # --- warm start -----------------------------------------------------------
