@@ -8,40 +8,25 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from pathlib import Path
 
 from pipeline import config as config_mod
+from pipeline.dataplane.redisconn import ENV_URL, connect, find_redis_url
 
 # Modules that add their own subcommands with ``add_commands(subparsers)``;
 # each imports its heavy dependencies inside its handlers, so --help stays fast.
 COMMAND_MODULES: list[str] = [
-    "pipeline.audit",  # audit, dlq
-    "pipeline.prometheus",  # metrics-serve (issue 6)
-    "pipeline.trace",  # trace (issue 6)
-    "pipeline.doctor",  # doctor (issue 6)
-    "pipeline.top",  # top (issue 6)
-    "pipeline.report",  # report (issue 6)
-    "pipeline.agent", "pipeline.controller",  # agent; controller, scale, drain, events (issue 4)
+    "pipeline.observe.audit",       # audit, dlq
+    "pipeline.observe.prometheus",  # metrics-serve
+    "pipeline.observe.trace",       # trace
+    "pipeline.observe.doctor",      # doctor
+    "pipeline.observe.top",         # top
+    "pipeline.observe.report",      # report
+    "pipeline.control.agent",       # agent
+    "pipeline.control.commands",    # scale, drain, events
+    "pipeline.sim.job",             # sim-job
 ]
-from pipeline.redisconn import ENV_URL, connect
-
-
-def find_redis_url(explicit: str | None) -> str:
-    """--redis, else $LIBRA_REDIS_URL, else the embedded server of the newest live local run."""
-    if explicit:
-        return explicit
-    if os.environ.get(ENV_URL):
-        return os.environ[ENV_URL]
-    runs = sorted(Path("runs").glob("*/redis.url"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for p in runs:
-        url = p.read_text().strip()
-        if url.startswith("unix://") and not Path(url[len("unix://"):]).exists():
-            continue
-        return url
-    raise SystemExit(f"no Redis to talk to: pass --redis URL or set {ENV_URL} "
-                     "(or start a job with libra-ctl run in this directory)")
 
 
 def cmd_run(args) -> int:
@@ -62,11 +47,57 @@ def cmd_resume(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from pipeline.status import format_status, status
+    from pipeline.observe.status import format_status, status
 
     st = status(connect(find_redis_url(args.redis)), args.job)
     print(json.dumps(st, indent=2) if args.json else format_status(st))
     return 0
+
+
+def cmd_controller(args) -> int:
+    """The controller process: the reconcile loop, and Prometheus /metrics for every job on its Redis."""
+    import signal
+
+    import structlog
+
+    from pipeline import logs
+    from pipeline.control.loop import Controller
+
+    structlog.contextvars.bind_contextvars(role="controller")
+    log = logs.configure(None, "controller")
+    ctl = Controller(connect(find_redis_url(args.redis)), interval_s=args.interval, log=log)
+
+    def on_signal(signum, _frame):
+        log.info("stop_requested", signal=signal.Signals(signum).name)
+        ctl.stop_event.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if args.once:
+        return 0 if ctl.tick() else 1
+    metrics = _serve_metrics(ctl.r, args.metrics_port, log)
+    log.info("controller_started", interval_s=args.interval, metrics_port=args.metrics_port)
+    try:
+        ctl.run()
+    finally:
+        if metrics is not None:
+            metrics.stop()
+    return 0
+
+
+def _serve_metrics(r, port: int, log):
+    """Prometheus /metrics for every job on this Redis; a taken port is logged, not fatal."""
+    if not port:
+        return None
+    from pipeline.observe.prometheus import serve
+
+    try:
+        server = serve(r, port, host="0.0.0.0")
+    except OSError as exc:
+        log.warning("metrics_port_unavailable", port=port, error=str(exc))
+        return None
+    log.info("metrics_serving", url=f"http://0.0.0.0:{port}/metrics")
+    return server
 
 
 def cmd_config(args) -> int:
@@ -103,11 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--reference", action="store_true")
     cf.set_defaults(func=cmd_config)
 
+    c = sub.add_parser("controller", help="the reconcile loop: moves slots between stages (one acts at a time)")
+    c.add_argument("--interval", type=float, default=10.0, help="seconds between reconciles (control.interval_s)")
+    c.add_argument("--once", action="store_true", help="one reconcile, then exit")
+    c.add_argument("--metrics-port", type=int, default=9464,
+                   help="serve Prometheus /metrics on this port (0: off; control.metrics_port)")
+    c.add_argument("--redis", help=f"Redis URL (default: ${ENV_URL})")
+    c.set_defaults(func=cmd_controller)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from pipeline import bench_policy, bench_streams
+    from pipeline.sim import bench_allocator, bench_streams
 
-    bench_policy.add_parser(bench_sub)
+    bench_allocator.add_parser(bench_sub)
     bench_streams.add_parser(bench_sub)
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_commands(sub)

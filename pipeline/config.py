@@ -220,12 +220,14 @@ def _coerce(value, typ, dotted: str, default):
         f"fix it in the file or with --set {dotted}=<{typ.__name__}>")
 
 
+def _need(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks; each message says the fix."""
-    def need(ok: bool, key: str, msg: str):
-        if not ok:
-            raise ConfigError(f"{key}: {msg}")
-
+    need = _need
     lr, ro = cfg.learner, cfg.rollout
     for section in (cfg.job, cfg.policy, ro, cfg.reward, lr, cfg.streams):
         for f in fields(section):
@@ -258,12 +260,7 @@ def validate(cfg: Config) -> None:
          f"checkpoint acknowledges them (checkpoint_every {lr.checkpoint_every} x step_budget_s "
          f"{lr.step_budget_s:g} + checkpoint_write_s {lr.checkpoint_write_s:g} = {hold_s:g}s); raise it above "
          f"{hold_s:g} or checkpoint more often")
-    ctl = cfg.control
-    need(ctl.mode in ("auto", "pinned"), "control.mode", f"{ctl.mode!r}: use auto or pinned")
-    need(ctl.interval_s > 0, "control.interval_s", "must be > 0")
-    for role in ("rollout", "learner", "reward"):
-        need(getattr(ctl, f"min_{role}") <= getattr(ctl, f"max_{role}"), f"control.min_{role}",
-             f"exceeds control.max_{role}")
+    validate_control(cfg.control)
     need(cfg.metrics.interval_s > 0, "metrics.interval_s", "must be > 0")
     need(st.max_deliveries >= 1, "streams.max_deliveries", "must be >= 1")
     need(min(st.rollout_min_idle_s, st.reward_min_idle_s) > 0, "streams.*_min_idle_s", "must be > 0")
@@ -271,6 +268,17 @@ def validate(cfg: Config) -> None:
     url = cfg.redis.url
     need(not url or url.startswith(("redis://", "rediss://", "unix://")), "redis.url",
          f"{url!r} is not a redis://, rediss:// or unix:// URL")
+
+
+def validate_control(ctl: ControlConfig) -> None:
+    """The ``[control]`` checks, also run on a manifest's settings when the controller loads a job."""
+    need = _need
+    need(ctl.mode in ("auto", "pinned"), "control.mode", f"{ctl.mode!r}: use auto or pinned")
+    need(ctl.interval_s > 0, "control.interval_s", "must be > 0")
+    need(ctl.window_s > 0, "control.window_s", "must be > 0")
+    for role in ("rollout", "learner", "reward"):
+        need(getattr(ctl, f"min_{role}") <= getattr(ctl, f"max_{role}"), f"control.min_{role}",
+             f"exceeds control.max_{role}")
 
 
 def _section_name(cfg: Config, section) -> str:

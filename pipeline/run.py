@@ -25,12 +25,13 @@ import redis
 
 from pipeline import manifest as manifest_mod
 from pipeline.config import Config
-from pipeline.controller import start_local_control
-from pipeline.keys import JOBS, JobKeys
-from pipeline.metrics import start_sampler
-from pipeline.report import write_report
-from pipeline.redisconn import ENV_URL, EmbeddedRedis, connect, resolve_url
-from pipeline.streams import ensure_groups
+from pipeline.control.local import start_local_control
+from pipeline.dataplane.keys import JOBS, JobKeys
+from pipeline.observe.metrics import start_sampler
+from pipeline.observe.report import write_report
+from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect, resolve_url
+from pipeline.dataplane.jobs import JobRunning, live_owner, reset_job
+from pipeline.dataplane.streams import ensure_groups
 
 STOP_GRACE_S = 20.0
 RATE_WINDOW_S = 30.0
@@ -65,7 +66,7 @@ def prepare_policy(cfg: Config, out=sys.stderr) -> str:
 
 def check_prompt_files(cfg: Config, out=sys.stderr) -> list[dict]:
     """Report bad lines of the prompt files (they are skipped) and fail on an unusable file."""
-    from pipeline.feeder import load_prompts
+    from workers.feeder import load_prompts
 
     bad_all = []
     for path in (cfg.job.train_prompts, cfg.job.eval_prompts):
@@ -78,29 +79,6 @@ def check_prompt_files(cfg: Config, out=sys.stderr) -> list[dict]:
         if not good:
             raise RunFailed(f"{path} has no usable prompt")
     return bad_all
-
-
-def reset_job(r: redis.Redis, keys: JobKeys) -> None:
-    """A new run of a job starts from empty streams; refuse if another run of it is live."""
-    state = r.hgetall(keys.state)
-    if state.get(b"phase") in (b"running", b"trained") and _live_owner(state):
-        raise RunFailed(f"job {keys.job!r} is already running (pid {state[b'pid'].decode()} on "
-                        f"{state[b'host'].decode()}); stop it or choose another job.name")
-    doomed = list(r.scan_iter(match=f"libra:{{{keys.job}}}:*", count=1000))
-    if doomed:
-        r.delete(*doomed)
-
-
-def _live_owner(state: dict) -> bool:
-    if state.get(b"host", b"").decode() != socket.gethostname():
-        return True  # can't check a pid on another machine: assume it is alive
-    try:
-        os.kill(int(state[b"pid"]), 0)
-        return True
-    except (ProcessLookupError, ValueError, KeyError):
-        return False
-    except PermissionError:
-        return True
 
 
 class Orchestrator:
@@ -126,7 +104,7 @@ class Orchestrator:
 
     def start_workers(self) -> None:
         """The feeder here; the stage workers through a local controller and node agent."""
-        self.spawn("feeder", "pipeline.feeder", "feeder-0")
+        self.spawn("feeder", "workers.feeder", "feeder-0")
         self.control = start_local_control(self.cfg, self.run_dir, self.url)
 
     def check_children(self) -> None:
@@ -317,7 +295,10 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
         if resume_dir:
             check_resumable(r, keys, run_dir)
         else:
-            reset_job(r, keys)
+            try:
+                reset_job(r, keys)
+            except JobRunning as exc:
+                raise RunFailed(str(exc)) from None
             manifest_mod.write_manifest(run_dir, cfg, argv=argv, redis_url=url, embedded=bool(embedded),
                                         policy_dir=policy_dir, bad_prompt_lines=bad_lines)
             r.hset(keys.policy, mapping={"version": 0, "path": policy_dir, "step": 0,
@@ -360,7 +341,7 @@ def check_resumable(r: redis.Redis, keys: JobKeys, run_dir: Path) -> None:
     recorded = state.get(b"run_dir", b"").decode()
     if recorded and Path(recorded).resolve() != run_dir.resolve():
         raise RunFailed(f"job {keys.job!r} in this Redis belongs to run {recorded}, not {run_dir}")
-    if state.get(b"phase") == b"running" and _live_owner(state):
+    if state.get(b"phase") == b"running" and live_owner(state):
         raise RunFailed(f"job {keys.job!r} is still running (pid {state[b'pid'].decode()})")
     if not r.exists(keys.policy):
         raise RunFailed(f"nothing to resume: job {keys.job!r} has no state in this Redis "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.report import find_chromium, screenshot, write_report  # noqa: E402
+from pipeline.observe.report import find_chromium, screenshot, write_report  # noqa: E402
 
 
 def main() -> int:

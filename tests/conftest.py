@@ -13,7 +13,7 @@ import os
 import pytest
 import redis
 
-from pipeline.redisconn import ENV_URL, EmbeddedRedis, connect
+from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect
 
 SERVER_URL = os.environ.get("LIBRA_TEST_REDIS7_URL", "redis://127.0.0.1:6379/15")
 

@@ -15,10 +15,10 @@ import signal
 import threading
 import time
 
-from pipeline import messages
-from pipeline.keys import GROUP_REWARD, JobKeys
-from pipeline.redisconn import connect
-from pipeline.streams import ClaimPolicy, Dedup, Reject, ensure_groups, run_stage
+from pipeline.dataplane import messages
+from pipeline.dataplane.keys import GROUP_REWARD, JobKeys
+from pipeline.dataplane.redisconn import connect
+from pipeline.dataplane.streams import ClaimPolicy, Dedup, Reject, ensure_groups, run_stage
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The node agent: slots, process identity, and real worker processes driven by control jobs.
 
 The agent runs in the test process (``step()`` by step); its workers are real
-``workers.sim`` / ``pipeline.feeder`` processes on the session's Redis.
+``pipeline.sim.worker`` / ``workers.feeder`` processes on the session's Redis.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import time
 import pytest
 from rq.job import Job
 
-from pipeline import agent as agent_mod, control_jobs, messages
-from pipeline.agent import Agent, Slot, SlotError, detect_slots, process_start, worker_argv
-from pipeline.control_jobs import worker_key
-from pipeline.keys import CONTROLLER_EPOCH, GROUP_ROLLOUT, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
-from pipeline.streams import group_pending
+from pipeline.control import agent as agent_mod
+from pipeline.control import actions
+from pipeline.dataplane import messages
+from pipeline.control.agent import Agent, Slot, SlotError, detect_slots, process_start, worker_argv
+from pipeline.control.actions import worker_key
+from pipeline.dataplane.keys import CONTROLLER_EPOCH, GROUP_ROLLOUT, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
+from pipeline.dataplane.streams import group_pending
 try:  # pytest imports tests/ as a package when it has an __init__.py, else as a directory on sys.path
     from tests.test_sim_workers import sim_job, wait_for
 except ModuleNotFoundError:
@@ -121,9 +123,9 @@ def test_process_start_tells_a_process_from_a_reused_pid():
 
 
 def test_worker_commands_come_from_a_fixed_table():
-    assert worker_argv("sim", "learner", "/r", "learner-0")[1:5] == ["-m", "workers.sim", "--role", "learner"]
+    assert worker_argv("sim", "learner", "/r", "learner-0")[1:5] == ["-m", "pipeline.sim.worker", "--role", "learner"]
     assert worker_argv("vllm", "rollout", "/r", "w")[1:3] == ["-m", "workers.rollout"]
-    assert worker_argv("sim", "feeder", "/r", "f")[1:3] == ["-m", "pipeline.feeder"]
+    assert worker_argv("sim", "feeder", "/r", "f")[1:3] == ["-m", "workers.feeder"]
     with pytest.raises(ValueError):
         worker_argv("sim", "bash", "/r", "w")
     with pytest.raises(ValueError):
@@ -144,7 +146,7 @@ def test_spawn_with_own_devices_and_identity(r, redis_url, tmp_path, stop_agents
     run_dir = sim_job(r, redis_url, tmp_path)
     a = make_agent(r, redis_url, slots=[Slot(0, "3"), Slot(1, "5")])
     stop_agents.append(a)
-    control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-1", [1]))
+    actions.ensure(r, NODE, spec(run_dir, "rollout-n1-1", [1]))
     step_until(a, lambda: r.hget(JobKeys(JOB).workers, "rollout-n1-1"), what="the worker's registration")
     p = live(a, "rollout-n1-1")
     env = dict(x.split("=", 1) for x in open(f"/proc/{p.pid}/environ").read().split("\0") if "=" in x)
@@ -159,27 +161,27 @@ def test_retried_actions_never_put_two_workers_on_a_slot(r, redis_url, tmp_path,
     run_dir = sim_job(r, redis_url, tmp_path)
     a = make_agent(r, redis_url)
     stop_agents.append(a)
-    first = control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
-    control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))          # sent twice
+    first = actions.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    actions.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))          # sent twice
     step_until(a, lambda: live(a, "rollout-n1-0"), what="the worker", check=lambda: one_worker_per_slot(a))
     pid = live(a, "rollout-n1-0").pid
     # rq runs a retried job again with the same arguments (same seq): nothing changes
-    control_jobs.queue(r, NODE).enqueue_job(Job.fetch(first.id, connection=r, serializer=first.serializer))
+    actions.queue(r, NODE).enqueue_job(Job.fetch(first.id, connection=r, serializer=first.serializer))
     # and another worker wanting the same slot waits for it
-    control_jobs.ensure(r, NODE, spec(run_dir, "other-n1-0", [0]))
+    actions.ensure(r, NODE, spec(run_dir, "other-n1-0", [0]))
     for _ in range(15):
         a.step()
         one_worker_per_slot(a)
         time.sleep(0.05)
     assert live(a, "rollout-n1-0").pid == pid and live(a, "other-n1-0") is None
     assert sum(e["event"] == "spawned" for e in log_events(r)) == 1
-    control_jobs.drain(r, NODE, JOB, "rollout-n1-0")
+    actions.drain(r, NODE, JOB, "rollout-n1-0")
     step_until(a, lambda: live(a, "other-n1-0"), what="the waiting worker", check=lambda: one_worker_per_slot(a))
     assert process_start(pid) is None            # it started only after the first one exited
     gone = json.loads(r.hget(agent_desired(NODE), worker_key(JOB, "rollout-n1-0")))
     assert gone["state"] == "gone"
     # a late retry of the old ensure (an older seq) cannot bring the drained worker back
-    control_jobs.queue(r, NODE).enqueue_job(Job.fetch(first.id, connection=r, serializer=first.serializer))
+    actions.queue(r, NODE).enqueue_job(Job.fetch(first.id, connection=r, serializer=first.serializer))
     a.step()
     assert json.loads(r.hget(agent_desired(NODE), worker_key(JOB, "rollout-n1-0")))["state"] == "gone"
 
@@ -189,11 +191,11 @@ def test_actions_of_a_fenced_controller_are_ignored(r, redis_url, tmp_path, stop
     a = make_agent(r, redis_url)
     stop_agents.append(a)
     r.set(CONTROLLER_EPOCH, 5)
-    job = control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]), epoch=4)
+    job = actions.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]), epoch=4)
     a.jobs.run_pending()
     assert r.hget(agent_desired(NODE), worker_key(JOB, "rollout-n1-0")) is None
     assert Job.fetch(job.id, connection=r, serializer=job.serializer).return_value().startswith("ignored")
-    bad = control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-9", [9]), epoch=5)   # no slot 9 here
+    bad = actions.ensure(r, NODE, spec(run_dir, "rollout-n1-9", [9]), epoch=5)   # no slot 9 here
     a.jobs.run_pending()
     assert r.hget(agent_desired(NODE), worker_key(JOB, "rollout-n1-9")) is None
     assert Job.fetch(bad.id, connection=r, serializer=bad.serializer).get_status() in ("scheduled", "failed")
@@ -204,12 +206,12 @@ def test_restart_action_bumps_the_generation_once(r, redis_url, tmp_path, stop_a
     a = make_agent(r, redis_url)
     stop_agents.append(a)
     key = worker_key(JOB, "rollout-n1-0")
-    control_jobs.restart(r, NODE, JOB, "rollout-n1-0")          # nothing desired yet: no-op
-    control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
-    first = control_jobs.restart(r, NODE, JOB, "rollout-n1-0")
+    actions.restart(r, NODE, JOB, "rollout-n1-0")          # nothing desired yet: no-op
+    actions.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    first = actions.restart(r, NODE, JOB, "rollout-n1-0")
     a.jobs.run_pending()
     assert json.loads(r.hget(agent_desired(NODE), key))["generation"] == 1
-    control_jobs.queue(r, NODE).enqueue_job(Job.fetch(first.id, connection=r, serializer=first.serializer))
+    actions.queue(r, NODE).enqueue_job(Job.fetch(first.id, connection=r, serializer=first.serializer))
     a.jobs.run_pending()                                         # the same action retried: still 1
     assert json.loads(r.hget(agent_desired(NODE), key))["generation"] == 1
 
@@ -219,7 +221,7 @@ def test_crashed_worker_restarts_with_backoff(r, redis_url, tmp_path, stop_agent
     run_dir = sim_job(r, redis_url, tmp_path)
     a = make_agent(r, redis_url, backoff_s=(0.3, 5.0))
     stop_agents.append(a)
-    control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    actions.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
     key = worker_key(JOB, "rollout-n1-0")
     pids = [step_until(a, lambda: live(a, "rollout-n1-0"), what="the worker").pid]
     waits = []
@@ -242,7 +244,7 @@ def test_worker_that_exits_cleanly_is_not_restarted(r, redis_url, tmp_path, stop
     r.hset(JobKeys(JOB).state, "phase", "trained")    # a feeder of a trained job exits 0 at once
     a = make_agent(r, redis_url, backoff_s=(0.1, 0.1))
     stop_agents.append(a)
-    control_jobs.ensure(r, NODE, spec(run_dir, "feeder-0", [], role="feeder"))
+    actions.ensure(r, NODE, spec(run_dir, "feeder-0", [], role="feeder"))
     step_until(a, lambda: any(e["event"] == "exited" for e in log_events(r)), what="the feeder to exit")
     for _ in range(10):
         a.step()
@@ -255,7 +257,7 @@ def test_desired_workers_of_a_finished_job_are_not_started(r, redis_url, tmp_pat
     r.hset(JobKeys(JOB).state, "phase", "done")
     a = make_agent(r, redis_url)
     stop_agents.append(a)
-    control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    actions.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
     for _ in range(5):
         a.step()
     assert r.hget(agent_desired(NODE), worker_key(JOB, "rollout-n1-0")) and not a.procs
@@ -271,13 +273,13 @@ def test_drain_kills_after_grace_and_hands_pending_work_over(r, redis_url, tmp_p
     a = make_agent(r, redis_url, grace_s=0.5)
     stop_agents.append(a)
     for w, s in (("rollout-n1-0", 0), ("rollout-n1-1", 1)):
-        control_jobs.ensure(r, NODE, spec(run_dir, w, [s]))
+        actions.ensure(r, NODE, spec(run_dir, w, [s]))
     step_until(a, lambda: all(r.hget(keys.workers, w) for w in ("rollout-n1-0", "rollout-n1-1")),
                what="both workers registered")
     r.xadd(keys.prompts, {messages.FIELD: messages.encode(messages.Prompt("p0", "Q", 1, time.time()))})
     holder = step_until(a, lambda: next((c["name"].decode() for c in r.xinfo_consumers(keys.prompts, GROUP_ROLLOUT)
                                          if c["pending"]), None), what="a worker to take the prompt")
-    control_jobs.drain(r, NODE, JOB, holder)
+    actions.drain(r, NODE, JOB, holder)
     step_until(a, lambda: worker_key(JOB, holder) not in a.procs, what="the drained worker to be reaped")
     events = log_events(r)
     assert [e["event"] for e in events if e["key"] == worker_key(JOB, holder)][-3:] == ["sigterm", "sigkill", "exited"]
@@ -290,7 +292,7 @@ def test_drain_kills_after_grace_and_hands_pending_work_over(r, redis_url, tmp_p
 def test_restarted_agent_adopts_its_workers_and_stops_only_its_own(r, redis_url, tmp_path, stop_agents):
     run_dir = sim_job(r, redis_url, tmp_path)
     a = make_agent(r, redis_url)
-    control_jobs.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    actions.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
     pid = step_until(a, lambda: live(a, "rollout-n1-0"), what="the worker").pid
     # a process that is not ours, recorded under a worker key with its pid but another start time
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
@@ -304,8 +306,8 @@ def test_restarted_agent_adopts_its_workers_and_stops_only_its_own(r, redis_url,
         b = make_agent(r, redis_url)
         stop_agents.append(b)
         assert list(b.procs) == [worker_key(JOB, "rollout-n1-0")] and b.procs[worker_key(JOB, "rollout-n1-0")].pid == pid
-        control_jobs.drain(r, NODE, JOB, "rollout-n1-1")      # drain the stranger's key: nothing to signal
-        control_jobs.drain(r, NODE, JOB, "rollout-n1-0")
+        actions.drain(r, NODE, JOB, "rollout-n1-1")      # drain the stranger's key: nothing to signal
+        actions.drain(r, NODE, JOB, "rollout-n1-0")
         step_until(b, lambda: not b.procs, what="the adopted worker to be drained")
         assert process_start(pid) is None and stranger.poll() is None
         signalled = {int(e["pid"]) for e in log_events(r) if e["event"] in ("sigterm", "sigkill")}

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import bench_policy, sim_des
-from pipeline.policy import Allocation
-from pipeline.workload import WorkloadError, load_workload, parse_workload
+from pipeline.sim import bench_allocator as bench_policy
+from pipeline.config import ControlConfig
+from pipeline.sim import des as sim_des
+from pipeline.control.allocator import Allocation
+from pipeline.sim.workload import WorkloadError, load_workload, parse_workload
 
 # The workloads of shared/bench, shipped in the repository.
 BENCH = Path(__file__).resolve().parents[1] / "examples" / "bench"
@@ -118,7 +120,7 @@ def test_rollout_bound_run_pays_prefill_and_weight_loads():
 def test_async_deterministic_by_seed():
     text = TINY.replace("p99 = 200", "p99 = 900").replace("p99 = 500 }", "p99 = 2000, max = 3000 }")
     wl = tiny(text)
-    control = sim_des.ControlConfig(interval_s=20.0)
+    control = ControlConfig(interval_s=20.0, window_s=100.0)   # a window of five ticks
     a = sim_des.simulate_async(wl, Allocation(2, 2), seed=7, control=control)
     b = sim_des.simulate_async(wl, Allocation(2, 2), seed=7, control=control)
     c = sim_des.simulate_async(wl, Allocation(2, 2), seed=8, control=control)

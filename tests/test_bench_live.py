@@ -10,13 +10,14 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from pipeline import bench_policy, sim_des
-from pipeline.audit import audit
-from pipeline.bench_live import LiveBench, LiveEngineError, LiveSettings, control_settings, worker_counts
-from pipeline.keys import CONTROLLER_LEASE, JOBS, JobKeys
-from pipeline.policy import Allocation
-from pipeline.workload import load_workload, parse_workload
-from workers.sim import Clock, pay_switch_cost
+from pipeline.sim import bench_allocator as bench_policy
+from pipeline.sim import des as sim_des
+from pipeline.observe.audit import audit
+from pipeline.sim.bench_live import LiveBench, LiveEngineError, LiveSettings, control_settings, worker_counts
+from pipeline.dataplane.keys import CONTROLLER_LEASE, JOBS, JobKeys
+from pipeline.control.allocator import Allocation
+from pipeline.sim.workload import load_workload, parse_workload
+from pipeline.sim.worker import Clock, pay_switch_cost
 
 try:  # pytest imports tests/ as a package when it has an __init__.py, else as a directory on sys.path
     from tests.test_sim_workers import BASE, write_workload
@@ -27,10 +28,10 @@ except ModuleNotFoundError:
 def test_control_settings_are_the_des_policy_in_wall_seconds():
     wl = parse_workload(BASE)
     c = control_settings(wl, 10.0)
-    des = sim_des.ControlConfig()
+    des = sim_des.LIBRA_CONTROL
     assert c["interval_s"] == pytest.approx(des.interval_s / 10)
-    assert c["window_s"] == pytest.approx(des.window_ticks * des.interval_s / 10)
-    assert c["cooldown_s"] == pytest.approx(des.plan.cooldown_s / 10)
+    assert c["window_s"] == pytest.approx(sim_des.window_ticks(des) * des.interval_s / 10)
+    assert c["cooldown_s"] == pytest.approx(des.cooldown_s / 10)
     assert c["switch_cost_s"] == pytest.approx(wl.cluster.switch_cost_s / 10)
     assert c["learner_scaling_exponent"] == wl.learner.scaling_exponent and c["mode"] == "pinned"
     # reward on CPU: processes beside the slots; on GPU: one per slot of the split
@@ -131,7 +132,7 @@ def _sim_processes(under: str) -> list:
     out = []
     for p in psutil.process_iter(["cmdline", "status"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "workers.sim" in cmd and under in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+        if "pipeline.sim.worker" in cmd and under in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
             out.append(p)
     return out
 

@@ -12,16 +12,24 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import cli, control_jobs, policy
-from pipeline.agent import ControlJobRunner
-from pipeline.audit import audit
-from pipeline.controller import (LEARNER, ControlConfig, Controller, Lease, Observer, allocation_status,
-                                 counts, fit, get_allocation, load_job, pin, place, read_events, unpin)
-from pipeline.keys import (AGENTS, CONTROLLER_EPOCH, CONTROLLER_LEASE, GROUP_ROLLOUT, JobKeys,
+from pipeline import cli
+from pipeline.control import actions
+from pipeline.control import allocator
+from pipeline.control.agent import ControlJobRunner
+from pipeline.observe.audit import audit
+from pipeline.control.allocation import allocation_status, get_allocation, pin, unpin
+from pipeline.control.events import read_events
+from pipeline.control.job import control_settings, load_job, plan_config, role_bounds
+from pipeline.control.lease import Lease
+from pipeline.control.loop import Controller
+from pipeline.control.observer import Observer
+from pipeline.control.placement import counts, fit, place
+from pipeline.dataplane.keys import LEARNER
+from pipeline.dataplane.keys import (AGENTS, CONTROLLER_EPOCH, CONTROLLER_LEASE, GROUP_ROLLOUT, JobKeys,
                            agent_desired, agent_log, agent_procs)
-from pipeline.messages import FIELD
-from pipeline.policy import Allocation, RoleBounds
-from pipeline.redisconn import ENV_URL
+from pipeline.dataplane.messages import FIELD
+from pipeline.control.allocator import Allocation, RoleBounds
+from pipeline.dataplane.redisconn import ENV_URL
 try:  # pytest imports tests/ as a package when it has an __init__.py, else as a directory on sys.path
     from tests.test_sim_workers import ROOT, sim_job, stop_all, wait_for
 except ModuleNotFoundError:
@@ -60,12 +68,12 @@ def test_only_one_controller_acts(r):
 
 def test_control_config_rejects_unknown_keys_and_caps_the_real_learner():
     with pytest.raises(ValueError, match="control.cooldown"):
-        ControlConfig.from_dict({"cooldown": 3})
+        control_settings({"cooldown": 3})
     with pytest.raises(ValueError, match="auto or pinned"):
-        ControlConfig.from_dict({"mode": "manual"})
-    c = ControlConfig.from_dict({"max_rollout": 6})
-    assert c.bounds("vllm")["learner"] == RoleBounds(1, 1) and c.bounds("sim")["learner"].max > 1
-    assert c.bounds("sim")["rollout"] == RoleBounds(1, 6) and c.bounds("sim")["reward"] == RoleBounds(0, 0)
+        control_settings({"mode": "manual"})
+    c = control_settings({"max_rollout": 6})
+    assert role_bounds(c, "vllm")["learner"] == RoleBounds(1, 1) and role_bounds(c, "sim")["learner"].max > 1
+    assert role_bounds(c, "sim")["rollout"] == RoleBounds(1, 6) and role_bounds(c, "sim")["reward"] == RoleBounds(0, 0)
 
 
 def _slots_used(p: dict) -> list[tuple[str, int]]:
@@ -169,12 +177,12 @@ def test_observer_maps_live_metrics_onto_plan_inputs(r, redis_url, tmp_path):
     assert m.backlog == 3 * 4 and m.backlog_trend_per_s == pytest.approx(12 / 10)
     assert (m.rollout_inflight, m.rollout_queue) == (4, 0)
     assert (m.trained, m.dropped_stale, m.staleness_p50) == (64, 4, 1.0)
-    d = policy.plan(m, policy.Inventory(gpus=3, switch_cost_s=5.0), [info.spec()], info.control.plan_config())
+    d = allocator.plan(m, allocator.Inventory(gpus=3, switch_cost_s=5.0), [info.spec()], plan_config(info.control))
     assert d.reason != "warming_up"
 
 
 def test_a_worker_that_stopped_before_the_window_adds_no_time():
-    from pipeline.controller import Snapshot
+    from pipeline.control.observer import Snapshot
 
     def snap(t, costs):
         return Snapshot(t=t, counters={}, costs=costs, steps=[], backlog=0, inflight=0, queue=0,
@@ -244,7 +252,7 @@ def test_reconcile_applies_a_pinned_scale(r, redis_url, tmp_path):
     specs = [json.loads(v) for v in r.hvals(agent_desired("n1"))]
     assert {(d["run_dir"], d["backend"]) for d in specs} == {(str(run_dir), "sim")}
     ctl.tick()                                       # nothing new: no action, no event
-    assert control_jobs.queue(r, "n1").count == 0
+    assert actions.queue(r, "n1").count == 0
     events = read_events(r, JOB)
     assert [e["kind"] for e in events] == ["pinned", "pinned"]
     assert events[-1]["to"]["rollout"] == 3 and {a["action"] for a in events[-1]["actions"]} == {"ensure"}
@@ -366,7 +374,7 @@ class Cluster:
         self.procs = [self._cli(["agent", "--slots", str(slots), "--node", "n1", "--grace", "10"], "agent", env),
                       self._cli(["controller", "--interval", str(interval_s)], "controller", env)]
         wait_for(lambda: r.hexists(AGENTS, "n1"), 30, "the agent to register")
-        control_jobs.ensure(r, "n1", {"job": JOB, "worker": "feeder-0", "role": "feeder", "slots": [],
+        actions.ensure(r, "n1", {"job": JOB, "worker": "feeder-0", "role": "feeder", "slots": [],
                                       "run_dir": str(run_dir), "backend": "sim"})
 
     def _cli(self, argv, name, env):
@@ -493,15 +501,15 @@ def test_policy_reaches_the_best_split_from_a_bad_one(r, redis_url, tmp_path):
 
 @pytest.mark.slow
 def test_start_local_control_runs_a_job_and_stops_everything(r, redis_url, tmp_path):
-    from pipeline.controller import start_local_control
-    from pipeline.worker import load_run_config
+    from pipeline.control.local import start_local_control
+    from pipeline.dataplane.worker import load_run_config
 
     run_dir = sim_job(r, redis_url, tmp_path, time_scale=20.0, control={"mode": "pinned"}, job={"steps": 3})
     handle = start_local_control(load_run_config(run_dir), run_dir, redis_url, slots=2, node="local",
                                  interval_s=1.0)
     try:
         wait_for(lambda: r.hexists(AGENTS, "local"), 30, "the local agent")
-        control_jobs.ensure(r, "local", {"job": JOB, "worker": "feeder-0", "role": "feeder", "slots": [],
+        actions.ensure(r, "local", {"job": JOB, "worker": "feeder-0", "role": "feeder", "slots": [],
                                          "run_dir": str(run_dir), "backend": "sim"})   # libra-ctl run's part
         wait_for(lambda: r.hget(JobKeys(JOB).state, "phase") == b"trained", 120, "3 learner steps")
         handle.check()

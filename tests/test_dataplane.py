@@ -27,11 +27,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from pipeline import bench_streams, config as config_mod, messages as m
-from pipeline.feeder import admission_limit
-from pipeline.keys import GROUP_LEARNER, GROUP_REWARD, JOBS, JobKeys
-from pipeline.redisconn import ENV_URL, EmbeddedRedis, connect
-from pipeline.streams import (TRIM_EVERY, ClaimPolicy, Dedup, ensure_groups, execute_with_backpressure,
+from pipeline import config as config_mod
+from pipeline.sim import bench_streams
+from pipeline.dataplane import messages as m
+from workers.feeder import admission_limit
+from pipeline.dataplane.keys import GROUP_REWARD, JOBS, JobKeys, job_pattern
+from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect
+from pipeline.dataplane.streams import (TRIM_EVERY, ClaimPolicy, Dedup, ensure_groups, execute_with_backpressure,
                               group_pending, run_stage, stream_lag, trim)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -251,12 +253,12 @@ def test_a_long_run_keeps_streams_and_memory_bounded(redis_url):
     pipeline = Pipeline(redis_url, spec)
     try:
         pipeline.run(n)
-        mem_1, lengths_1 = settle(pipeline.r, pipeline.keys)
+        mem_1, lengths_1 = settle(pipeline.r, pipeline.dataplane.keys)
         pipeline.run(2 * n)
-        mem_3, lengths_3 = settle(pipeline.r, pipeline.keys)
+        mem_3, lengths_3 = settle(pipeline.r, pipeline.dataplane.keys)
     finally:
         pipeline.stop()
-    r, keys = pipeline.r, pipeline.keys
+    r, keys = pipeline.r, pipeline.dataplane.keys
     assert int(r.hget(keys.counters, "trained")) == 3 * n * 4
     # While running, a stream holds what is in flight plus what was acknowledged since its stage's
     # last trim (every TRIM_EVERY rounds of up to `count` entries); trimmed, only the last-delivered
@@ -358,7 +360,7 @@ def test_the_feeder_stops_at_the_admission_limit_and_resumes_as_the_learner_trai
     keys = JobKeys(JOB)
     limit = admission_limit(cfg)
     assert limit == 16  # (max_staleness + 1) x batch_size, under max_queue_size
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.feeder", "--run-dir", str(run_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "workers.feeder", "--run-dir", str(run_dir),
                              "--worker-id", "feeder-0"], cwd=ROOT, env=dict(os.environ, **{ENV_URL: redis_url}))
     try:
         def issued() -> int:
@@ -400,7 +402,7 @@ def test_bench_streams_json_and_exactly_once(tmp_path, redis_url):
     assert eo["delivered_entries"] == eo["distinct_groups"] == eo["issued_groups"]
     assert eo["lost_groups"] == 0 and eo["duplicate_entries"] == 0 and eo["bad"] == 0
     assert "ratio" in done.stdout
-    assert not connect(redis_url).keys("libra:{bench-streams-*")  # it cleans up after itself
+    assert not connect(redis_url).keys(job_pattern("bench-streams-*"))  # it cleans up after itself
 
 
 # --- lag without moving payloads, on both servers ---------------------------------------------------
@@ -408,7 +410,7 @@ def test_bench_streams_json_and_exactly_once(tmp_path, redis_url):
 
 @pytest.mark.parametrize("server", ["embedded", "redis7"])
 def test_stream_lag_counts_undelivered_entries_on_redis_6_and_7(request, server):
-    from pipeline.streams import read
+    from pipeline.dataplane.streams import read
 
     url = request.getfixturevalue("redis_url" if server == "embedded" else "server_redis_url")
     r, keys = connect(url), JobKeys(JOB)
@@ -426,7 +428,7 @@ def test_stream_lag_counts_undelivered_entries_on_redis_6_and_7(request, server)
 
 def test_an_input_without_an_output_stays_pending_for_reclaim(r):
     """A handler that returns fewer outputs than inputs (a bug) must not get the rest acknowledged."""
-    from pipeline.streams import decode_entries, read, write_and_ack
+    from pipeline.dataplane.streams import decode_entries, read, write_and_ack
 
     keys = JobKeys(JOB)
     ensure_groups(r, keys)

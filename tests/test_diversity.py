@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.diversity import (diversity_metrics, distinct_rate, jaccard, mean_pairwise_similarity, ngrams,
+from pipeline.observe.diversity import (diversity_metrics, distinct_rate, jaccard, mean_pairwise_similarity, ngrams,
                                 rewards_all_equal)
 
 

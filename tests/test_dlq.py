@@ -3,9 +3,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline import messages as m
-from pipeline.keys import GROUP_REWARD, JobKeys
-from pipeline.streams import ClaimPolicy, ensure_groups, run_stage
+from pipeline.dataplane import messages as m
+from pipeline.dataplane.keys import GROUP_REWARD, JobKeys
+from pipeline.dataplane.streams import ClaimPolicy, ensure_groups, run_stage
 from tests.test_streams import unscored_group
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +24,7 @@ def test_dlq_list_show_replay_purge(r, redis_url):
     fail = {"on": True}
     rounds = []
     run_stage(r, keys, source=keys.rollouts, group=GROUP_REWARD, consumer="reward-0", sink=keys.scored,
-              handle=lambda gs: [__import__("pipeline.streams").streams.Reject("verifier down") if fail["on"]
+              handle=lambda gs: [__import__("pipeline.dataplane.streams").dataplane.streams.Reject("verifier down") if fail["on"]
                                  else g.with_rewards([1.0, 1.0], 0.0) for g in gs],
               count=10, block_ms=20, max_bytes=1 << 20, stop=lambda: rounds.append(1) or len(rounds) > 2,
               claims=ClaimPolicy(60_000, 3))

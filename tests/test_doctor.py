@@ -9,10 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
-from pipeline.doctor import diagnose
-from pipeline.keys import JobKeys
+from pipeline.observe.doctor import diagnose
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = {"rollout": {"workers": 2, "group_size": 8, "max_turns": 4, "max_tokens_per_turn": 48,

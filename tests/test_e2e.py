@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.redisconn import ENV_URL, connect
+from pipeline.dataplane.keys import JobKeys
+from pipeline.dataplane.redisconn import ENV_URL, connect
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,7 +109,7 @@ def check_greedy_matches_learner(run_dir: Path, redis_url: str) -> None:
     from workers.tiny_policy import greedy_episodes, load_model, load_tokenizer
 
     r = connect(redis_url)
-    final = [f for _i, f in r.xrange("libra:{e2e}:eval:results") if f[b"tag"] == b"final"][0]
+    final = [f for _i, f in r.xrange(JobKeys("e2e").eval_results) if f[b"tag"] == b"final"][0]
     import msgpack
 
     samples = msgpack.unpackb(final[b"samples"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from workers import tiny_policy as tp
-from workers.agent_loop import run_episodes
+from workers.episode import run_episodes
 from workers.envs import calc
 
 pytest.importorskip("vllm")

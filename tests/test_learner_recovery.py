@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import config as config_mod, messages
-from pipeline.audit import audit
-from pipeline.keys import JOBS, JobKeys
-from pipeline.redisconn import ENV_URL
+from pipeline import config as config_mod
+from pipeline.dataplane import messages
+from pipeline.observe.audit import audit
+from pipeline.dataplane.keys import JOBS, JobKeys
+from pipeline.dataplane.redisconn import ENV_URL
 from pipeline.run import policy_spec
-from pipeline.streams import ensure_groups
+from pipeline.dataplane.streams import ensure_groups
 from workers.envs import calc
 from workers.tiny_policy import completion_logprobs, ensure_policy, load_model, load_tokenizer
 

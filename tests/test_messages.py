@@ -4,7 +4,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from pipeline import messages as m
+from pipeline.dataplane import messages as m
 
 
 def group(n=2, reward=None):

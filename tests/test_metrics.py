@@ -15,11 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline import messages
-from pipeline.keys import JOBS, JobKeys
-from pipeline.metrics import (MetricsSampler, ResourceProbe, aggregate_steps, rates, read_jsonl, read_samples,
-                              start_sampler, tool_stats)
-from pipeline.streams import ensure_groups
+from pipeline.dataplane import messages
+from pipeline.dataplane.keys import JOBS, JobKeys
+from pipeline.observe.measures import aggregate_steps, rates, read_jsonl, tool_stats
+from pipeline.observe.metrics import MetricsSampler, read_samples, start_sampler
+from pipeline.observe.resources import ResourceProbe
+from pipeline.dataplane.streams import ensure_groups
 
 
 def learner_step(step: int, **kw) -> dict:
@@ -192,7 +193,7 @@ def test_top_once_shows_allocation_streams_rates_staleness_reward(r, redis_url, 
 
 
 def test_top_rates_over_snapshots():
-    from pipeline.top import Rates
+    from pipeline.observe.top import Rates
 
     rates = Rates()
     rates.add({"t": 0.0, "status": {"counters": {"trained": 0}}})

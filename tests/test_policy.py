@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pipeline.policy import Allocation, Inventory, JobSpec, Metrics, PlanConfig, RoleBounds, plan
+from pipeline.control.allocator import Allocation, Inventory, JobSpec, Metrics, PlanConfig, RoleBounds, plan
 
 G = 64
 INV = Inventory(gpus=G, switch_cost_s=40.0)

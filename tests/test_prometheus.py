@@ -8,8 +8,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.metrics import MetricsSampler
-from pipeline.prometheus import exposition, serve
+from pipeline.observe.metrics import MetricsSampler
+from pipeline.observe.prometheus import exposition, serve
 from tests.test_metrics import fake_job, learner_step
 
 REQUIRED = ["libra_stream_length", "libra_stream_pending", "libra_stream_lag", "libra_trajectories_trained_total",
@@ -91,7 +91,7 @@ def test_labels_stay_low_cardinality(r):
 
 
 def test_fold_is_incremental_and_restarts_with_a_new_run(r):
-    from pipeline.prometheus import registry_for
+    from pipeline.observe.prometheus import registry_for
     from prometheus_client import generate_latest
 
     keys = job_with_history(r)

@@ -17,13 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import messages
-from pipeline.audit import audit
-from pipeline.keys import GROUP_REWARD, GROUP_ROLLOUT, JobKeys
-from pipeline.redisconn import ENV_URL
-from pipeline.streams import group_pending
-from pipeline.workload import parse_workload
-from workers.sim import Clock, CostModel, prepare_sim_run, sim_config
+from pipeline.dataplane import messages
+from pipeline.observe.audit import audit
+from pipeline.dataplane.keys import GROUP_ROLLOUT, JobKeys
+from pipeline.dataplane.redisconn import ENV_URL
+from pipeline.dataplane.streams import group_pending
+from pipeline.sim.workload import parse_workload
+from pipeline.sim.job import prepare_sim_run, sim_config
+from pipeline.sim.worker import Clock, CostModel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +80,7 @@ def sim_job(r, url: str, tmp_path: Path, name: str = "simtest", time_scale: floa
 
 def start(role: str, run_dir: Path, worker: str, url: str, slots: str = "") -> subprocess.Popen:
     """A worker process started by the test itself (these tests have no agent)."""
-    module = ["-m", "pipeline.feeder"] if role == "feeder" else ["-m", "workers.sim", "--role", role]
+    module = ["-m", "workers.feeder"] if role == "feeder" else ["-m", "pipeline.sim.worker", "--role", role]
     env = dict(os.environ, **{ENV_URL: url, "LIBRA_SLOTS": slots})
     log = open(run_dir / "logs" / f"{worker}.out", "ab")
     return subprocess.Popen([sys.executable, *module, "--run-dir", str(run_dir), "--worker-id", worker],
@@ -234,7 +235,7 @@ def test_learner_resumes_at_its_step_with_a_new_world_size(r, redis_url, tmp_pat
 
 
 def test_reward_ids_are_reproducible():
-    from workers.sim import reward_of
+    from pipeline.sim.worker import reward_of
 
     assert [reward_of("p", i, 0) for i in range(8)] == [reward_of("p", i, 0) for i in range(8)]
     assert 0 < np.mean([reward_of(f"p{i}", 0, 0) for i in range(300)]) < 1

@@ -1,8 +1,8 @@
 import numpy as np
 
-from pipeline import messages as m
-from pipeline.keys import GROUP_REWARD, JobKeys
-from pipeline.streams import ClaimPolicy, Reject, ensure_groups, group_pending, run_stage, stream_lag
+from pipeline.dataplane import messages as m
+from pipeline.dataplane.keys import GROUP_REWARD, JobKeys
+from pipeline.dataplane.streams import ClaimPolicy, Reject, ensure_groups, group_pending, run_stage, stream_lag
 
 
 def unscored_group(pid: str) -> m.Group:
@@ -50,7 +50,7 @@ def test_stage_writes_acks_and_dead_letters(r):
 def test_idle_entries_are_reclaimed_then_dead_lettered_after_max_deliveries(r):
     import time
 
-    from pipeline.streams import ClaimKeeper, delivery_counts, read, reclaim
+    from pipeline.dataplane.streams import ClaimKeeper, delivery_counts, read, reclaim
 
     keys = JobKeys("t")
     ensure_groups(r, keys)
@@ -76,7 +76,7 @@ def test_idle_entries_are_reclaimed_then_dead_lettered_after_max_deliveries(r):
 
 
 def test_a_group_written_twice_has_its_effect_once(r):
-    from pipeline.streams import Dedup, decode_entries, read, write_and_ack
+    from pipeline.dataplane.streams import Dedup, decode_entries, read, write_and_ack
 
     keys = JobKeys("t")
     ensure_groups(r, keys)
@@ -95,7 +95,7 @@ def test_a_group_written_twice_has_its_effect_once(r):
 
 
 def test_trim_keeps_everything_a_group_still_needs(r):
-    from pipeline.streams import read, trim, trim_point
+    from pipeline.dataplane.streams import read, trim, trim_point
 
     keys = JobKeys("t")
     ensure_groups(r, keys)
@@ -115,7 +115,7 @@ def test_trim_keeps_everything_a_group_still_needs(r):
 
 def test_trim_point_when_the_group_acks_between_its_two_reads(r):
     """XINFO saw pending entries, and by XPENDING they were acknowledged: trim on, with no crash."""
-    from pipeline.streams import read, trim_point
+    from pipeline.dataplane.streams import read, trim_point
 
     keys = JobKeys("t")
     ensure_groups(r, keys)

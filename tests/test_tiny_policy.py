@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import Qwen2ForCausalLM
 
 from workers import tiny_policy as tp
-from workers.agent_loop import Episode, TurnOutput, evaluate, request_seed, run_episodes
+from workers.episode import Episode, TurnOutput, evaluate, request_seed, run_episodes
 from workers.envs import calc
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.trace import chrome_trace, export, instants_from_records, span, spans_from_records
+from pipeline.observe.trace import chrome_trace, export, instants_from_records, span, spans_from_records
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,7 +92,7 @@ def test_export_from_real_structlog_files(tmp_path):
         import structlog
         from pathlib import Path
         from pipeline import logs
-        from pipeline.trace import span
+        from pipeline.observe.trace import span
         structlog.contextvars.bind_contextvars(job="j", role="rollout", worker="rollout-n-0", policy_version=3)
         log = logs.configure(Path({str(run / 'logs')!r}), "rollout-n-0", console=False)
         with span(log, "rollout", groups=2):

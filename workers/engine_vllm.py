@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from workers.agent_loop import TurnOutput
+from workers.episode import TurnOutput
 
 # Quiet by default; a worker that wants vLLM's INFO lines sets these itself.
 ENV_DEFAULTS = {

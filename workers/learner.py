@@ -13,24 +13,23 @@ under a new version, and its unacknowledged entries are replayed.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from pipeline import messages
-from pipeline.diversity import diversity_metrics
-from pipeline.keys import GROUP_LEARNER
-from pipeline.metrics import tool_stats
-from pipeline.trace import span
-from pipeline.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
+from pipeline.dataplane import messages
+from pipeline.observe.diversity import diversity_metrics
+from pipeline.dataplane.keys import GROUP_LEARNER
+from pipeline.observe.measures import tool_stats
+from pipeline.observe.trace import span
+from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
                               take_over_pending, transact, trim)
-from pipeline.worker import WorkerContext, finish_worker, start_worker
+from pipeline.dataplane.worker import WorkerContext, finish_worker, start_worker
 from workers.grpo import clipped_loss, group_advantages
 from workers.tiny_policy import completion_logprobs, load_model, save_weights
 

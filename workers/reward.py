@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 
-from pipeline import messages
-from pipeline.keys import GROUP_REWARD
-from pipeline.trace import span
-from pipeline.streams import Reject, ensure_groups, run_stage
-from pipeline.worker import claim_policy, dedup_for, WorkerContext, finish_worker, start_worker
+from pipeline.dataplane import messages
+from pipeline.dataplane.keys import GROUP_REWARD
+from pipeline.observe.trace import span
+from pipeline.dataplane.streams import Reject, ensure_groups, run_stage
+from pipeline.dataplane.worker import claim_policy, dedup_for, WorkerContext, finish_worker, start_worker
 from workers.envs.calc import Problem, VerifierError, verify
 
 

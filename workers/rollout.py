@@ -15,12 +15,12 @@ import time
 import msgpack
 import numpy as np
 
-from pipeline import messages
-from pipeline.keys import GROUP_ROLLOUT
-from pipeline.trace import span
-from pipeline.streams import ensure_groups, run_stage, transact
-from pipeline.worker import WorkerContext, claim_policy, dedup_for, finish_worker, room_downstream, start_worker
-from workers.agent_loop import evaluate, run_episodes
+from pipeline.dataplane import messages
+from pipeline.dataplane.keys import GROUP_ROLLOUT
+from pipeline.observe.trace import span
+from pipeline.dataplane.streams import ensure_groups, run_stage, transact
+from pipeline.dataplane.worker import WorkerContext, claim_policy, dedup_for, finish_worker, room_downstream, start_worker
+from workers.episode import evaluate, run_episodes
 from workers.envs.calc import Problem, read_prompt_file
 from workers.tiny_policy import load_tokenizer
 

@@ -31,7 +31,7 @@ from transformers import AutoTokenizer, DynamicCache, Qwen2Config, Qwen2ForCausa
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging as hf_logging
 
-from workers.agent_loop import Episode, TurnOutput, evaluate
+from workers.episode import Episode, TurnOutput, evaluate
 from workers.envs import calc
 from workers.envs.calc import Problem
 

@@ -1,7 +1,7 @@
 """The calculator task: an agentic, multi-turn, sparse-reward arithmetic problem.
 
 Who calls it: the feeder (``make_problems``, ``write_prompt_file``,
-``read_prompt_file``), the rollout worker through ``workers.agent_loop``
+``read_prompt_file``), the rollout worker through ``workers.episode``
 (``TOOL_STOPS``, ``parse_tool_call``, ``run_tools``), the reward worker
 (``verify``) and the policy builder (``demonstration`` for the warm start).
 

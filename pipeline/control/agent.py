@@ -1,0 +1,558 @@
+"""``libra-ctl agent``: the node agent, one per machine; it owns the worker processes of its slots.
+
+It knows its slots (``--slots N`` CPU slots; else ``LIBRA_GPUS=0,1,...``;
+else the GPUs nvidia-ml-py finds), registers them in ``AGENTS`` with a
+heartbeat, and holds ``agent_lock(node)`` so one agent acts per node name.
+
+Its main loop, every ``TICK_S``:
+
+1. runs the control jobs waiting on its rq queue in-process (an rq
+   ``SimpleWorker`` that never forks; ``pipeline.control.actions``): they only
+   write the desired state of workers into ``agent_desired(node)``;
+2. reaps its processes that exited: a slot is free only once its process has
+   exited; a crash (non-zero exit while the worker should run) is restarted
+   with exponential back-off, a clean exit (the learner finished) is not;
+3. drives processes toward the desired state: SIGTERM to a worker that
+   should not run (the stage finishes the batch in hand, writes and acks,
+   exits; the learner commits its step and exits), SIGKILL to its process
+   group after ``grace_s``; a worker that should run and has none is started
+   when every one of its slots is free, with its own ``CUDA_VISIBLE_DEVICES``;
+4. publishes its processes in ``agent_procs(node)`` and logs every start and
+   stop in ``agent_log(node)``.
+
+Workers are started here, in the agent's own process, with
+``subprocess.Popen(start_new_session=True)``; each is recorded as (pid,
+process start time), and a signal goes only to a process whose start time
+still matches, so a reused pid is never mistaken for ours. A restarted agent
+adopts the live workers its predecessor recorded instead of starting second
+copies. SIGTERM or SIGINT to the agent drains all its workers, then it exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+import structlog
+
+from pipeline.control import actions
+from pipeline.control.actions import STATE_DRAIN, STATE_GONE, STATE_RUN
+from pipeline.dataplane.keys import AGENTS, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
+from pipeline.dataplane.redisconn import ENV_URL, connect
+
+TICK_S = 0.2
+HEARTBEAT_S = 1.0
+LOCK_TTL_S = 15.0
+GRACE_S = 30.0            # SIGTERM -> SIGKILL; longer than a stage's slowest batch
+BACKOFF_S = (1.0, 60.0)   # first and longest wait before restarting a crashed worker
+STABLE_S = 60.0           # a worker that ran this long starts its back-off afresh
+TOMBSTONE_S = 3600.0      # drained records are kept this long, so a late retried action stays ignored
+GPUS_ENV = "LIBRA_GPUS"
+NODE_ENV = "LIBRA_NODE"
+SLOTS_ENV = "LIBRA_SLOTS"
+STAGE_ROLES = ("rollout", "reward", "learner")
+
+
+class SlotError(ValueError):
+    """The agent cannot tell which slots it has; the message says the fix."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    index: int
+    device: str | None    # CUDA device id of a GPU slot; None for a CPU slot
+
+    def as_dict(self) -> dict:
+        return {"index": self.index, "device": self.device}
+
+
+def detect_slots(cpu_slots: int | None = None, env: dict | None = None) -> list[Slot]:
+    """``--slots N`` CPU slots, else ``LIBRA_GPUS``, else the GPUs nvidia-ml-py sees."""
+    env = os.environ if env is None else env
+    if cpu_slots is not None:
+        if cpu_slots < 1:
+            raise SlotError(f"--slots {cpu_slots}: give at least 1 slot")
+        return [Slot(i, None) for i in range(cpu_slots)]
+    if env.get(GPUS_ENV, "").strip():
+        ids = [g.strip() for g in env[GPUS_ENV].split(",") if g.strip()]
+        return [Slot(i, d) for i, d in enumerate(ids)]
+    n = nvml_gpu_count()
+    if n:
+        return [Slot(i, str(i)) for i in range(n)]
+    raise SlotError(f"no GPU found (nvidia-ml-py) and {GPUS_ENV} is unset: pass --slots N to use N CPU slots, "
+                    f"or set {GPUS_ENV}=0,1,...")
+
+
+def nvml_gpu_count() -> int:
+    """GPUs visible to NVML, 0 without nvidia-ml-py or a driver."""
+    try:
+        import pynvml
+    except ImportError:
+        return 0
+    try:
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return 0
+
+
+def process_start(pid: int) -> int | None:
+    """A live process's start time (clock ticks since boot, /proc/PID/stat field 22); None if gone or a zombie."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after its last ')'
+    rest = raw[raw.rindex(")") + 2:].split()
+    if rest[0] in ("Z", "X"):
+        return None
+    return int(rest[19])
+
+
+def worker_argv(backend: str, role: str, run_dir: str, worker: str) -> list[str]:
+    """The command of a worker; a fixed table, so a control job can never name a program."""
+    tail = ["--run-dir", run_dir, "--worker-id", worker]
+    if role == "feeder":
+        return [sys.executable, "-m", "workers.feeder", *tail]
+    if role not in STAGE_ROLES:
+        raise ValueError(f"unknown role {role!r}")
+    if backend == "sim":
+        return [sys.executable, "-m", "pipeline.sim.worker", "--role", role, *tail]
+    if backend == "vllm":
+        return [sys.executable, "-m", f"workers.{role}", *tail]
+    raise ValueError(f"unknown backend {backend!r}; use vllm or sim")
+
+
+@dataclass
+class Proc:
+    """A worker process this agent started (``popen``) or adopted from its predecessor (no ``popen``)."""
+
+    key: str
+    spec: dict
+    pid: int
+    start: int
+    started_at: float
+    popen: subprocess.Popen | None = None
+    term_at: float | None = None
+    killed: bool = False
+
+    @property
+    def slots(self) -> list[int]:
+        return list(self.spec["slots"])
+
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return process_start(self.pid) == self.start
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.popen.returncode if self.popen is not None else None
+
+    def ours(self) -> bool:
+        """Still the process we recorded: an unreaped child of ours, or a matching start time."""
+        if self.popen is not None:
+            return self.popen.returncode is None
+        return process_start(self.pid) == self.start
+
+    def signal(self, sig: int, group: bool = False) -> bool:
+        if not self.ours():
+            return False
+        try:
+            # start_new_session made the worker a group leader: the group is it and what it started
+            if group and os.getpgid(self.pid) == self.pid:
+                os.killpg(self.pid, sig)
+            else:
+                os.kill(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def record(self, node: str) -> dict:
+        return {**{k: self.spec[k] for k in ("job", "worker", "role", "slots", "backend")},
+                "generation": self.spec.get("generation", 0), "node": node, "pid": self.pid,
+                "start": self.start, "started_at": self.started_at,
+                "state": "draining" if self.term_at else "running"}
+
+
+@dataclass
+class Backoff:
+    restarts: int = 0
+    next_at: float = 0.0
+
+
+class ControlJobRunner:
+    """rq's SimpleWorker driven step by step from the agent's loop: jobs run here, never in a fork."""
+
+    def __init__(self, r: redis.Redis, node: str):
+        from rq import SimpleWorker
+        from rq.scheduler import RQScheduler
+        from rq.serializers import JSONSerializer
+        from rq.timeouts import TimerDeathPenalty
+
+        class InProcessWorker(SimpleWorker):
+            death_penalty_class = TimerDeathPenalty   # no SIGALRM: works from any thread
+
+            def _install_signal_handlers(self):
+                pass   # the agent owns SIGTERM and SIGINT
+
+        self.queue = actions.queue(r, node)
+        self.worker = InProcessWorker([self.queue], connection=r, serializer=JSONSerializer,
+                                      name=f"libra-agent-{node}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.scheduler = RQScheduler([self.queue], connection=r, serializer=JSONSerializer)
+        self.scheduler.prepare_registries([self.queue.name])
+        self.worker.bootstrap(logging_level="WARNING")
+
+    def run_pending(self, limit: int = 64) -> int:
+        """Move due retries back onto the queue, then run up to ``limit`` queued jobs."""
+        self.scheduler.enqueue_scheduled_jobs()
+        done = 0
+        while done < limit:
+            got = self.worker.dequeue_job_and_maintain_ttl(None)
+            if got is None:
+                break
+            self.worker.execute_job(*got)
+            done += 1
+        return done
+
+    def close(self) -> None:
+        self.worker.teardown()
+
+
+class Agent:
+    """One node's agent. ``step()`` is one pass of the loop; ``run()`` loops until stopped."""
+
+    def __init__(self, r: redis.Redis, url: str, node: str, slots: list[Slot], *, grace_s: float = GRACE_S,
+                 backoff_s: tuple[float, float] = BACKOFF_S, log=None, cwd: str | None = None):
+        self.r, self.url, self.node, self.slots = r, url, node, list(slots)
+        self.grace_s, self.backoff_s = grace_s, backoff_s
+        self.cwd = cwd
+        self.log = log or structlog.get_logger("agent").bind(node=node)
+        self.procs: dict[str, Proc] = {}
+        self.backoff: dict[str, Backoff] = {}
+        self.completed: dict[str, int] = {}   # key -> seq of the desired record it exited 0 under
+        self.jobs: ControlJobRunner | None = None
+        self.stop_event = threading.Event()
+        self.started_at = time.time()
+        self._last_beat = 0.0
+        self._published: dict[str, str] = {}
+        from pipeline.control.lease import Lease
+
+        self.lock = Lease(r, agent_lock(node), ttl_s=LOCK_TTL_S)
+
+    # --- life ------------------------------------------------------------------------------------
+
+    def start(self) -> "Agent":
+        if not self.lock.acquire():
+            raise SystemExit(f"agent: another agent holds node name {self.node!r} "
+                             f"({(self.r.get(agent_lock(self.node)) or b'').decode()}); pick another --node")
+        self.adopt()
+        self.jobs = ControlJobRunner(self.r, self.node)
+        self.heartbeat(force=True)
+        self.log.info("agent_started", slots=[s.as_dict() for s in self.slots], pid=os.getpid())
+        return self
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self.step()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Redis away or stalled: the workers go on; so does the agent, on the next tick
+                self.log.warning("redis_unavailable", error=str(exc))
+                self.stop_event.wait(1.0)
+            self.stop_event.wait(TICK_S)
+        self.shutdown()
+
+    def step(self) -> None:
+        self.jobs.run_pending()
+        desired = self.read_desired()
+        self.reap(desired)
+        self.drive(desired)
+        self.heartbeat()
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Drain every worker of ours (SIGTERM, SIGKILL after the grace), then leave."""
+        for p in self.procs.values():
+            self.terminate(p)
+        deadline = time.monotonic() + (self.grace_s if timeout_s is None else timeout_s)
+        while self.procs and time.monotonic() < deadline:
+            self.reap({})
+            time.sleep(0.05)
+        for p in list(self.procs.values()):
+            self.kill(p)
+        while self.procs:
+            self.reap({})
+            time.sleep(0.05)
+        try:
+            self.publish(force=True)
+            if self.jobs:
+                self.jobs.close()
+            self.r.hdel(AGENTS, self.node)
+            self.lock.release()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self.log.warning("redis_unavailable_at_exit", error=str(exc))   # the lock and record expire
+        self.log.info("agent_stopped")
+
+    # --- state ------------------------------------------------------------------------------------
+
+    def read_desired(self) -> dict[str, dict]:
+        return {k.decode(): json.loads(v) for k, v in self.r.hgetall(agent_desired(self.node)).items()}
+
+    def adopt(self) -> None:
+        """Take over the live workers a previous agent of this node recorded; forget the dead ones."""
+        for key, raw in self.r.hgetall(agent_procs(self.node)).items():
+            rec = json.loads(raw)
+            if process_start(rec["pid"]) == rec["start"]:
+                spec = {k: rec[k] for k in ("job", "worker", "role", "slots", "backend", "generation")}
+                spec["run_dir"] = rec.get("run_dir", "")
+                self.procs[key.decode()] = Proc(key.decode(), spec, rec["pid"], rec["start"], rec["started_at"])
+                self.log.info("adopted", key=key.decode(), pid=rec["pid"])
+        self.publish(force=True)
+
+    def busy_slots(self) -> set[int]:
+        """Slots held by a process of ours that has not exited (draining ones included)."""
+        return {s for p in self.procs.values() for s in p.slots}
+
+    # --- the loop's steps -------------------------------------------------------------------------------
+
+    def reap(self, desired: dict[str, dict]) -> None:
+        """Forget exited processes (their slots are free from now on) and book crashes for restart."""
+        for key, p in list(self.procs.items()):
+            if p.alive():
+                continue
+            del self.procs[key]
+            code = p.exit_code
+            ran = time.time() - p.started_at
+            self.event("exited", p, code=code, ran_s=round(ran, 2))
+            d = desired.get(key)
+            if p.term_at is None and d and d["state"] == STATE_RUN:
+                if code == 0:
+                    self.completed[key] = d["seq"]     # finished its work (the learner's last step)
+                else:
+                    self.book_restart(key, ran)
+            if p.spec["role"] in ("rollout", "reward"):
+                hand_over_pending(self.r, p.spec["job"], p.spec["role"], p.spec["worker"], self.log)
+
+    def book_restart(self, key: str, ran_s: float) -> None:
+        b = self.backoff.setdefault(key, Backoff())
+        if ran_s > STABLE_S:
+            b.restarts = 0
+        first, longest = self.backoff_s
+        wait = min(first * 2 ** b.restarts, longest)
+        b.restarts += 1
+        b.next_at = time.monotonic() + wait
+        self.log.warning("worker_crashed", key=key, restart_in_s=wait, restarts=b.restarts)
+
+    def drive(self, desired: dict[str, dict]) -> None:
+        now = time.monotonic()
+        for key, p in self.procs.items():
+            d = desired.get(key)
+            keep = (d is not None and d["state"] == STATE_RUN and d["slots"] == p.slots
+                    and d.get("generation", 0) == p.spec.get("generation", 0) and d["role"] == p.spec["role"])
+            if not keep:
+                self.terminate(p)
+            if p.term_at is not None and not p.killed and time.time() - p.term_at > self.grace_s:
+                self.kill(p)
+        busy = self.busy_slots()
+        phases: dict[str, str] = {}
+        for key, d in sorted(desired.items()):
+            if d["state"] == STATE_DRAIN and key not in self.procs:
+                self.set_desired(key, {**d, "state": STATE_GONE})
+                continue
+            if d["state"] == STATE_GONE and time.time() - d.get("updated_at", 0) > TOMBSTONE_S:
+                self.r.hdel(agent_desired(self.node), key)
+                continue
+            if d["state"] != STATE_RUN or key in self.procs or self.completed.get(key) == d["seq"]:
+                continue
+            if self.backoff.get(key, Backoff()).next_at > now or busy & set(d["slots"]):
+                continue   # back-off, or a slot still held by a process that has not exited
+            if d["job"] not in phases:
+                phases[d["job"]] = (self.r.hget(JobKeys(d["job"]).state, "phase") or b"").decode()
+            if phases[d["job"]] not in ("running", "trained"):
+                continue   # the job is over (or gone): desired state left behind is not revived
+            self.spawn(key, d)
+            busy |= set(d["slots"])
+
+    def set_desired(self, key: str, rec: dict) -> None:
+        rec["updated_at"] = time.time()
+        self.r.hset(agent_desired(self.node), key, json.dumps(rec))
+
+    def spawn(self, key: str, d: dict) -> None:
+        by_index = {s.index: s for s in self.slots}
+        devices = [by_index[i].device for i in d["slots"] if by_index[i].device is not None]
+        env = dict(os.environ, **{ENV_URL: self.url, "PYTHONUNBUFFERED": "1", NODE_ENV: self.node,
+                                  SLOTS_ENV: ",".join(str(i) for i in d["slots"]),
+                                  # a CPU slot hides every GPU; a GPU slot shows only its own
+                                  "CUDA_VISIBLE_DEVICES": ",".join(devices)})
+        argv = worker_argv(d["backend"], d["role"], d["run_dir"], d["worker"])
+        out = _log_file(d["run_dir"], d["worker"])
+        try:
+            popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd,
+                                     start_new_session=True)
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
+        # an unreaped child always has a /proc entry, so its start time can be read now
+        start = process_start(popen.pid) or 0
+        spec = {k: d[k] for k in ("job", "worker", "role", "slots", "run_dir", "backend")}
+        spec["generation"] = d.get("generation", 0)
+        p = Proc(key, spec, popen.pid, start, time.time(), popen)
+        self.procs[key] = p
+        self.event("spawned", p)
+        self.publish(force=True)
+
+    def terminate(self, p: Proc) -> None:
+        """Ask a worker to stop after the batch in hand (once)."""
+        if p.term_at is not None:
+            return
+        p.term_at = time.time()
+        if p.signal(signal.SIGTERM):
+            self.event("sigterm", p)
+        self.publish(force=True)
+
+    def kill(self, p: Proc) -> None:
+        if p.killed:
+            return
+        p.killed = True
+        if p.signal(signal.SIGKILL, group=True):
+            self.event("sigkill", p)
+
+    # --- what others read ------------------------------------------------------------------------------
+
+    def event(self, what: str, p: Proc, **extra) -> None:
+        rec = {"event": what, "key": p.key, "pid": p.pid, "start": p.start, "role": p.spec["role"],
+               "slots": json.dumps(p.slots), "at": time.time(),
+               **{k: json.dumps(v) for k, v in extra.items()}}
+        self.r.xadd(agent_log(self.node), rec, maxlen=10_000, approximate=True)
+        self.log.info(what, key=p.key, pid=p.pid, slots=p.slots, **extra)
+
+    def publish(self, force: bool = False) -> None:
+        """Mirror ``self.procs`` into ``agent_procs(node)`` (only what changed)."""
+        now = {k: json.dumps({**p.record(self.node), "run_dir": p.spec.get("run_dir", "")})
+               for k, p in self.procs.items()}
+        if not force and now == self._published:
+            return
+        pipe = self.r.pipeline(transaction=True)
+        gone = set(self._published) - set(now) if not force else None
+        if force:
+            pipe.delete(agent_procs(self.node))
+        elif gone:
+            pipe.hdel(agent_procs(self.node), *gone)
+        if now:
+            pipe.hset(agent_procs(self.node), mapping=now)
+        pipe.execute()
+        self._published = now
+
+    def heartbeat(self, force: bool = False) -> None:
+        self.publish()
+        if not force and time.monotonic() - self._last_beat < HEARTBEAT_S:
+            return
+        # a lock that expired while Redis was away is taken again, unless another agent has it now
+        if not (self.lock.renew() or self.lock.acquire()):
+            raise SystemExit(f"agent: lost the lock of node {self.node!r} to another agent")
+        self.r.hset(AGENTS, self.node, json.dumps({
+            "node": self.node, "host": socket.gethostname(), "pid": os.getpid(), "started_at": self.started_at,
+            "heartbeat": time.time(), "slots": [s.as_dict() for s in self.slots]}))
+        self._last_beat = time.monotonic()
+
+
+def _log_file(run_dir: str, worker: str):
+    """Append a worker's stdout and stderr to the run's logs; DEVNULL when this node cannot see the run dir."""
+    try:
+        path = Path(run_dir) / "logs"
+        path.mkdir(parents=True, exist_ok=True)
+        return open(path / f"{worker}.out", "ab")
+    except OSError:
+        return subprocess.DEVNULL
+
+
+def hand_over_pending(r: redis.Redis, job: str, role: str, consumer: str, log=None) -> int:
+    """After a stage worker exited: give its pending entries to a live worker of its role, then delete it.
+
+    Redis has no "unclaim": XCLAIM moves the entries (JUSTID, so no delivery is
+    counted) and sets their idle time past the group's reclaim threshold, so
+    the receiver's next XAUTOCLAIM picks them up. A worker drained cleanly has
+    nothing pending; one killed mid-batch has its batch here. Without a live
+    worker to take them they stay pending, reclaimed once idle long enough.
+    """
+    keys = JobKeys(job)
+    stream, group = {s: (src, g) for s, src, g in keys.stages}[role]
+    try:
+        mine = r.xpending_range(stream, group, "-", "+", 10_000, consumername=consumer)
+    except redis.ResponseError:
+        return 0   # no such stream or group (the job is gone)
+    ids = [e["message_id"] for e in mine]
+    target = live_worker(r, keys, role, exclude=consumer)
+    if ids and target:
+        r.xclaim(stream, group, target, 0, ids, idle=365 * 24 * 3600 * 1000, justid=True)
+        if log:
+            log.info("handed_over_pending", worker=consumer, to=target, entries=len(ids))
+    if not ids or target:
+        r.xgroup_delconsumer(stream, group, consumer)
+    return len(ids) if target else 0
+
+
+def live_worker(r: redis.Redis, keys: JobKeys, role: str, exclude: str, fresh_s: float = 10.0) -> str | None:
+    """A worker of ``role`` with a fresh heartbeat (the most recent one), other than ``exclude``."""
+    best = None
+    for wid, raw in r.hgetall(keys.workers).items():
+        rec = json.loads(raw)
+        if (rec["role"] == role and rec["id"] != exclude and rec["state"] in ("starting", "running", "waiting")
+                and time.time() - rec.get("heartbeat", 0) < fresh_s):
+            if best is None or rec["heartbeat"] > best["heartbeat"]:
+                best = rec
+    return best["id"] if best else None
+
+
+# --- command line ----------------------------------------------------------------------------------
+
+
+def run_agent(url: str, node: str, slots: list[Slot], grace_s: float) -> int:
+    from pipeline import logs
+
+    structlog.contextvars.bind_contextvars(role="agent", node=node)
+    log = logs.configure(None, f"agent-{node}")
+    agent = Agent(connect(url), url, node, slots, grace_s=grace_s, log=log).start()
+
+    def on_signal(signum, _frame):
+        log.info("stop_requested", signal=signal.Signals(signum).name)
+        agent.stop_event.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    agent.run()
+    return 0
+
+
+def cmd_agent(args) -> int:
+    from pipeline.dataplane.redisconn import find_redis_url
+
+    try:
+        slots = detect_slots(args.slots)
+    except SlotError as exc:
+        print(f"libra-ctl agent: {exc}", file=sys.stderr)
+        return 2
+    node = args.node or os.environ.get(NODE_ENV) or socket.gethostname().split(".")[0]
+    return run_agent(find_redis_url(args.redis), node, slots, args.grace)
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("agent", help="node agent: start, drain and restart this machine's workers")
+    p.add_argument("--slots", type=int, help=f"N CPU slots (default: ${GPUS_ENV}, else the GPUs NVML finds)")
+    p.add_argument("--node", help=f"node name (default: ${NODE_ENV}, else the short host name)")
+    p.add_argument("--grace", type=float, default=GRACE_S, help="seconds from SIGTERM to SIGKILL of a worker")
+    p.add_argument("--redis", help=f"Redis URL (default: ${ENV_URL})")
+    p.set_defaults(func=cmd_agent)

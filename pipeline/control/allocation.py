@@ -1,0 +1,124 @@
+"""A job's allocation in Redis: the mode (auto or pinned), the target and pinned counts, the placement.
+
+Written by ``libra-ctl scale`` (``pin``/``unpin``) and the reconcile loop;
+read by the loop, ``libra-ctl status`` (``allocation_status``) and the live
+benchmark. ``live_agents`` is the inventory: the agents whose heartbeat is fresh.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+
+from pipeline.dataplane.keys import AGENTS, CONTROLLER_WAKE, JobKeys, agent_procs
+from pipeline.dataplane.worker import ROLES
+
+AGENT_DEAD_S = 10.0      # an agent silent this long is gone: its slots leave the inventory
+
+def get_allocation(r: redis.Redis, job: str) -> dict:
+    raw = {k.decode(): v.decode() for k, v in r.hgetall(JobKeys(job).allocation).items()}
+    return {"mode": raw.get("mode"), "pinned": json.loads(raw.get("pinned", "{}")),
+            "target": json.loads(raw.get("target", "{}")), "changed_at": float(raw.get("changed_at", 0)),
+            "changed_from": json.loads(raw["changed_from"]) if raw.get("changed_from") else None}
+
+
+def pin(r: redis.Redis, job: str, roles: dict[str, int]) -> None:
+    """Pin counts (other roles keep their current target); the controller applies them on its next tick."""
+    bad = {k: v for k, v in roles.items() if k not in ROLES or not isinstance(v, int) or v < 0}
+    if bad:
+        raise ValueError(f"bad counts {bad}: give role=N with role in {', '.join(ROLES)} and N >= 0")
+    for role in ("rollout", "learner"):
+        if roles.get(role, 1) < 1:
+            raise ValueError(f"{role}={roles[role]}: the pipeline needs at least one {role} worker")
+    cur = get_allocation(r, job)
+    pinned = {**cur["target"], **cur["pinned"], **roles}
+    r.hset(JobKeys(job).allocation, mapping={"mode": "pinned", "pinned": json.dumps(pinned)})
+    r.lpush(CONTROLLER_WAKE, f"scale:{job}")
+
+
+def unpin(r: redis.Redis, job: str) -> None:
+    """Hand the job back to the policy."""
+    r.hset(JobKeys(job).allocation, "mode", "auto")
+    r.lpush(CONTROLLER_WAKE, f"auto:{job}")
+
+
+# --- inventory --------------------------------------------------------------------------------------------
+
+
+def live_agents(r: redis.Redis, now: float | None = None) -> dict[str, dict]:
+    """Agents whose heartbeat is fresh: node -> record (slots, host, pid, heartbeat)."""
+    now = time.time() if now is None else now
+    out = {}
+    for node, raw in r.hgetall(AGENTS).items():
+        rec = json.loads(raw)
+        if now - rec["heartbeat"] <= AGENT_DEAD_S:
+            out[node.decode()] = rec
+    return out
+
+
+
+def allocation_status(r: redis.Redis, job: str) -> dict:
+    """The job's allocation for ``libra-ctl status``: mode, counts per role, and every node's slots.
+
+    ``{"mode": "auto"|"pinned", "roles": {role: workers running}, "target": {role: count},
+    "pinned": {role: count}, "nodes": [{"node", "host", "alive", "heartbeat_age_s",
+    "slots": [{"index", "device", "job", "worker", "role", "pid", "state"}]}],
+    "workers": {worker: {"node", "slots", "pid", "state"}}}``; a slot without a
+    worker has ``worker: None``, a worker without slots (reward on CPU) appears
+    under ``workers`` only.
+    """
+    alloc = get_allocation(r, job)
+    now = time.time()
+    nodes, workers, roles = [], {}, {}
+    for node, raw in sorted(r.hgetall(AGENTS).items()):
+        rec, node = json.loads(raw), node.decode()
+        procs = {k.decode(): json.loads(v) for k, v in r.hgetall(agent_procs(node)).items()}
+        by_slot = {s: p for p in procs.values() for s in p["slots"]}
+        slots = []
+        for s in rec["slots"]:
+            p = by_slot.get(s["index"])
+            slots.append({"index": s["index"], "device": s["device"], "job": p["job"] if p else None,
+                          "worker": p["worker"] if p else None, "role": p["role"] if p else None,
+                          "pid": p["pid"] if p else None, "state": p["state"] if p else "free"})
+        for p in procs.values():
+            if p["job"] == job:
+                workers[p["worker"]] = {"node": node, "slots": p["slots"], "pid": p["pid"], "state": p["state"],
+                                        "role": p["role"]}
+                if p["state"] == "running" and p["role"] in ROLES:
+                    roles[p["role"]] = roles.get(p["role"], 0) + 1
+        nodes.append({"node": node, "host": rec["host"], "alive": now - rec["heartbeat"] <= AGENT_DEAD_S,
+                      "heartbeat_age_s": round(now - rec["heartbeat"], 1), "slots": slots})
+    return {"mode": alloc["mode"] or "auto", "roles": roles, "target": alloc["target"], "pinned": alloc["pinned"],
+            "nodes": nodes, "workers": workers}
+
+
+def format_allocation(a: dict) -> str:
+    """Lines for a terminal: one per node, each slot as index:worker."""
+    pinned = " ".join(f"{k}={v}" for k, v in sorted(a["pinned"].items())) if a["mode"] == "pinned" else ""
+    lines = [f"allocation {a['mode']}{' ' + pinned if pinned else ''}  running "
+             + " ".join(f"{k}={v}" for k, v in sorted(a["roles"].items()))]
+    for n in a["nodes"]:
+        slots = "  ".join(f"{s['index']}:{s['worker'] or '-'}" for s in n["slots"])
+        lines.append(f"  node {n['node']}{'' if n['alive'] else ' (lost)'}  {slots}")
+    return "\n".join(lines)
+
+
+def counts_of(roles: dict, reward_on_slots: bool) -> dict:
+    """Slots per role of worker counts (reward on CPU holds none)."""
+    return {r: roles.get(r, 0) if r != "reward" or reward_on_slots else 0 for r in ROLES}
+
+
+def read_placement(r: redis.Redis, job: str) -> dict[str, dict]:
+    return {w.decode(): json.loads(v) for w, v in r.hgetall(JobKeys(job).placement).items()}
+
+
+def take_drain_requests(r: redis.Redis, job: str) -> list[str]:
+    k = JobKeys(job)
+    out = []
+    while True:
+        w = r.spop(k.drain_requests)
+        if w is None:
+            return out
+        out.append(w.decode())

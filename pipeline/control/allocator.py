@@ -1,0 +1,431 @@
+"""The allocation policy: a pure ``plan(metrics, inventory, jobs) -> Decision``.
+
+Called every control interval by the live controller's reconcile loop (which
+reads the metrics from Redis) and by the throughput simulator
+(``pipeline.sim.des``, which measures them inside the simulation), so a
+benchmark of the policy is a benchmark of the product. No Redis, no processes,
+no clock reads: everything it knows arrives in its arguments, and everything it
+knows is observable on a live job (measured rates, queue lengths, wait
+fractions), never a workload's cost-model parameters.
+
+How it decides, in order:
+
+1. cooldown: no move within ``cooldown_s`` of the last one (against flapping,
+   and so that the metrics window sees the new allocation);
+2. warm-up: no move until every stage has a measured service rate;
+3. model: from the measured per-worker service rates, each stage's capacity as
+   a function of its GPU count (the learner with its scaling exponent); the
+   best split maximises the slowest stage's capacity within each role's bounds;
+4. candidates: for several target rates between the current and the best, the
+   split that reaches it with the fewest GPUs moved;
+5. gain versus cost: a candidate is worth it only when the throughput gained
+   over ``horizon_s`` exceeds what the move loses: production forgone while the
+   moved GPUs switch (``switch_cost_s``) and in-flight rollouts thrown away;
+6. signals (field guide): a learner waiting more than 20% of the window means
+   rollout is short, a backlog rising by more than a batch means the learner is
+   short, staleness at the bound means rollout already over-produces; a
+   candidate that moves against a signal is vetoed. A learner that waits while
+   rollout slots stand empty means neither stage is the limit: the staleness
+   window is (too little work may be in flight), and no move is made;
+7. hysteresis: undoing the previous move needs a larger predicted gain.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+ROLES = ("rollout", "reward", "learner")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """GPUs per role for one job (reward is 0 when reward runs on CPU workers)."""
+
+    rollout: int
+    learner: int
+    reward: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.rollout + self.learner + self.reward
+
+    def get(self, role: str) -> int:
+        return getattr(self, role)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"rollout": self.rollout, "reward": self.reward, "learner": self.learner}
+
+    def moved(self, other: "Allocation") -> int:
+        """GPUs that change role going from self to other."""
+        return sum(max(0, other.get(r) - self.get(r)) for r in ROLES)
+
+
+@dataclass(frozen=True)
+class RoleBounds:
+    """Fewest and most GPUs a role may hold."""
+
+    min: int = 1
+    max: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """The GPU pool the controller allocates (from the node agents' slots)."""
+
+    gpus: int                 # GPU slots in the pool
+    switch_cost_s: float      # seconds a GPU yields nothing while changing role (drain, start, weight load)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the controller knows of a job from its config (not from a cost model)."""
+
+    name: str
+    batch_size: int                  # trajectories per learner step
+    max_staleness: int               # versions; older groups are dropped
+    reward_on_gpu: bool              # reward workers hold GPUs from the pool
+    learner_scaling_exponent: float  # n learner GPUs train at n**e x one (config, or fitted from step times)
+    bounds: dict[str, RoleBounds] = field(default_factory=dict)   # per role; missing: min 1 (0 for reward on CPU)
+
+    def bound(self, role: str) -> RoleBounds:
+        if role in self.bounds:
+            return self.bounds[role]
+        if role == "reward" and not self.reward_on_gpu:
+            return RoleBounds(0, 0)
+        return RoleBounds()
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """What the controller measured over its last window, all of it observable on a live job.
+
+    A rate of 0 means "not measured yet" (no trajectory finished, no learner step done).
+    """
+
+    window_s: float                   # length of the measurement window
+    allocation: Allocation            # current (or already ordered) allocation
+    since_change_s: float             # seconds since the last allocation change was ordered
+    changed_from: Allocation | None   # the allocation before that change (None: never changed)
+    # rollout: per-trajectory costs reported by the workers
+    rollout_gpu_s_per_traj: float     # GPU-seconds a finished trajectory cost: prefill + (decode + tool wait) / concurrency
+    rollout_pause_frac: float         # share of rollout GPU time lost to weight loads
+    rollout_inflight: int             # trajectories being generated now (lost work if their GPU leaves)
+    rollout_queue: int                # admitted prompts' trajectories not yet started
+    rollout_idle_frac: float          # share of rollout decode slots left empty (nothing admitted to run)
+    # reward
+    reward_s_per_traj: float          # seconds a reward worker spends per trajectory
+    reward_cpu_workers: int           # CPU reward workers (when reward is not on GPU)
+    # learner
+    traj_tokens: float                # mean prompt + response tokens of the trajectories finished in the window
+    learner_tokens_per_s: float       # training speed measured at learner_gpus_measured GPUs
+    learner_gpus_measured: int
+    learner_publish_s: float          # seconds per step spent publishing weights
+    learner_wait_frac: float          # share of the window the learner waited for data
+    # queues and freshness
+    backlog: int                      # scored trajectories waiting for the learner
+    backlog_trend_per_s: float        # change of backlog per second over the window
+    trained: int                      # trajectories trained in the window
+    staleness_p50: float              # of the trajectories trained in the window
+    dropped_stale: int                # trajectories dropped as stale in the window (rollout work wasted)
+
+
+# --- what the metrics are made of: one definition for the live observer and the simulator ------------------
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b, or 0 ("not measured") when nothing was counted."""
+    return a / b if b else 0.0
+
+
+def learner_speed(steps: Iterable[tuple[float, float, int]], n_now: int, exponent: float) -> float:
+    """Training units/s over learner steps given as (units, train_s, gpus), brought to ``n_now`` GPUs.
+
+    A step that ran on g GPUs took ``train_s``; on ``n_now`` it would take
+    ``train_s * (g / n_now) ** exponent``. Units are tokens, or trajectories
+    when the workers report no tokens.
+    """
+    steps = list(steps)
+    train = sum(t * (g / max(n_now, 1)) ** exponent for _u, t, g in steps)
+    return sum(u for u, _t, _g in steps) / train if steps and train > 0 else 0.0
+
+
+def median_of_counts(counts: Mapping[int, int]) -> float:
+    """The (lower) median of a histogram {value: count}; 0 when it is empty."""
+    total = sum(counts.values())
+    acc = 0
+    for v in sorted(counts):
+        acc += counts[v]
+        if acc >= total / 2:
+            return float(v)
+    return 0.0
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Knobs of the policy (the controller's config)."""
+
+    horizon_s: float = 900.0            # a move must pay for itself within this time
+    cooldown_s: float = 150.0           # no move sooner than this after the previous one
+    min_gain_frac: float = 0.02         # ignore predicted gains below this share of the current rate
+    reverse_gain_frac: float = 0.05     # ... and below this one for a move that undoes the previous move
+    learner_wait_threshold: float = 0.2   # field guide: learner idle > 20% means rollout is short
+    idle_slots_threshold: float = 0.2     # rollout slots this empty while the learner waits: window-bound
+    backlog_batches: float = 1.0        # a backlog above this many batches and rising means learner short
+    candidates: int = 12                # target rates tried between current and best
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The planned allocation and why; ``event()`` is the record the controller logs."""
+
+    allocation: Allocation
+    changed: bool
+    reason: str                        # short snake_case
+    current_rate: float                # predicted trajectories/s of the current allocation
+    predicted_rate: float              # predicted trajectories/s of the returned allocation
+    best_rate: float                   # best the model sees within bounds
+    bottleneck: str                    # stage limiting the current allocation ("" if unknown)
+    expected_gain: float               # trajectories gained over the horizon
+    transition_cost: float             # trajectories lost to the move
+    moved: int                         # GPUs changing role
+    signals: tuple[str, ...] = ()
+
+    def event(self, metrics: Metrics | None = None) -> dict:
+        """A JSON-able event record: the decision and, if given, the inputs it saw."""
+        rec = asdict(self)
+        rec["allocation"] = self.allocation.as_dict()
+        rec["signals"] = list(self.signals)
+        if metrics is not None:
+            rec["inputs"] = asdict(metrics)
+            rec["inputs"]["allocation"] = metrics.allocation.as_dict()
+        return rec
+
+
+def plan(metrics: Metrics, inventory: Inventory, jobs: Sequence[JobSpec],
+         config: PlanConfig = PlanConfig()) -> Decision:
+    """Decide the allocation for the next control interval (pure; see the module docstring)."""
+    if len(jobs) != 1:
+        raise ValueError(f"plan() handles one job so far, got {len(jobs)}: multi-job planning is not built yet")
+    job = jobs[0]
+    cur = metrics.allocation
+    signals = _signals(metrics, job, config)
+    if metrics.since_change_s < config.cooldown_s:
+        return _keep(cur, "cooldown", signals)
+    if "window_bound" in signals:
+        return _keep(cur, "window_bound", signals)
+    model = _Model.measured(metrics, inventory, job)
+    if model is None:
+        return _keep(cur, "warming_up", signals)
+    r0 = model.rate(cur)
+    best = model.best(cur)
+    if best is None:
+        return _keep(cur, "no_feasible_split", signals, r0, r0, model.bottleneck(cur))
+    r_best = model.rate(best)
+    base = dict(current_rate=r0, best_rate=r_best, bottleneck=model.bottleneck(cur), signals=signals)
+    if r_best <= r0 * (1 + config.min_gain_frac):
+        return Decision(cur, False, "balanced", predicted_rate=r0, expected_gain=0.0,
+                        transition_cost=0.0, moved=0, **base)
+    scored = [(c,) + _net_gain(model, cur, c, metrics, inventory, config)
+              for c in model.candidates(cur, r0, r_best, config.candidates)]
+    allowed = [s for s in scored if not _vetoed(cur, s[0], signals)]
+    if not allowed:
+        return Decision(cur, False, "vetoed_by_signals", predicted_rate=r0, expected_gain=0.0,
+                        transition_cost=0.0, moved=0, **base)
+    target, gain, cost = max(allowed, key=lambda s: s[1] - s[2])
+    # measured rates are noisy near balance: undoing the last move needs a clearer gain (no flapping)
+    need = config.reverse_gain_frac if _reverses(metrics.changed_from, cur, target) else config.min_gain_frac
+    if gain - cost <= 0 or model.rate(target) < r0 * (1 + need):
+        return Decision(cur, False, "gain_below_cost", predicted_rate=r0, expected_gain=gain,
+                        transition_cost=cost, moved=0, **base)
+    return Decision(target, True, f"rebalance_{base['bottleneck']}_short", predicted_rate=model.rate(target),
+                    expected_gain=gain, transition_cost=cost, moved=cur.moved(target), **base)
+
+
+def _keep(cur: Allocation, reason: str, signals: tuple[str, ...], r0: float = 0.0, rb: float = 0.0,
+          bottleneck: str = "") -> Decision:
+    return Decision(cur, False, reason, current_rate=r0, predicted_rate=r0, best_rate=rb,
+                    bottleneck=bottleneck, expected_gain=0.0, transition_cost=0.0, moved=0, signals=signals)
+
+
+def _signals(m: Metrics, job: JobSpec, cfg: PlanConfig) -> tuple[str, ...]:
+    """The field guide's symptoms, read from queues and waits rather than from the rate model."""
+    out = []
+    if m.learner_wait_frac > cfg.learner_wait_threshold and m.rollout_idle_frac > cfg.idle_slots_threshold:
+        # both sides idle: the staleness window (in-flight bound) limits, not the split
+        out.append("window_bound")
+    elif m.learner_wait_frac > cfg.learner_wait_threshold:
+        out.append("rollout_short")      # learner idle > 20% of the window
+    if m.backlog > cfg.backlog_batches * job.batch_size and m.backlog_trend_per_s > 0:
+        out.append("learner_short")      # scored data piling up
+    if m.trained and m.staleness_p50 >= job.max_staleness:
+        out.append("at_staleness_bound")   # half the data trained is as old as allowed: rollout runs ahead
+    return tuple(out)
+
+
+def _vetoed(cur: Allocation, target: Allocation, signals: tuple[str, ...]) -> bool:
+    """A move against an observed symptom is not made, whatever the model says."""
+    if "rollout_short" in signals and target.learner > cur.learner:
+        return True     # the learner idles for want of data: it must not grow at upstream's expense
+    if "learner_short" in signals and target.learner < cur.learner:
+        return True     # scored data piles up: the learner must not shrink
+    if "at_staleness_bound" in signals and target.rollout > cur.rollout and "rollout_short" not in signals:
+        return True     # more rollout would only make staler data
+    return False
+
+
+def _reverses(before: Allocation | None, cur: Allocation, target: Allocation) -> bool:
+    """Whether going to target moves GPUs back against the direction of the last change."""
+    if before is None:
+        return False
+    return any((cur.get(r) - before.get(r)) * (target.get(r) - cur.get(r)) < 0 for r in ROLES)
+
+
+def _net_gain(model: "_Model", cur: Allocation, target: Allocation, m: Metrics, inv: Inventory,
+              cfg: PlanConfig) -> tuple[float, float]:
+    """(gain, cost) in trajectories over the horizon of moving from cur to target.
+
+    gain: (rate(target) - rate(cur)) x horizon. cost: while the moved GPUs switch
+    the sources have lost them and the destinations lack them, so the pipeline
+    runs at rate(mid) instead of rate(target) for switch_cost_s; and a rollout
+    GPU that leaves throws away its in-flight trajectories, half done on average.
+    """
+    r0, r1 = model.rate(cur), model.rate(target)
+    mid = Allocation(**{r: min(cur.get(r), target.get(r)) for r in ROLES})
+    switch = inv.switch_cost_s
+    leaving = max(0, cur.rollout - target.rollout)
+    per_gpu_inflight = m.rollout_inflight / cur.rollout if cur.rollout else 0.0
+    lost = leaving * per_gpu_inflight / 2
+    return (r1 - r0) * cfg.horizon_s, (r1 - model.rate(mid)) * switch + lost
+
+
+@dataclass(frozen=True)
+class _Model:
+    """Stage capacities (trajectories/s) as functions of GPU counts, from measured rates."""
+
+    gpus: int
+    rollout_gps: float        # GPU-seconds per trained trajectory: weight loads and stale drops included
+    reward_s: float
+    reward_cpu: int
+    reward_on_gpu: bool
+    learner_step_train_1: float   # train seconds of one batch of recent trajectories on one GPU
+    publish_s: float
+    batch: int
+    exponent: float
+    bounds: dict
+
+    @classmethod
+    def measured(cls, m: Metrics, inv: Inventory, job: JobSpec) -> "_Model | None":
+        """The model, or None while a stage has no measured rate yet."""
+        if m.rollout_gpu_s_per_traj <= 0 or m.learner_tokens_per_s <= 0 or m.learner_gpus_measured <= 0 \
+                or m.traj_tokens <= 0:
+            return None
+        if job.reward_on_gpu and m.reward_s_per_traj <= 0:
+            return None
+        pause = min(max(m.rollout_pause_frac, 0.0), 0.9)
+        # a dropped group was generated for nothing: it costs rollout time, not learner time
+        waste = min(m.dropped_stale / (m.dropped_stale + m.trained), 0.9) if m.trained else 0.0
+        e = job.learner_scaling_exponent
+        return cls(gpus=inv.gpus, rollout_gps=m.rollout_gpu_s_per_traj / (1 - pause) / (1 - waste),
+                   reward_s=m.reward_s_per_traj, reward_cpu=m.reward_cpu_workers,
+                   reward_on_gpu=job.reward_on_gpu,
+                   # sized from what rollout finishes now, so a change of lengths shows up before
+                   # the learner trains on it
+                   learner_step_train_1=(job.batch_size * m.traj_tokens / m.learner_tokens_per_s
+                                         * m.learner_gpus_measured ** e),
+                   publish_s=m.learner_publish_s, batch=job.batch_size, exponent=e,
+                   bounds={r: job.bound(r) for r in ROLES})
+
+    def caps(self, a: Allocation) -> dict[str, float]:
+        rollout = a.rollout / self.rollout_gps
+        workers = a.reward if self.reward_on_gpu else self.reward_cpu
+        reward = math.inf if self.reward_s <= 0 else workers / self.reward_s
+        learner = 0.0
+        if a.learner > 0:
+            learner = self.batch / (self.learner_step_train_1 / a.learner ** self.exponent + self.publish_s)
+        return {"rollout": rollout, "reward": reward, "learner": learner}
+
+    def rate(self, a: Allocation) -> float:
+        return min(self.caps(a).values())
+
+    def bottleneck(self, a: Allocation) -> str:
+        caps = self.caps(a)
+        return min(caps, key=caps.get)
+
+    def needs(self, rate: float) -> dict[str, float] | None:
+        """Fewest GPUs per role to sustain ``rate`` (bounds applied), or None if impossible."""
+        n = {"rollout": math.ceil(rate * self.rollout_gps - 1e-9)}
+        if self.reward_on_gpu:
+            n["reward"] = math.ceil(rate * self.reward_s - 1e-9)
+        else:
+            if self.reward_s > 0 and rate > self.reward_cpu / self.reward_s * (1 + 1e-9):
+                return None
+            n["reward"] = 0
+        per_step = self.batch / rate - self.publish_s if rate > 0 else math.inf
+        if per_step <= 0:
+            return None
+        n["learner"] = math.ceil((self.learner_step_train_1 / per_step) ** (1 / self.exponent) - 1e-9)
+        for r in ROLES:
+            b = self.bounds[r]
+            n[r] = max(n[r], b.min)
+            if n[r] > b.max:
+                return None
+        return n if sum(n.values()) <= self.gpus else None
+
+    def max_rate(self) -> float:
+        """Highest rate whose needs fit the pool (bisection: needs grow with the rate)."""
+        lo, hi = 0.0, 1.0
+        while self.needs(hi) is not None and hi < 1e9:
+            lo, hi = hi, hi * 2
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if self.needs(mid) is not None:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def reach(self, cur: Allocation, rate: float) -> Allocation | None:
+        """The split sustaining ``rate`` that moves the fewest GPUs from ``cur``."""
+        need = self.needs(rate)
+        if need is None:
+            return None
+        out = cur.as_dict()
+        deficit = sum(max(0, need[r] - out[r]) for r in ROLES)
+        for r in ROLES:
+            out[r] = max(out[r], need[r])
+        # take the deficit from the roles with the most GPUs to spare above their need
+        while deficit > 0:
+            donor = max(ROLES, key=lambda r: out[r] - need[r])
+            if out[donor] - need[donor] <= 0:
+                return None
+            take = min(deficit, out[donor] - need[donor])
+            out[donor] -= take
+            deficit -= take
+        return Allocation(**out)
+
+    def best(self, cur: Allocation) -> Allocation | None:
+        return self.reach(cur, self.max_rate())
+
+    def candidates(self, cur: Allocation, r0: float, r_best: float, k: int) -> list[Allocation]:
+        """Fewest-move splits for target rates spread between the current rate and the best."""
+        out = []
+        for i in range(1, k + 1):
+            a = self.reach(cur, r0 + (r_best - r0) * i / k)
+            if a is not None and a != cur and a not in out:
+                out.append(a)
+        return out
+
+
+def explain(decision: Decision) -> str:
+    """One line for logs and the benchmark timeline."""
+    a = decision.allocation
+    return (f"{decision.reason}: rollout={a.rollout} reward={a.reward} learner={a.learner} "
+            f"rate {decision.current_rate:.2f}->{decision.predicted_rate:.2f}/s "
+            f"gain {decision.expected_gain:.0f} cost {decision.transition_cost:.0f} traj"
+            + (f" signals={','.join(decision.signals)}" if decision.signals else ""))
+
+
+__all__ = ["Allocation", "Decision", "Inventory", "JobSpec", "Metrics", "PlanConfig", "RoleBounds",
+           "explain", "plan"]

@@ -1,0 +1,138 @@
+"""``libra-ctl scale``, ``drain`` and ``events``: how an operator steers and reads the controller.
+
+Each handler connects to the job's Redis and talks to the controller through
+it (the allocation record, ``CONTROLLER_WAKE``, the drain requests); with no
+controller running, ``drain`` asks the agent directly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import redis
+
+from pipeline.control import actions
+from pipeline.control.allocation import allocation_status, get_allocation, pin, read_placement, unpin
+from pipeline.control.events import read_events
+from pipeline.dataplane.keys import CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, JobKeys
+from pipeline.dataplane.redisconn import connect, find_redis_url
+from pipeline.dataplane.worker import ROLES
+
+
+def pick_job(r: redis.Redis, job: str | None) -> str:
+    """The named job, else the one job that runs on this Redis."""
+    if job:
+        return job
+    running = [n.decode() for n in sorted(r.smembers(JOBS))
+               if (r.hget(JobKeys(n.decode()).state, "phase") or b"").decode() in ("running", "trained")]
+    if len(running) != 1:
+        raise SystemExit(f"libra-ctl: {'no job runs' if not running else 'several jobs run: ' + ', '.join(running)}"
+                         "; name one with --job")
+    return running[0]
+
+
+def parse_counts(items: list[str]) -> dict[str, int]:
+    out = {}
+    for item in items:
+        role, sep, n = item.partition("=")
+        if not sep or role not in ROLES or not n.isdigit():
+            raise SystemExit(f"libra-ctl scale: {item!r}: write role=N with role in {', '.join(ROLES)}, "
+                             "e.g. rollout=2 learner=1")
+        out[role] = int(n)
+    return out
+
+
+def cmd_scale(args) -> int:
+    r = connect(find_redis_url(args.redis))
+    job = pick_job(r, args.job)
+    if args.auto == bool(args.counts):
+        print("libra-ctl scale: give role=N counts to pin, or --auto to hand back to the policy", file=sys.stderr)
+        return 2
+    if args.auto:
+        unpin(r, job)
+        print(f"{job}: allocation is automatic again (the policy decides on the next tick)")
+        return 0
+    try:
+        pin(r, job, parse_counts(args.counts))
+    except ValueError as exc:
+        print(f"libra-ctl scale: {exc}", file=sys.stderr)
+        return 2
+    pinned = get_allocation(r, job)["pinned"]
+    print(f"{job}: pinned " + " ".join(f"{k}={v}" for k, v in sorted(pinned.items())))
+    if args.wait:
+        return _wait_for_counts(r, job, pinned, args.wait)
+    return 0
+
+
+def _wait_for_counts(r: redis.Redis, job: str, want: dict, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        running = allocation_status(r, job)["roles"]
+        if all(running.get(k, 0) == v for k, v in want.items()):
+            print(f"{job}: running " + " ".join(f"{k}={v}" for k, v in sorted(running.items())))
+            return 0
+        time.sleep(0.2)
+    print(f"{job}: not all counts running after {timeout_s:g}s: {allocation_status(r, job)['roles']}",
+          file=sys.stderr)
+    return 1
+
+
+def cmd_drain(args) -> int:
+    r = connect(find_redis_url(args.redis))
+    job = pick_job(r, args.job)
+    rec = read_placement(r, job).get(args.worker)
+    if rec is None:
+        print(f"libra-ctl drain: {job} has no worker {args.worker!r} in its placement", file=sys.stderr)
+        return 2
+    if r.exists(CONTROLLER_LEASE):
+        r.sadd(JobKeys(job).drain_requests, args.worker)
+        r.lpush(CONTROLLER_WAKE, f"drain:{job}")
+        print(f"{job}: {args.worker} will be drained by the controller (a replacement takes another slot if the "
+              "allocation still needs it)")
+    else:
+        actions.drain(r, rec["node"], job, args.worker)
+        print(f"{job}: no controller acts; asked the agent on {rec['node']} to drain {args.worker}")
+    return 0
+
+
+def cmd_events(args) -> int:
+    r = connect(find_redis_url(args.redis))
+    job = pick_job(r, args.job) if args.job or r.scard(JOBS) else None
+    if job is None:
+        print("no jobs on this Redis")
+        return 0
+    events = read_events(r, job, args.last)
+    if args.json:
+        print(json.dumps(events, indent=2))
+        return 0
+    for e in events:
+        when = time.strftime("%H:%M:%S", time.localtime(e["at"]))
+        acts = ", ".join(f"{a['action']} {a['worker']}@{a['node']}" for a in e.get("actions", []))
+        what = e.get("summary") or f"{e.get('reason', e['kind'])}: {e.get('to', '')}"
+        print(f"{when}  {e['kind']:<8} {what}" + (f"  [{acts}]" if acts else ""))
+    return 0
+
+
+def add_commands(sub) -> None:
+    s = sub.add_parser("scale", help="pin worker counts (role=N ...) or hand back to the policy (--auto)")
+    s.add_argument("counts", nargs="*", metavar="ROLE=N")
+    s.add_argument("--auto", action="store_true", help="return control to the policy")
+    s.add_argument("--job")
+    s.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for the counts")
+    s.add_argument("--redis")
+    s.set_defaults(func=cmd_scale)
+
+    d = sub.add_parser("drain", help="drain one worker: it finishes the batch in hand and exits")
+    d.add_argument("worker")
+    d.add_argument("--job")
+    d.add_argument("--redis")
+    d.set_defaults(func=cmd_drain)
+
+    e = sub.add_parser("events", help="the controller's decisions: inputs, expected gain, actions")
+    e.add_argument("--job")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("-n", "--last", type=int, default=50)
+    e.add_argument("--redis")
+    e.set_defaults(func=cmd_events)

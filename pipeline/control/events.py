@@ -1,0 +1,45 @@
+"""The controller's decision events: ``control_events`` in Redis and ``runs/<id>/events.jsonl``.
+
+Written by the reconcile loop (``pipeline.control.loop``); read by
+``libra-ctl events``, the live benchmark and the report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import redis
+
+from pipeline.control.job import JobInfo
+from pipeline.dataplane.keys import JobKeys
+
+EVENTS_MAXLEN = 10_000
+
+def record_event(r: redis.Redis, job: JobInfo | str, event: dict) -> None:
+    """Append a decision event to the job's stream and, where this host sees it, ``runs/<id>/events.jsonl``."""
+    name = job.name if isinstance(job, JobInfo) else job
+    event = {"at": time.time(), "job": name, **event}
+    line = json.dumps(event, default=_json_default)
+    r.xadd(JobKeys(name).control_events, {"data": line}, maxlen=EVENTS_MAXLEN, approximate=True)
+    if isinstance(job, JobInfo) and job.run_dir:
+        try:
+            with open(Path(job.run_dir) / "events.jsonl", "a") as f:
+                f.write(line + "\n")
+        except OSError:
+            pass   # the run directory lives on another machine
+
+
+def _json_default(o):
+    if isinstance(o, float) and math.isinf(o):
+        return None
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def read_events(r: redis.Redis, job: str, last: int = 50) -> list[dict]:
+    entries = r.xrevrange(JobKeys(job).control_events, count=last)
+    return [json.loads(f[b"data"]) for _id, f in reversed(entries)]
+
+

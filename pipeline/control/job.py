@@ -1,0 +1,82 @@
+"""What the controller knows of a job: its Redis state, its manifest and its ``[control]`` settings.
+
+``load_job`` reads a running job's run directory and config; ``JobInfo.spec``
+turns them into the allocator's ``JobSpec``. The settings themselves are
+``pipeline.config.ControlConfig``, the one definition; ``control_settings``
+parses them from a manifest, and ``plan_config`` / ``role_bounds`` map them
+onto the allocator's knobs. Called by the reconcile loop and the live bench.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from pipeline import config as config_mod
+from pipeline.config import ControlConfig
+from pipeline.control import allocator
+from pipeline.dataplane.keys import JobKeys
+from pipeline.dataplane.worker import ROLES
+
+
+def control_settings(raw: dict | None) -> ControlConfig:
+    """A ``[control]`` table (from a config or a manifest) over the defaults; ValueError names a bad key."""
+    cfg = config_mod.from_dict(raw or {}, ControlConfig, "control.")
+    config_mod.validate_control(cfg)
+    return cfg
+
+
+def plan_config(ctl: ControlConfig) -> allocator.PlanConfig:
+    return allocator.PlanConfig(horizon_s=ctl.horizon_s, cooldown_s=ctl.cooldown_s)
+
+
+def role_bounds(ctl: ControlConfig, backend: str) -> dict[str, allocator.RoleBounds]:
+    """Fewest and most slots per role for a job on ``backend`` (vllm | sim)."""
+    out = {r: allocator.RoleBounds(getattr(ctl, f"min_{r}"), getattr(ctl, f"max_{r}")) for r in ROLES}
+    if backend != "sim":
+        out["learner"] = allocator.RoleBounds(1, 1)   # workers.learner runs one process (world size 1)
+    if not ctl.reward_on_slots:
+        out["reward"] = allocator.RoleBounds(0, 0)
+    return out
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What the controller knows of a job from its Redis state and manifest."""
+
+    name: str
+    run_dir: str
+    backend: str                 # vllm | sim
+    batch_size: int
+    group_size: int
+    max_staleness: int
+    initial: dict                # role -> count from the config
+    control: ControlConfig
+
+    def spec(self) -> allocator.JobSpec:
+        return allocator.JobSpec(name=self.name, batch_size=self.batch_size, max_staleness=self.max_staleness,
+                                 reward_on_gpu=self.control.reward_on_slots,
+                                 learner_scaling_exponent=self.control.learner_scaling_exponent,
+                                 bounds=role_bounds(self.control, self.backend))
+
+
+def load_job(r: redis.Redis, job: str) -> JobInfo | None:
+    """The job's run directory and config (from its manifest); None while it has no run directory."""
+    raw = r.hget(JobKeys(job).state, "run_dir")
+    if not raw:
+        return None
+    run_dir = raw.decode()
+    try:
+        manifest = json.loads((Path(run_dir) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = manifest["config"]
+    backend = "sim" if manifest.get("sim") else cfg.get("rollout", {}).get("backend", "vllm")
+    return JobInfo(name=job, run_dir=run_dir, backend=backend, batch_size=cfg["learner"]["batch_size"],
+                   group_size=cfg["rollout"]["group_size"], max_staleness=cfg["learner"]["max_staleness"],
+                   initial={"rollout": cfg["rollout"]["workers"], "reward": cfg["reward"]["workers"],
+                            "learner": cfg["learner"]["workers"]},
+                   control=control_settings(manifest.get("control") or cfg.get("control")))

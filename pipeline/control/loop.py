@@ -1,0 +1,268 @@
+"""The controller's reconcile loop: moves slots to the bottleneck, one job at a time.
+
+One controller acts at a time: it holds ``CONTROLLER_LEASE`` (SET NX PX,
+renewed with a token check; each lease taken increments ``CONTROLLER_EPOCH``,
+which fences the actions of a controller that lost it). Every
+``interval_s``, or as soon as ``libra-ctl scale`` / ``drain`` pushes to
+``CONTROLLER_WAKE``, it reconciles each running job:
+
+1. observe: a snapshot of the job's counters, queues, the workers' reported
+   costs (``CostMeter``) and the learner's step records, kept over a window
+   (``control.observer``), mapped onto ``allocator.Metrics``;
+2. decide: the pinned counts (``libra-ctl scale``), or ``allocator.plan()`` on
+   those metrics, the live slots of the agents (``Inventory``) and the job's
+   config (``JobSpec``);
+3. place: which worker on which node and slot (``control.placement``, pure): keep what
+   runs, shrink before growing, reuse the freed slots (an agent starts the
+   new worker only once the old one has exited);
+4. act: the difference between that placement and the agents' desired state
+   goes out as control jobs (``control.actions``); an action that did
+   not take is sent again after ``RESEND_S``, so a lost one is repaired;
+5. record: an event with the inputs, the decision, its expected gain and the
+   actions, in ``control_events`` (``libra-ctl events``) and
+   ``runs/<id>/events.jsonl``.
+
+Run by ``libra-ctl controller`` (``pipeline.cli``), in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+import structlog
+
+from pipeline.control import actions, allocator
+from pipeline.control.actions import STATE_RUN, worker_key
+from pipeline.control.allocation import (counts_of, get_allocation, live_agents, read_placement,
+                                         take_drain_requests)
+from pipeline.control.allocator import Allocation
+from pipeline.control.events import record_event
+from pipeline.control.job import JobInfo, load_job, plan_config, role_bounds
+from pipeline.control.lease import Lease
+from pipeline.control.observer import Observer
+from pipeline.control.placement import fit, place
+from pipeline.dataplane.keys import (CONTROLLER_EPOCH, CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, LEARNER, JobKeys,
+                                     agent_desired)
+from pipeline.dataplane.worker import ROLES
+
+RESEND_S = 15.0          # an action not reflected in the agent's desired state after this is sent again
+
+
+@dataclass
+class JobControl:
+    """The controller's memory of one job between ticks."""
+
+    info: JobInfo
+    observer: Observer
+    sent: dict = field(default_factory=dict)     # (node, key, action digest) -> when it was sent
+    last_reason: str = ""
+    finished: bool = False
+
+
+class Controller:
+    """The reconcile loop; ``tick()`` is one pass over the jobs (when the lease is held)."""
+
+    def __init__(self, r: redis.Redis, interval_s: float = 10.0, log=None):
+        self.r, self.interval_s = r, interval_s
+        self.log = log or structlog.get_logger("controller")
+        self.lease = Lease(r, CONTROLLER_LEASE, ttl_s=max(3 * interval_s, 5.0), epoch_key=CONTROLLER_EPOCH)
+        self.jobs: dict[str, JobControl] = {}
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    self.tick()
+                    self.wait()
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    # Redis away or stalled: nothing is decided; the lease may lapse to another controller
+                    self.log.warning("redis_unavailable", error=str(exc))
+                    self.stop_event.wait(1.0)
+        finally:
+            try:
+                self.lease.release()
+            except (redis.ConnectionError, redis.TimeoutError):
+                pass   # it expires
+
+    def wait(self) -> None:
+        """Sleep one interval, or less if ``scale``/``drain`` pushed a wake-up."""
+        deadline = time.monotonic() + self.interval_s
+        while not self.stop_event.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self.r.blpop([CONTROLLER_WAKE], timeout=min(left, 1.0)):
+                self.r.delete(CONTROLLER_WAKE)
+                return
+
+    def tick(self) -> bool:
+        """Reconcile every job if we hold (or can take) the lease; returns whether we acted."""
+        if not (self.lease.renew() or self.lease.acquire()):
+            if self.jobs:
+                self.log.warning("lease_lost")
+                self.jobs.clear()   # another controller acts; start afresh if we get it back
+            return False
+        nodes = live_agents(self.r)
+        names = sorted(n.decode() for n in self.r.smembers(JOBS))
+        placements = {j: read_placement(self.r, j) for j in names}
+        for name in names:
+            try:
+                self.reconcile(name, nodes, placements)
+            except (redis.ResponseError, ValueError, KeyError) as exc:
+                self.log.error("reconcile_failed", job=name, error=str(exc))
+        return True
+
+    def reconcile(self, name: str, nodes: dict[str, dict], placements: dict[str, dict]) -> None:
+        phase = (self.r.hget(JobKeys(name).state, "phase") or b"").decode()
+        jc = self.jobs.get(name)
+        if jc is None or jc.info.run_dir != (self.r.hget(JobKeys(name).state, "run_dir") or b"").decode():
+            info = load_job(self.r, name)
+            if info is None:
+                return
+            jc = self.jobs[name] = JobControl(info, Observer(info))
+        if phase not in ("running", "trained"):
+            if not jc.finished:
+                self.finish(jc, nodes)
+            return
+        jc.finished = False
+        now = time.time()
+        slot_map = {n: [s["index"] for s in rec["slots"]] for n, rec in nodes.items()}
+        taken = {(rec["node"], s) for j, p in placements.items() if j != name for rec in p.values()
+                 for s in rec["slots"]}
+        free = sum(1 for n, ss in slot_map.items() for s in ss if (n, s) not in taken)
+        alloc = self.ensure_allocation(jc, free)
+        cur = placements.get(name, {})
+        drained = take_drain_requests(self.r, name)
+        # a drained worker leaves its slot empty for this tick, so a replacement goes elsewhere if it can
+        taken |= {(cur[w]["node"], s) for w in drained if w in cur for s in cur[w]["slots"]}
+        cur = {w: rec for w, rec in cur.items() if w not in drained}
+        jc.observer.tick(self.r, now)
+        target, event = self.decide(jc, alloc, cur, free, now)
+        new = place(target, cur, slot_map, taken, jc.info.control.reward_on_slots)
+        orders = self.act(jc, new, nodes)
+        placements[name] = new
+        self.commit(jc, alloc, cur, new, target, now)
+        if event is not None or orders or drained:
+            record_event(self.r, jc.info, {**(event or {"kind": "drain" if drained else "repair"}),
+                                           "epoch": self.lease.epoch, "actions": orders, "drained": drained})
+
+    def ensure_allocation(self, jc: JobControl, slots: int) -> dict:
+        """The job's allocation record, created from its config on first sight.
+
+        In auto mode, slots the config's counts leave empty start as rollout:
+        the policy can only rebalance what it measures, and an empty slot measures nothing.
+        """
+        alloc = get_allocation(self.r, jc.info.name)
+        if alloc["mode"] is None:
+            initial = dict(jc.info.initial)
+            if jc.info.control.mode == "auto":
+                used = sum(counts_of(initial, jc.info.control.reward_on_slots).values())
+                initial["rollout"] += max(0, slots - used)
+            self.r.hset(JobKeys(jc.info.name).allocation, mapping={
+                "mode": jc.info.control.mode, "target": json.dumps(initial), "changed_at": time.time(),
+                **({"pinned": json.dumps(initial)} if jc.info.control.mode == "pinned" else {})})
+            alloc = get_allocation(self.r, jc.info.name)
+        return alloc
+
+    def decide(self, jc: JobControl, alloc: dict, cur: dict, slots: int, now: float) -> tuple[dict, dict | None]:
+        """The target counts, and the event to record (None when nothing new was decided)."""
+        info, ctl = jc.info, jc.info.control
+        bounds = role_bounds(ctl, info.backend)
+        base = {**info.initial, **alloc["target"]}
+        if alloc["mode"] == "pinned":
+            target = fit({**base, **alloc["pinned"]}, slots, bounds, ctl.reward_on_slots)
+            reason = "pinned"
+            event = {"kind": "pinned", "mode": "pinned", "reason": reason, "from": alloc["target"], "to": target}
+        else:
+            now_alloc = Allocation(**counts_of(base, ctl.reward_on_slots))
+            since = now - alloc["changed_at"]
+            before = Allocation(**alloc["changed_from"]) if alloc["changed_from"] else None
+            learner = cur.get(LEARNER)
+            m = jc.observer.metrics(now_alloc, since, before,
+                                    learner_slots=len(learner["slots"]) if learner else max(base["learner"], 1))
+            d = allocator.plan(m, allocator.Inventory(gpus=slots, switch_cost_s=ctl.switch_cost_s), [info.spec()],
+                            plan_config(ctl))
+            target = fit({**base, **{r: d.allocation.get(r) for r in ROLES if r != "reward" or ctl.reward_on_slots}},
+                         slots, bounds, ctl.reward_on_slots)
+            reason = d.reason
+            event = {"kind": "decision", "mode": "auto", **d.event(m), "from": base, "to": target,
+                     "summary": allocator.explain(d)}
+        changed = target != alloc["target"]
+        if not changed and reason == jc.last_reason:
+            return target, None
+        jc.last_reason = reason
+        return target, event
+
+    def act(self, jc: JobControl, new: dict[str, dict], nodes: dict[str, dict]) -> list[dict]:
+        """Send the control jobs that bring the agents' desired state to ``new``."""
+        info, orders, now = jc.info, [], time.monotonic()
+        desired = {n: {k.decode(): json.loads(v) for k, v in self.r.hgetall(agent_desired(n)).items()}
+                   for n in nodes}
+        for worker, rec in sorted(new.items()):
+            spec = {"job": info.name, "worker": worker, "role": rec["role"], "slots": rec["slots"],
+                    "run_dir": info.run_dir, "backend": info.backend}
+            have = desired.get(rec["node"], {}).get(worker_key(info.name, worker))
+            if have and have["state"] == STATE_RUN and all(have.get(f) == spec[f] for f in spec):
+                continue
+            if self._send(jc, rec["node"], "ensure", spec, now):
+                orders.append({"action": "ensure", "node": rec["node"], "worker": worker, "role": rec["role"],
+                                "slots": rec["slots"]})
+        for node, recs in desired.items():
+            for key, d in sorted(recs.items()):
+                if d["job"] != info.name or d["state"] != STATE_RUN or d["role"] not in ROLES:
+                    continue
+                if new.get(d["worker"], {}).get("node") == node:
+                    continue
+                if self._send(jc, node, "drain", d["worker"], now):
+                    orders.append({"action": "drain", "node": node, "worker": d["worker"], "role": d["role"]})
+        return orders
+
+    def _send(self, jc: JobControl, node: str, action: str, what, now: float) -> bool:
+        """Enqueue one action unless the same was sent less than RESEND_S ago."""
+        digest = (node, action, json.dumps(what, sort_keys=True))
+        if now - jc.sent.get(digest, -math.inf) < RESEND_S:
+            return False
+        if not self.lease.renew():
+            raise ValueError("lost the controller lease while acting")
+        if action == "ensure":
+            actions.ensure(self.r, node, what, epoch=self.lease.epoch)
+        else:
+            actions.drain(self.r, node, jc.info.name, what, epoch=self.lease.epoch)
+        jc.sent[digest] = now
+        return True
+
+    def commit(self, jc: JobControl, alloc: dict, cur: dict, new: dict, target: dict, now: float) -> None:
+        """Write the placement and, if the target moved, when and from what (the policy's cooldown)."""
+        k = JobKeys(jc.info.name)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(k.placement)
+        if new:
+            pipe.hset(k.placement, mapping={w: json.dumps(rec) for w, rec in new.items()})
+        if target != alloc["target"]:
+            pipe.hset(k.allocation, mapping={"target": json.dumps(target), "changed_at": now,
+                                             "changed_from": json.dumps(_slot_counts(alloc["target"], jc))})
+        pipe.execute()
+
+    def finish(self, jc: JobControl, nodes: dict[str, dict]) -> None:
+        """A job that is done: drain every worker of it on every agent, feeder included."""
+        sent = []
+        for node in nodes:
+            for key, raw in self.r.hgetall(agent_desired(node)).items():
+                d = json.loads(raw)
+                if d["job"] == jc.info.name and d["state"] == STATE_RUN:
+                    actions.drain(self.r, node, jc.info.name, d["worker"], epoch=self.lease.epoch)
+                    sent.append({"action": "drain", "node": node, "worker": d["worker"], "role": d["role"]})
+        self.r.delete(JobKeys(jc.info.name).placement)
+        if sent:   # a restarted controller finds finished jobs with nothing left to drain: no event
+            record_event(self.r, jc.info, {"kind": "job_done", "epoch": self.lease.epoch, "actions": sent})
+        jc.finished = True
+
+
+def _slot_counts(target: dict, jc: JobControl) -> dict:
+    return counts_of({**jc.info.initial, **target}, jc.info.control.reward_on_slots)

@@ -1,0 +1,149 @@
+"""The controller's view of a running job: snapshots over a window, mapped onto ``allocator.Metrics``.
+
+``Observer.tick`` reads the job's counters, queues, the workers' reported
+costs (``dataplane.worker.CostMeter``) and the learner's step records;
+``Observer.metrics`` turns the window into what ``allocator.plan`` takes.
+Called by the reconcile loop (``pipeline.control.loop``) in the controller process.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass
+
+import redis
+
+from pipeline.control import allocator
+from pipeline.control.allocation import AGENT_DEAD_S
+from pipeline.control.allocator import Allocation, learner_speed, median_of_counts, ratio
+from pipeline.control.job import JobInfo
+from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_ROLLOUT, LEARNER, JobKeys
+from pipeline.dataplane.streams import group_pending, stream_lag
+
+MIN_STEPS = 2            # learner steps the metrics window holds at least (it stretches for them) ...
+MAX_WINDOW_FACTOR = 10   # ... up to this many control.window_s
+
+@dataclass
+class Snapshot:
+    """What the controller reads of a job at one tick."""
+
+    t: float
+    counters: dict
+    costs: dict                 # worker -> CostMeter record
+    steps: list                 # learner step records that appeared since the previous tick
+    backlog: int                # scored trajectories not yet delivered to the learner
+    inflight: int               # prompts' trajectories being generated (pending at rollout)
+    queue: int                  # prompts' trajectories not yet delivered to rollout
+    learner_waiting: bool
+
+
+class Observer:
+    """A job's snapshots over the metrics window, and their mapping onto ``allocator.Metrics``."""
+
+    def __init__(self, job: JobInfo):
+        self.job = job
+        self.keys = JobKeys(job.name)
+        self.ticks: deque[Snapshot] = deque()
+        self.steps_cursor = "0-0"
+
+    def tick(self, r: redis.Redis, now: float) -> Snapshot:
+        k, gs = self.keys, self.job.group_size
+        steps = []
+        for entry_id, f in r.xrange(k.metrics, min=f"({self.steps_cursor}", count=10_000):
+            self.steps_cursor = entry_id.decode()
+            if f.get(b"kind") == b"learner_step":
+                steps.append(json.loads(f[b"data"]))
+        learner = r.hget(k.workers, LEARNER)
+        snap = Snapshot(
+            t=now, counters={a.decode(): int(b) for a, b in r.hgetall(k.counters).items()},
+            costs={a.decode(): json.loads(b) for a, b in r.hgetall(k.worker_costs).items()}, steps=steps,
+            backlog=stream_lag(r, k.scored, GROUP_LEARNER) * gs,
+            inflight=group_pending(r, k.prompts, GROUP_ROLLOUT) * gs,
+            queue=stream_lag(r, k.prompts, GROUP_ROLLOUT) * gs,
+            learner_waiting=bool(learner) and json.loads(learner).get("state") == "waiting")
+        self.ticks.append(snap)
+        while len(self.ticks) > 2 and self._droppable(now):
+            self.ticks.popleft()
+        return snap
+
+    def _droppable(self, now: float) -> bool:
+        """Whether the oldest tick can go: the rest still spans the window and holds MIN_STEPS learner steps.
+
+        A window shorter than a learner step would never see the learner's
+        speed, so it stretches (up to MAX_WINDOW_FACTOR windows) until it does.
+        """
+        span = now - self.ticks[1].t
+        if span < self.job.control.window_s:
+            return False
+        if span >= MAX_WINDOW_FACTOR * self.job.control.window_s:
+            return True
+        return sum(len(t.steps) for t in list(self.ticks)[2:]) >= MIN_STEPS
+
+    def metrics(self, alloc: Allocation, since_change_s: float, changed_from: Allocation | None,
+                learner_slots: int) -> allocator.Metrics:
+        first, last = self.ticks[0], self.ticks[-1]
+        span = max(last.t - first.t, 1e-9)
+        ro = self._role_costs("rollout", first, last)
+        rw = self._role_costs("reward", first, last)
+        steps = [s for snap in list(self.ticks)[1:] for s in snap.steps]
+        by_tokens = bool(steps) and ro["tokens"] > 0 and all("tokens" in s for s in steps)
+        unit = (lambda s: s["tokens"]) if by_tokens else (lambda s: s["trajectories"])
+        delta = {c: last.counters.get(c, 0) - first.counters.get(c, 0) for c in ("trained", "dropped_stale",
+                                                                                  "generated", "scored")}
+        if ro["items"] == 0 and delta["generated"]:      # workers that do not report costs: all time is busy
+            ro.update(busy=alloc.rollout * span, elapsed=alloc.rollout * span, items=delta["generated"])
+        if rw["items"] == 0 and delta["scored"]:
+            rw.update(busy=max(rw["lanes"], 1) * span, items=delta["scored"])
+        return allocator.Metrics(
+            window_s=span, allocation=alloc, since_change_s=since_change_s, changed_from=changed_from,
+            rollout_gpu_s_per_traj=ratio(ro["busy"], ro["items"]),
+            rollout_pause_frac=ratio(ro["pause"], ro["elapsed"]),
+            rollout_inflight=last.inflight, rollout_queue=last.queue,
+            rollout_idle_frac=max(0.0, 1 - ratio(ro["busy"] + ro["pause"], ro["elapsed"])) if ro["elapsed"] else 0.0,
+            reward_s_per_traj=ratio(rw["busy"], rw["items"]), reward_cpu_workers=max(rw["lanes"], 1),
+            traj_tokens=ratio(ro["tokens"], ro["items"]) if by_tokens else 1.0,
+            learner_tokens_per_s=learner_speed(((unit(s), s["train_s"], s.get("gpus", learner_slots)) for s in steps),
+                                               learner_slots, self.job.control.learner_scaling_exponent),
+            learner_gpus_measured=learner_slots if steps else 0,
+            learner_publish_s=sum(s.get("publish_s", 0.0) for s in steps) / len(steps) if steps else 0.0,
+            learner_wait_frac=self._wait_frac(steps, first, last, span),
+            backlog=last.backlog, backlog_trend_per_s=(last.backlog - first.backlog) / span,
+            trained=delta["trained"], staleness_p50=staleness_median(steps), dropped_stale=delta["dropped_stale"])
+
+    @staticmethod
+    def _role_costs(role: str, first: Snapshot, last: Snapshot) -> dict:
+        """Summed busy/pause/time alive/items/tokens of a role's workers over the window."""
+        out = {"busy": 0.0, "pause": 0.0, "elapsed": 0.0, "items": 0, "tokens": 0.0, "lanes": 0}
+        for w, now in last.costs.items():
+            if now["role"] != role:
+                continue
+            before = first.costs.get(w)
+            if before is None or before["since"] != now["since"]:   # started within the window
+                before = {"busy_s": 0.0, "pause_s": 0.0, "items": 0, "tokens": 0.0, "since": now["since"]}
+            out["busy"] += now["busy_s"] - before["busy_s"]
+            out["pause"] += now["pause_s"] - before["pause_s"]
+            out["items"] += now["items"] - before["items"]
+            out["tokens"] += now["tokens"] - before["tokens"]
+            # time alive in the window, up to its last report (a worker that stopped before it has none)
+            out["elapsed"] += max(0.0, now["at"] - max(now["since"], first.t))
+            if last.t - now["at"] < AGENT_DEAD_S:          # still reporting: its scorers count
+                out["lanes"] += now.get("lanes", 1)
+        return out
+
+    def _wait_frac(self, steps: list, first: Snapshot, last: Snapshot, span: float) -> float:
+        """Share of the window the learner waited for data, a wait still going on included."""
+        wait = sum(min(s.get("wait_s", 0.0), max(0.0, s.get("at", last.t) - first.t)) for s in steps)
+        if last.learner_waiting:
+            ended = max([s.get("at", 0.0) for s in steps] + [first.t])
+            wait += max(0.0, last.t - ended)
+        return min(1.0, wait / span)
+
+
+def staleness_median(steps: list) -> float:
+    """Median staleness of the trajectories the learner's step records count."""
+    hist: dict[int, int] = {}
+    for s in steps:
+        for v, c in (s.get("staleness_hist") or {}).items():
+            hist[int(v)] = hist.get(int(v), 0) + int(c)
+    return median_of_counts(hist)

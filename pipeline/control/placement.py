@@ -1,0 +1,118 @@
+"""Placement, pure: which worker runs on which node and slot for a job's target counts.
+
+Called by the reconcile loop (``pipeline.control.loop``) after the allocator
+has chosen counts; no Redis, no processes, unit-tested on plain dicts.
+"""
+
+from __future__ import annotations
+
+from pipeline.control.allocator import Allocation, RoleBounds
+from pipeline.dataplane.keys import LEARNER
+from pipeline.dataplane.worker import ROLES
+
+def place(target: dict[str, int], current: dict[str, dict], nodes: dict[str, list[int]],
+          taken: set[tuple[str, int]] = frozenset(), reward_on_slots: bool = False) -> dict[str, dict]:
+    """Which worker runs on which node and slots: worker id -> {role, node, slots}.
+
+    Keeps the workers that can stay, shrinks before it grows (so freed slots
+    serve the growing roles), never puts two workers on one slot, and keeps
+    the learner's slots on one node. ``taken``: slots of other jobs. A role
+    that cannot get all its slots gets what is free.
+    """
+    slot_roles = ["rollout"] + (["reward"] if reward_on_slots else [])
+    cur = {w: rec for w, rec in current.items() if rec["node"] in nodes}
+    learner = cur.get(LEARNER)
+    want_l = target.get("learner", 0)
+    grow_on = learner["node"] if learner and want_l > len(learner["slots"]) else None
+    out: dict[str, dict] = {}
+    for role in slot_roles:   # shrink first: keep the lowest slots, freeing on the learner's node first
+        mine = sorted((w for w, rec in cur.items() if rec["role"] == role),
+                      key=lambda w: (cur[w]["node"] != grow_on, cur[w]["node"], cur[w]["slots"]))
+        keep = mine[len(mine) - min(len(mine), target.get(role, 0)):]
+        out.update({w: cur[w] for w in keep})
+    if learner and want_l:
+        out[LEARNER] = {**learner, "slots": sorted(learner["slots"])[:want_l]}
+    used = taken | {(rec["node"], s) for rec in out.values() for s in rec["slots"]}
+    free = {n: [s for s in sorted(slots) if (n, s) not in used] for n, slots in nodes.items()}
+    if want_l:
+        out[LEARNER] = _grow_learner(out.get(LEARNER), want_l, free)
+        if out[LEARNER] is None:
+            del out[LEARNER]
+        else:
+            for s in out[LEARNER]["slots"]:
+                if s in free[out[LEARNER]["node"]]:
+                    free[out[LEARNER]["node"]].remove(s)
+    for role in slot_roles:
+        have = sum(1 for rec in out.values() if rec["role"] == role)
+        for node, slot in _take(free, target.get(role, 0) - have):
+            out[f"{role}-{node}-{slot}"] = {"role": role, "node": node, "slots": [slot]}
+    if not reward_on_slots:
+        out.update(_cpu_workers("reward", target.get("reward", 0), cur, sorted(nodes)))
+    return out
+
+
+def _grow_learner(cur: dict | None, want: int, free: dict[str, list[int]]) -> dict | None:
+    """The learner with ``want`` slots on one node: grown in place if its node has room, else moved."""
+    if cur is not None and len(cur["slots"]) >= want:
+        return cur
+    if cur is not None and len(cur["slots"]) + len(free[cur["node"]]) >= want:
+        extra = free[cur["node"]][:want - len(cur["slots"])]
+        return {**cur, "slots": sorted(cur["slots"] + extra)}
+    # move to the node with the most room (its own slots count there too)
+    room = {n: len(f) + (len(cur["slots"]) if cur and cur["node"] == n else 0) for n, f in free.items()}
+    if not room:
+        return cur
+    node = max(sorted(room), key=room.get)
+    own = cur["slots"] if cur and cur["node"] == node else []
+    slots = sorted(own + free[node])[:want]
+    if cur is not None and len(slots) <= len(cur["slots"]):
+        return cur        # nowhere better: keep what it has
+    return {"role": "learner", "node": node, "slots": slots} if slots else None
+
+
+def _take(free: dict[str, list[int]], n: int) -> list[tuple[str, int]]:
+    """``n`` free slots, spread over nodes in turn (each node's lowest first)."""
+    out = []
+    while n > 0 and any(free.values()):
+        for node in sorted(free):
+            if n > 0 and free[node]:
+                out.append((node, free[node].pop(0)))
+                n -= 1
+    return out
+
+
+def _cpu_workers(role: str, n: int, cur: dict[str, dict], nodes: list[str]) -> dict[str, dict]:
+    """Workers without slots (reward on CPU): keep existing ones, add round-robin over nodes."""
+    mine = sorted(w for w, rec in cur.items() if rec["role"] == role and not rec["slots"])
+    out = {w: cur[w] for w in mine[:n]}
+    i = 0
+    while len(out) < n and nodes:
+        node = nodes[i % len(nodes)]
+        w = f"{role}-{node}-c{i}"
+        if w not in out:
+            out[w] = {"role": role, "node": node, "slots": []}
+        i += 1
+    return out
+
+
+def counts(placement: dict[str, dict], reward_on_slots: bool) -> Allocation:
+    """The allocation (slots per role) a placement makes."""
+    n = {r: 0 for r in ROLES}
+    for rec in placement.values():
+        n[rec["role"]] += len(rec["slots"]) if rec["role"] != "reward" or reward_on_slots else 0
+    return Allocation(**n)
+
+
+def fit(target: dict[str, int], slots: int, bounds: dict[str, RoleBounds],
+        reward_on_slots: bool) -> dict[str, int]:
+    """Trim a target that needs more slots than there are: the role most above its minimum gives first."""
+    out = dict(target)
+    slot_roles = [r for r in ROLES if r != "reward" or reward_on_slots]
+    while sum(out[r] for r in slot_roles) > slots:
+        role = max(slot_roles, key=lambda r: (out[r] - bounds[r].min, out[r]))
+        if out[role] <= max(bounds[role].min, 1):
+            break
+        out[role] -= 1
+    return out
+
+

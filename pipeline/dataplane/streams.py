@@ -1,0 +1,528 @@
+"""Stream adapters: the read -> process -> write -> ack loop, written once.
+
+A stage is a function from decoded input messages to output messages (or
+``Reject``s); ``run_stage`` wraps it between two Redis streams. Output and the
+acknowledgement of its input go in one MULTI/EXEC transaction, so a crash
+leaves either both or neither. Messages that fail to decode, and inputs the
+stage rejects, go to the job's dead-letter stream with the reason. Called by
+the rollout and reward worker processes; the learner uses ``read`` and
+``dead_letter`` but defers its acks to its checkpoints.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import redis
+
+from pipeline.dataplane import messages
+from pipeline.dataplane.keys import JobKeys
+
+Entry = tuple[bytes, bytes]  # (stream id, payload)
+TRIM_EVERY = 20  # rounds of a stage between trims of its source stream
+
+
+@dataclass(frozen=True)
+class Reject:
+    """A stage's verdict that an input cannot be processed; it is dead-lettered with ``reason``."""
+
+    reason: str
+
+
+# glibc's mallopt parameters, and the values run_stage sets (see tune_allocator).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD = 32 << 20  # glibc's ceiling: a read of 16 groups (~2.4 MB) and an 8 MB message stay below
+_TRIM_THRESHOLD = 128 << 20
+_allocator_tuned = False
+
+
+def tune_allocator() -> bool:
+    """Keep freed payload-sized buffers in the process instead of handing them back to the OS.
+
+    A stage allocates and frees buffers of 100 KB to a few MB per message
+    (socket reads, msgpack bytes, encoded outputs). glibc serves those with
+    mmap, or trims them off the heap on free, so the next message faults
+    every page in again: a third of a stage's CPU at 16 KB trajectories.
+    Raising the mmap and trim thresholds keeps them (at most
+    ``_TRIM_THRESHOLD`` of free memory per process). Once per process; a
+    no-op off glibc. Returns whether it applied.
+    """
+    global _allocator_tuned
+    if _allocator_tuned:
+        return True
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    _allocator_tuned = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+    return _allocator_tuned
+
+
+def ensure_groups(r: redis.Redis, keys: JobKeys) -> None:
+    """Create each stage's consumer group (and its stream) if missing; safe to call from every process."""
+    for _stage, stream, group in keys.stages:
+        try:
+            r.xgroup_create(stream, group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+
+def read(r: redis.Redis, stream: str, group: str, consumer: str, count: int, block_ms: int) -> list[Entry]:
+    """New entries for this consumer (at most ``count``), waiting up to ``block_ms``."""
+    reply = r.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+    out = []
+    for _name, entries in reply or ():
+        for entry_id, fields in entries:
+            out.append((entry_id, fields.get(messages.FIELD, b"")))
+    return out
+
+
+def decode_entries(entries: Iterable[Entry], max_bytes: int):
+    """Split entries into ``(id, message)`` and ``(id, payload, reason)`` for the bad ones."""
+    good, bad = [], []
+    for entry_id, payload in entries:
+        try:
+            good.append((entry_id, messages.decode(payload, max_bytes)))
+        except messages.BadMessage as exc:
+            bad.append((entry_id, payload, exc.reason))
+    return good, bad
+
+
+def dead_letter(pipe, keys: JobKeys, source: str, entry_id: bytes, reason: str,
+                payload: bytes = b"", deliveries: int = 1, trajectories: int = 0) -> None:
+    """Queue a dead-letter record on ``pipe`` (a transaction the caller executes)."""
+    pipe.xadd(keys.dead_letters, {
+        "reason": reason, "stream": source, "id": entry_id, "deliveries": deliveries,
+        "trajectories": trajectories, "payload": payload[:65536], "at": time.time(),
+    })
+    pipe.hincrby(keys.counters, "dead_lettered", trajectories)
+    pipe.hincrby(keys.counters, "dead_letter_messages", 1)
+
+
+def redis_full(exc: redis.ResponseError) -> bool:
+    """Whether Redis refused a write because it is at ``maxmemory`` (``noeviction``).
+
+    redis-py 5 and later raise ``OutOfMemoryError`` and strip the ``OOM``
+    error code from the message; older ones raise a ResponseError whose
+    message starts with it.
+    """
+    return isinstance(exc, redis.exceptions.OutOfMemoryError) or str(exc).startswith("OOM")
+
+
+def execute_with_backpressure(build: Callable[[], "redis.client.Pipeline"], log=None,
+                              stop: Callable[[], bool] = lambda: False) -> list:
+    """Run a transaction, waiting while Redis is full (``noeviction`` refuses writes with OOM).
+
+    A full Redis is backpressure, never a crash or a drop: the same
+    transaction is rebuilt and retried until it goes through.
+    """
+    wait = FullRedisWait(log, stop)
+    while True:
+        pipe = build()
+        try:
+            return pipe.execute()
+        except redis.ResponseError as exc:
+            wait.after(exc)
+
+
+class FullRedisWait:
+    """The wait between tries of a write that a full Redis refused: doubling, up to 5 s."""
+
+    def __init__(self, log=None, stop: Callable[[], bool] = lambda: False):
+        self.log, self.stop, self.delay = log, stop, 0.1
+
+    def after(self, exc: redis.ResponseError) -> None:
+        """Sleep before the next try; re-raise anything that is not a full Redis, or when stopping."""
+        if not redis_full(exc) or self.stop():
+            raise exc
+        if self.log:
+            self.log.warning("redis_full_waiting", delay_s=self.delay)
+        time.sleep(self.delay)
+        self.delay = min(self.delay * 2, 5.0)
+
+
+# Counts the entries of KEYS[1] after id ARGV[1] (exclusive), at most ARGV[2], in pages, inside the
+# server: the payloads never cross the wire. Only for Redis 6.2, whose XINFO GROUPS has no lag.
+_COUNT_AFTER = """
+local n, start, cap = 0, '(' .. ARGV[1], tonumber(ARGV[2])
+while n < cap do
+  local page = redis.call('XRANGE', KEYS[1], start, '+', 'COUNT', math.min(100, cap - n))
+  if #page == 0 then break end
+  n = n + #page
+  start = '(' .. page[#page][1]
+end
+return n
+"""
+
+
+def transact(r: redis.Redis, queue: Callable[["redis.client.Pipeline"], None], log=None,
+             stop: Callable[[], bool] = lambda: False) -> list:
+    """Queue writes with ``queue(pipe)`` and run them as one transaction, waiting while Redis is full."""
+    def build():
+        pipe = r.pipeline(transaction=True)
+        queue(pipe)
+        return pipe
+
+    return execute_with_backpressure(build, log, stop)
+
+
+def stream_lag(r: redis.Redis, stream: str, group: str, cap: int = 10_000) -> int:
+    """Entries not yet delivered to ``group`` (at most ``cap``).
+
+    Redis 7 reports it (XINFO GROUPS ``lag``). Redis 6.2 (the embedded
+    server) does not, so there the entries after the group's last-delivered
+    id are counted by a server-side script: a round trip, not the payloads.
+    """
+    last = b"0-0"
+    for info in r.xinfo_groups(stream):
+        if info["name"] in (group, group.encode()):
+            if info.get("lag") is not None:
+                return min(int(info["lag"]), cap)
+            last = info["last-delivered-id"]
+            break
+    last = last.decode() if isinstance(last, bytes) else last
+    return int(r.eval(_COUNT_AFTER, 1, stream, last, cap))
+
+
+def _id_key(entry_id) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def trim_point(r: redis.Redis, stream: str) -> str | None:
+    """The oldest entry any consumer group still needs, or None when there is no group.
+
+    That is the minimum over groups of the oldest pending id and the
+    last-delivered id: everything before it has been delivered to and
+    acknowledged by every group. Never MAXLEN, which drops unacknowledged data.
+    """
+    needed = []
+    for info in r.xinfo_groups(stream):
+        needed.append(info["last-delivered-id"])
+        if int(info["pending"]):
+            # a separate call: the group may have acknowledged everything since XINFO (then min is None)
+            oldest_pending = r.xpending(stream, info["name"])["min"]
+            if oldest_pending is not None:
+                needed.append(oldest_pending)
+    if not needed:
+        return None
+    oldest = min(needed, key=_id_key)
+    return oldest.decode() if isinstance(oldest, bytes) else oldest
+
+
+def trim(r: redis.Redis, stream: str) -> int:
+    """Drop the entries no group needs any more (XTRIM MINID); returns how many went."""
+    point = trim_point(r, stream)
+    if point is None or point == "0-0":
+        return 0
+    return int(r.xtrim(stream, minid=point, approximate=False))
+
+
+def take_over_pending(r: redis.Redis, stream: str, group: str, consumer: str) -> int:
+    """XCLAIM every entry pending at another consumer of ``group`` for ``consumer``.
+
+    Used by a learner whose group has one rank (world size 1): whatever older
+    ranks held unacknowledged is replayed by it before it reads new entries.
+    """
+    taken = 0
+    for info in r.xinfo_consumers(stream, group):
+        name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
+        if name == consumer or not int(info["pending"]):
+            continue
+        for item in r.xpending_range(stream, group, min="-", max="+", count=int(info["pending"]),
+                                     consumername=name):
+            r.xclaim(stream, group, consumer, 0, [item["message_id"]], justid=True)
+            taken += 1
+    return taken
+
+
+def group_pending(r: redis.Redis, stream: str, group: str) -> int:
+    for info in r.xinfo_groups(stream):
+        if info["name"] in (group, group.encode()):
+            return int(info["pending"])
+    return 0
+
+
+def downstream_backlog(r: redis.Redis, keys: JobKeys) -> int:
+    """Groups generated and not yet taken by the learner: what rollout backpressure counts.
+
+    Entries the learner has read stay pending until its next checkpoint
+    although they are trained already, so only the scored stream's lag
+    counts there; at the reward stage pending entries are real work.
+    """
+    from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD
+
+    return (stream_lag(r, keys.rollouts, GROUP_REWARD) + group_pending(r, keys.rollouts, GROUP_REWARD)
+            + stream_lag(r, keys.scored, GROUP_LEARNER))
+
+
+@dataclass(frozen=True)
+class ClaimPolicy:
+    """How a stage takes over work: reclaim idle entries, dead-letter after too many deliveries."""
+
+    min_idle_ms: int  # longer than the stage's slowest handler (and, for the learner, a checkpoint)
+    max_deliveries: int
+
+
+def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: str, policy: ClaimPolicy,
+            count: int, cursor: str, log=None) -> tuple[list[Entry], str]:
+    """Claim entries idle longer than ``min_idle_ms`` from any consumer of ``group`` (XAUTOCLAIM).
+
+    Entries delivered more than ``max_deliveries`` times are dead-lettered with
+    their delivery count instead of being handed out again. Returns the
+    entries to process and the cursor to continue from.
+    """
+    reply = r.xautoclaim(source, group, consumer, policy.min_idle_ms, start_id=cursor, count=count)
+    next_cursor, claimed = reply[0], reply[1]
+    next_cursor = next_cursor.decode() if isinstance(next_cursor, bytes) else next_cursor
+    if not claimed:
+        return [], next_cursor
+    counts = delivery_counts(r, source, group, [i for i, _f in claimed], consumer)
+    keep, over = [], []
+    for entry_id, fields in claimed:
+        payload = (fields or {}).get(messages.FIELD, b"")
+        n = counts.get(entry_id, 1)
+        (over if n > policy.max_deliveries else keep).append((entry_id, payload, n))
+    if over:
+        def build():
+            pipe = r.pipeline(transaction=True)
+            for entry_id, payload, n in over:
+                dead_letter(pipe, keys, source, entry_id, f"exceeded max_deliveries ({policy.max_deliveries}): "
+                            f"delivered {n} times", payload, deliveries=n, trajectories=_payload_size(payload))
+                pipe.xack(source, group, entry_id)
+            return pipe
+
+        execute_with_backpressure(build, log)
+        if log:
+            log.warning("dead_lettered_redelivered", entries=len(over))
+    if keep and log:
+        log.info("reclaimed", entries=len(keep))
+    return [(i, p) for i, p, _n in keep], next_cursor
+
+
+def delivery_counts(r: redis.Redis, stream: str, group: str, ids: list[bytes],
+                    consumer: str | None = None) -> dict[bytes, int]:
+    """How many times each pending entry has been delivered.
+
+    With ``consumer`` (the one that holds them all, as after XAUTOCLAIM) one
+    XPENDING over the ids' range answers for all of them; entries it misses
+    (the range held more of that consumer's entries than it returned) are
+    asked for one by one.
+    """
+    out: dict[bytes, int] = {}
+    if consumer and len(ids) > 1:
+        lo, hi = min(ids, key=_id_key), max(ids, key=_id_key)
+        wanted = set(ids)
+        for info in r.xpending_range(stream, group, min=lo, max=hi, count=4 * len(ids), consumername=consumer):
+            mid = _as_bytes(info["message_id"])
+            if mid in wanted:
+                out[mid] = int(info["times_delivered"])
+    for entry_id in ids:
+        if entry_id in out:
+            continue
+        for info in r.xpending_range(stream, group, min=entry_id, max=entry_id, count=1):
+            out[_as_bytes(info["message_id"])] = int(info["times_delivered"])
+    return out
+
+
+def _as_bytes(value) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+class ClaimKeeper:
+    """Refresh our claim on entries in hand during a long handler (XCLAIM ... JUSTID).
+
+    JUSTID resets the idle time without counting a delivery, so another
+    consumer's XAUTOCLAIM does not take entries we are still working on. One
+    thread per stage, started with the first batch and kept until ``close``:
+    starting a thread per batch costs more than a fast handler's whole batch
+    on a loaded machine. It refreshes the ids in hand every ``interval_s``
+    (a third of ``min_idle``); a refresh that races the batch's ack claims
+    ids no longer pending, which XCLAIM ignores.
+    """
+
+    def __init__(self, r: redis.Redis, stream: str, group: str, consumer: str, min_idle_ms: int):
+        self.r, self.stream, self.group, self.consumer = r, stream, group, consumer
+        self.interval_s = max(0.5, min_idle_ms / 3000)
+        self.ids: list[bytes] = []
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def refresh(self) -> None:
+        ids = self.ids
+        if ids:
+            self.r.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
+
+    def __call__(self, ids: list[bytes]) -> "ClaimKeeper":
+        self.ids = list(ids)
+        return self
+
+    def __enter__(self) -> "ClaimKeeper":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="claim-keeper")
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.interval_s):
+            try:
+                self.refresh()
+            except redis.RedisError:
+                pass  # the next refresh or the reclaim after a restart covers it
+
+    def __exit__(self, *exc) -> None:
+        self.ids = []
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread:
+            self._thread.join()
+            self._thread = None
+
+
+def run_stage(
+    r: redis.Redis,
+    keys: JobKeys,
+    *,
+    source: str,
+    group: str,
+    consumer: str,
+    sink: str,
+    handle: Callable[[list], list],
+    count: int,
+    block_ms: int,
+    max_bytes: int,
+    claims: ClaimPolicy,
+    stop: Callable[[], bool],
+    before_read: Callable[[], bool] = lambda: True,
+    counter: str | None = None,
+    dedup: Dedup | None = None,
+    log=None,
+) -> None:
+    """The loop every streaming stage runs until ``stop()``.
+
+    Each round: ``before_read`` (reloads, evaluations, backpressure; False
+    skips the round), then entries reclaimed from idle consumers, else new
+    ones; ``handle`` maps decoded messages to outputs in order (a message for
+    ``sink`` or a ``Reject``); outputs and acks go in one transaction.
+    ``counter`` names the counter increased by the trajectories written.
+    """
+    tune_allocator()
+    cursor = "0-0"
+    keeper = ClaimKeeper(r, source, group, consumer, claims.min_idle_ms)
+    rounds = 0
+    try:
+        while not stop():
+            if not before_read():
+                continue
+            rounds += 1
+            if rounds % TRIM_EVERY == 0:
+                trim(r, source)
+            entries, cursor = reclaim(r, keys, source, group, consumer, claims, count, cursor, log)
+            if not entries:
+                entries = read(r, source, group, consumer, count, block_ms)
+            if not entries:
+                continue
+            good, bad = decode_entries(entries, max_bytes)
+            with keeper([i for i, _p in entries]):
+                outputs = handle([msg for _id, msg in good]) if good else []
+            write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop, dedup)
+    finally:
+        keeper.close()
+
+
+@dataclass(frozen=True)
+class Dedup:
+    """Exactly-once output: a stage writes a group's output at most once, keyed by the group id.
+
+    The group id is the prompt id: a trajectory's id is (prompt_id, sample_idx)
+    and groups travel whole, so this keys every trajectory's effect. The marks
+    expire after ``ttl_s`` (longer than any redelivery can take), which keeps
+    Redis memory bounded.
+    """
+
+    stage: str
+    ttl_s: int
+
+
+def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop,
+                  dedup: Dedup | None = None) -> None:
+    """Outputs, dead letters and the acks of their inputs, in one MULTI/EXEC transaction.
+
+    With ``dedup``, the transaction WATCHes each output's mark, writes only
+    the outputs whose group has none yet and sets their marks; a concurrent
+    writer of the same group makes EXEC fail and the round is redone, so a
+    redelivered or regenerated group has its effect once.
+    """
+    marks = [keys.seen(dedup.stage, out.prompt_id) if dedup and not isinstance(out, Reject) else None
+             for out in outputs]
+    wait = FullRedisWait(log, stop)
+    while True:
+        with r.pipeline(transaction=True) as pipe:
+            try:
+                watched = [m for m in marks if m]
+                if watched:
+                    pipe.watch(*watched)
+                    already = {m for m, v in zip(watched, pipe.mget(watched)) if v is not None}
+                    pipe.multi()
+                else:
+                    already = set()
+                _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already,
+                              dedup)
+                pipe.execute()
+                break
+            except redis.WatchError:
+                continue
+            except redis.ResponseError as exc:
+                wait.after(exc)
+    for _id, _payload, reason in bad:
+        if log:
+            log.warning("dead_lettered", reason=reason)
+
+
+def _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already, dedup) -> None:
+    acked = []
+    for entry_id, payload, reason in bad:
+        dead_letter(pipe, keys, source, entry_id, reason, payload)
+        acked.append(entry_id)
+    written = duplicates = 0
+    # Only inputs with an output are acknowledged: were a handler to return fewer outputs than
+    # inputs, the rest stay pending and come back through reclaim instead of being lost.
+    for (entry_id, msg), out, mark in zip(good, outputs, marks):
+        acked.append(entry_id)
+        if isinstance(out, Reject):
+            dead_letter(pipe, keys, source, entry_id, out.reason, messages.encode(msg),
+                        trajectories=_size(msg))
+        elif mark in already:
+            duplicates += _size(out)
+        else:
+            pipe.xadd(sink, {messages.FIELD: messages.encode(out)})
+            if mark:
+                pipe.set(mark, 1, ex=dedup.ttl_s)
+                already.add(mark)  # a second copy in this very batch is a duplicate too
+            written += _size(out)
+    if acked:
+        pipe.xack(source, group, *acked)  # in the same MULTI as the writes: both or neither
+    if counter and written:
+        pipe.hincrby(keys.counters, counter, written)
+    if duplicates:
+        pipe.hincrby(keys.counters, f"duplicates_dropped_{dedup.stage}", duplicates)
+
+
+def _payload_size(payload: bytes) -> int:
+    try:
+        return _size(messages.decode(payload, 1 << 30))
+    except messages.BadMessage:
+        return 0
+
+
+def _size(msg) -> int:
+    """Trajectories a message stands for (a prompt stands for none yet)."""
+    return len(msg.trajectories) if isinstance(msg, messages.Group) else 0

@@ -1,0 +1,132 @@
+"""Pure measurements: rates, learner-step aggregates, tool statistics, and the JSONL records they live in.
+
+No Redis and no processes: the metrics sampler (``observe.metrics``), the
+doctor, the report and the learner (``tool_stats``) call these, and the tests
+exercise them on plain data. Importing this module loads nothing of the
+control plane, so a worker process can use it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Iterable
+
+
+def rates(prev: dict, now: dict, dt_s: float) -> dict:
+    """Throughput from two counter snapshots ``dt_s`` apart.
+
+    ``rollout_tokens_per_s`` is None until the rollout workers count tokens
+    (counter ``rollout_tokens``).
+    """
+    def per_s(name: str) -> float:
+        return max(0, now.get(name, 0) - prev.get(name, 0)) / dt_s if dt_s > 0 else 0.0
+
+    return {
+        "rollout_tokens_per_s": per_s("rollout_tokens") if "rollout_tokens" in now else None,
+        "trajectories_per_min": per_s("generated") * 60.0,
+        "scored_per_s": per_s("scored"),
+        "learner_samples_per_s": per_s("trained"),
+        "dropped_stale_per_s": per_s("dropped_stale"),
+        "dead_lettered_per_s": per_s("dead_lettered"),
+    }
+
+
+def _weighted_mean(pairs: Iterable[tuple[float | None, float]]) -> float | None:
+    num = den = 0.0
+    for value, weight in pairs:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            continue
+        num += value * weight
+        den += weight
+    return num / den if den > 0 else None
+
+
+def aggregate_steps(steps: list[dict]) -> dict:
+    """Quality and learner-side queue figures over the learner steps of one window.
+
+    Means are weighted by trajectories where a step's figure is a per-trajectory
+    mean (reward, success, staleness); the diversity figures are those of the
+    newest step that computed them. All values are None for an empty window.
+    """
+    traj = [max(s.get("trajectories", 0), 0) for s in steps]
+    hist: dict[str, int] = {}
+    for s in steps:
+        for k, v in (s.get("staleness_hist") or {}).items():
+            hist[str(int(k))] = hist.get(str(int(k)), 0) + int(v)
+    groups = sum(s.get("groups", 0) for s in steps)
+    wait = sum(s.get("wait_s", 0.0) for s in steps)
+    busy = sum(s.get("train_s", 0.0) for s in steps)
+    calls = sum(s.get("tool_calls", 0) for s in steps)
+    div = next((s for s in reversed(steps) if s.get("diversity_groups")), {})
+    p95 = [s["tool_latency_p95_s"] for s in steps if s.get("tool_latency_p95_s") is not None]
+    return {
+        "steps": len(steps),
+        "step": steps[-1].get("step") if steps else None,
+        "loss": _weighted_mean((s.get("loss"), 1.0) for s in steps),
+        "reward_mean": _weighted_mean((s.get("reward_mean"), w) for s, w in zip(steps, traj)),
+        "reward_std": _weighted_mean((s.get("reward_std"), w) for s, w in zip(steps, traj)),
+        "success_rate": _weighted_mean((s.get("success_rate"), w) for s, w in zip(steps, traj)),
+        "entropy": _weighted_mean((s.get("entropy"), 1.0) for s in steps),
+        "grad_norm": _weighted_mean((s.get("grad_norm"), 1.0) for s in steps),
+        "staleness_mean": _weighted_mean((s.get("staleness_mean"), w) for s, w in zip(steps, traj)),
+        "staleness_max": max((s.get("staleness_max", 0) for s in steps), default=None),
+        "staleness_hist": hist,
+        "trained": sum(traj),
+        "dropped_stale": sum(s.get("dropped_stale", 0) for s in steps),
+        "zero_signal_share": (sum(s.get("zero_signal_groups", 0) for s in steps) / groups) if groups else None,
+        "diversity_distinct_rate": div.get("diversity_distinct_rate"),
+        "diversity_similarity": div.get("diversity_similarity"),
+        "diversity_equal_reward_share": div.get("diversity_equal_reward_share"),
+        # learner-side queue figures
+        "wait_s": wait, "train_s": busy,
+        "wait_ratio": wait / (wait + busy) if wait + busy > 0 else None,
+        "tool_calls": calls,
+        "tool_timeouts": sum(s.get("tool_timeouts", 0) for s in steps),
+        "tool_latency_mean_s": _weighted_mean((s.get("tool_latency_mean_s"), s.get("tool_calls", 0))
+                                              for s in steps),
+        "tool_latency_p95_s": max(p95) if p95 else None,
+    }
+
+
+def tool_stats(groups) -> dict:
+    """Tool-call figures of a learner step's groups (``messages.Group``); the learner merges them in."""
+    lat = sorted(x for g in groups for t in g.trajectories for x in t.tool_latency_s)
+    calls = sum(t.tool_calls for g in groups for t in g.trajectories)
+    return {
+        "tool_calls": calls,
+        "tool_timeouts": sum(t.tool_timeouts for g in groups for t in g.trajectories),
+        "tool_latency_mean_s": sum(lat) / len(lat) if lat else None,
+        "tool_latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
+    }
+
+
+# --- resources of this node -----------------------------------------------------------------------
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line with a single O_APPEND write, so lines of concurrent writers never interleave."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: Path | str, kind: str | None = None) -> list[dict]:
+    """Lines of a JSONL file (``metrics.jsonl``, ``events.jsonl``), optionally of one kind; bad lines skipped."""
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a crash
+                if isinstance(row, dict) and (kind is None or row.get("kind") == kind):
+                    out.append(row)
+    except FileNotFoundError:
+        return []
+    return out

@@ -1,0 +1,657 @@
+"""``libra-ctl report RUN``: one self-contained HTML page about a run (``runs/<id>/report.html``).
+
+Throughput, reward and diversity side by side (the field guide judges a
+change by the three together), the allocation over time with the
+controller's decisions marked, queue lengths and learner wait, a staleness
+histogram, resources, the run's events and its manifest. Everything is
+inline SVG drawn here and a few lines of inline script that check the plots
+laid out; nothing is fetched, so the file can be mailed or archived.
+
+Inputs are the run directory alone: ``metrics.jsonl`` (the learner's steps and
+the sampler's samples), ``events.jsonl`` (controller decisions), ``logs/``,
+``manifest.json`` and ``summary.json``. Where the sampler did not run, the
+throughput comes from the learner's steps and the rollout workers' logs.
+Called by the user, by ``libra-ctl run`` at the end of a run, and by
+``scripts/report_screenshot.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import json
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+COLORS = {"rollout": "#2563eb", "reward": "#d97706", "learner": "#059669", "feeder": "#6b7280",
+          "controller": "#7c3aed"}
+PALETTE = ("#2563eb", "#059669", "#d97706", "#dc2626", "#7c3aed", "#0891b2", "#4b5563", "#db2777")
+W, H = 480, 250  # chart viewBox; the page scales it
+PAD_L, PAD_R, PAD_T, PAD_B = 52, 14, 12, 34
+MAX_EVENTS = 400
+BIN_S = 10.0  # rate bins when throughput comes from logs
+NOTABLE = {"checkpointed", "restored", "evaluated", "dead_lettered", "dead_lettered_redelivered",
+           "worker_started", "worker_exited", "stop_requested", "redis_full_waiting", "reclaimed", "drained"}
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--no-first-run", "--hide-scrollbars"]
+
+
+# --- the run's data -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Series:
+    name: str
+    xs: list[float]
+    ys: list[float | None]
+    color: str
+    step: bool = False  # drawn as a step function (counts that change at instants)
+    dash: bool = False
+
+
+@dataclass
+class RunData:
+    run_dir: Path
+    manifest: dict
+    summary: dict
+    steps: list[dict]
+    samples: list[dict]
+    events: list[dict]
+    logs: list[dict]
+    t0: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def x(self, at: float) -> float:
+        return at - self.t0
+
+    def x_range(self) -> tuple[float, float]:
+        """The run's time span, shared by every time chart so that they line up."""
+        ats = ([s["at"] for s in self.steps + self.samples] + [r["_at"] for r in self.logs] +
+               [e["at"] for e in self.events if isinstance(e.get("at"), (int, float))])
+        return 0.0, max(ats, default=self.t0 + 1.0) - self.t0
+
+
+def load_run(run_dir: Path | str) -> RunData:
+    from pipeline.observe.measures import read_jsonl
+    from pipeline.observe.trace import read_log_records, unix_time
+
+    run_dir = Path(run_dir)
+    read = lambda name: json.loads((run_dir / name).read_text()) if (run_dir / name).exists() else {}
+    lines = read_jsonl(run_dir / "metrics.jsonl")
+    logs = read_log_records(run_dir) if (run_dir / "logs").is_dir() else []
+    for rec in logs:
+        rec["_at"] = unix_time(rec.get("timestamp"))
+    data = RunData(run_dir, read("manifest.json"), read("summary.json"),
+                   [x for x in lines if x.get("kind") == "learner_step" and "at" in x],
+                   [x for x in lines if x.get("kind") == "sample" and "at" in x],
+                   read_jsonl(run_dir / "events.jsonl"), [r for r in logs if r["_at"] is not None])
+    times = ([data.manifest.get("created_at")] + [s["at"] for s in data.steps + data.samples] +
+             [e["at"] for e in data.events if isinstance(e.get("at"), (int, float))])
+    times = [t for t in times if isinstance(t, (int, float))]
+    data.t0 = min(times) if times else 0.0
+    return data
+
+
+def _role_color(name: str, i: int) -> str:
+    return COLORS.get(name, PALETTE[i % len(PALETTE)])
+
+
+def _binned(records: list[dict], t0: float, value) -> tuple[list[float], list[float]]:
+    """Per-second rate of ``value(record)`` in BIN_S bins of the records' times."""
+    if not records:
+        return [], []
+    bins: dict[int, float] = {}
+    for rec in records:
+        bins[int((rec["_at"] - t0) // BIN_S)] = bins.get(int((rec["_at"] - t0) // BIN_S), 0.0) + value(rec)
+    lo, hi = min(bins), max(bins)
+    xs = [(b + 0.5) * BIN_S for b in range(lo, hi + 1)]
+    return xs, [bins.get(b, 0.0) / BIN_S for b in range(lo, hi + 1)]
+
+
+def throughput_series(d: RunData) -> tuple[list[Series], list[Series], str]:
+    """(trajectory rates, token rate, where they came from)."""
+    if len(d.samples) >= 2:
+        xs = [d.x(s["at"]) for s in d.samples]
+        tp = [s.get("throughput", {}) for s in d.samples]
+        per_min = [t.get("trajectories_per_min") for t in tp]
+        traj = [Series("generated /s", xs, [v / 60 if v is not None else None for v in per_min], PALETTE[0]),
+                Series("scored /s", xs, [t.get("scored_per_s") for t in tp], PALETTE[2], dash=True),
+                Series("trained /s", xs, [t.get("learner_samples_per_s") for t in tp], PALETTE[1])]
+        tok = [t.get("rollout_tokens_per_s") for t in tp]
+        if any(v is not None for v in tok):
+            return traj, [Series("rollout tokens /s", xs, tok, PALETTE[4])], "sampler"
+        gen = [r for r in d.logs if r.get("event") == "generated" and r.get("tokens") is not None]
+        gx, gy = _binned(gen, d.t0, lambda r: r["tokens"])
+        return traj, ([Series("rollout tokens /s", gx, gy, PALETTE[4])] if gx else []), "sampler"
+    traj = []
+    gen = [r for r in d.logs if r.get("event") == "generated"]
+    if gen:
+        gx, gy = _binned(gen, d.t0, lambda r: r.get("trajectories", 0))
+        traj.append(Series("generated /s", gx, gy, PALETTE[0]))
+    if len(d.steps) >= 2:
+        xs, ys = [], []
+        for a, b in zip(d.steps, d.steps[1:]):
+            dt = b["at"] - a["at"]
+            if dt > 0 and "trained_total" in b and "trained_total" in a:
+                xs.append(d.x(b["at"]))
+                ys.append((b["trained_total"] - a["trained_total"]) / dt)
+        traj.append(Series("trained /s", xs, ys, PALETTE[1]))
+    tok = [r for r in d.logs if r.get("event") == "generated" and r.get("tokens") is not None]
+    tx, ty = _binned(tok, d.t0, lambda r: r["tokens"])
+    return traj, ([Series("rollout tokens /s", tx, ty, PALETTE[4])] if tx else []), "learner steps and logs"
+
+
+def step_series(d: RunData, key: str, name: str, color: str, fn=None) -> Series:
+    xs = [d.x(s["at"]) for s in d.steps]
+    ys = [fn(s) if fn else s.get(key) for s in d.steps]
+    return Series(name, xs, ys, color)
+
+
+def diversity_series(d: RunData) -> list[Series]:
+    out = [step_series(d, "", "equal-reward groups", PALETTE[3],
+                       lambda s: s["zero_signal_groups"] / s["groups"] if s.get("groups") else None)]
+    div = [s for s in d.steps if s.get("diversity_groups")]
+    if div:
+        xs = [d.x(s["at"]) for s in div]
+        out.insert(0, Series("distinct rate", xs, [s.get("diversity_distinct_rate") for s in div], PALETTE[0]))
+        out.insert(1, Series("4-gram similarity", xs, [s.get("diversity_similarity") for s in div], PALETTE[2]))
+    return out
+
+
+def allocation_series(d: RunData) -> list[Series]:
+    if d.samples:
+        xs = [d.x(s["at"]) for s in d.samples]
+        roles = sorted({r for s in d.samples for r in (s.get("allocation") or {})})
+        return [Series(role, xs, [(s.get("allocation") or {}).get(role, 0) for s in d.samples],
+                       _role_color(role, i), step=True) for i, role in enumerate(roles)]
+    moves = [e for e in d.events if isinstance(e.get("to"), dict) and isinstance(e.get("at"), (int, float))]
+    if not moves:
+        return []
+    roles = sorted({r for e in moves for r in e["to"]})
+    xs = [d.x(moves[0]["at"])] + [d.x(e["at"]) for e in moves]
+    first = moves[0].get("from") or moves[0]["to"]
+    return [Series(role, xs, [first.get(role, 0)] + [e["to"].get(role, 0) for e in moves], _role_color(role, i),
+                   step=True) for i, role in enumerate(roles)]
+
+
+def decision_markers(d: RunData) -> list[tuple[float, str]]:
+    out = []
+    for e in d.events:
+        if e.get("kind") in ("decision", "pinned") and isinstance(e.get("at"), (int, float)):
+            change = ""
+            if isinstance(e.get("from"), dict) and isinstance(e.get("to"), dict):
+                change = " " + ", ".join(f"{r} {e['from'].get(r, 0)}→{n}" for r, n in sorted(e["to"].items())
+                                         if e["from"].get(r, 0) != n)
+            out.append((d.x(e["at"]), f"{e['kind']}: {e.get('summary') or e.get('reason', '')}{change}"))
+    return out
+
+
+def queue_series(d: RunData) -> list[Series]:
+    if not d.samples:
+        return []
+    xs = [d.x(s["at"]) for s in d.samples]
+    stages = [st for st in ("rollout", "reward", "learner")
+              if any(st in ((s.get("queues") or {}).get("stages") or {}) for s in d.samples)]
+    return [Series(f"{st} input", xs, [(((s.get("queues") or {}).get("stages") or {}).get(st) or {}).get("backlog")
+                                       for s in d.samples], _role_color(st, i)) for i, st in enumerate(stages)]
+
+
+def wait_series(d: RunData) -> list[Series]:
+    out = []
+    if d.samples:
+        out.append(Series("sampled", [d.x(s["at"]) for s in d.samples],
+                          [(s.get("queues") or {}).get("learner_wait_ratio") for s in d.samples], PALETTE[0]))
+    if d.steps:
+        out.append(step_series(d, "", "per step", PALETTE[6], lambda s: s["wait_s"] / (s["wait_s"] + s["train_s"])
+                               if s.get("wait_s") is not None and s.get("train_s") is not None
+                               and s["wait_s"] + s["train_s"] > 0 else None))
+        out[-1].dash = bool(d.samples)
+    return out
+
+
+def staleness_bars(d: RunData) -> tuple[list[str], list[float], list[str]]:
+    hist: dict[int, int] = {}
+    for s in d.steps:
+        for k, v in (s.get("staleness_hist") or {}).items():
+            hist[int(k)] = hist.get(int(k), 0) + int(v)
+    if not hist:
+        return [], [], []
+    labels = [str(k) for k in range(0, max(hist) + 1)]
+    values = [float(hist.get(k, 0)) for k in range(0, max(hist) + 1)]
+    colors = [PALETTE[1]] * len(values)
+    dropped = sum(s.get("dropped_stale", 0) for s in d.steps)
+    if dropped:
+        labels.append("dropped")
+        values.append(float(dropped))
+        colors.append(PALETTE[3])
+    return labels, values, colors
+
+
+def resource_series(d: RunData) -> tuple[list[Series], list[Series], list[Series]]:
+    if not d.samples:
+        return [], [], []
+    xs = [d.x(s["at"]) for s in d.samples]
+    by_role = [((s.get("resources") or {}).get("by_role") or {}) for s in d.samples]
+    roles = sorted({r for b in by_role for r in b})
+    cpu = [Series(r, xs, [b.get(r, {}).get("cpu_percent") for b in by_role], _role_color(r, i))
+           for i, r in enumerate(roles)]
+    rss = [Series(r, xs, [(b[r]["rss_bytes"] / 2**20) if r in b else None for b in by_role], _role_color(r, i))
+           for i, r in enumerate(roles)]
+    gpus: dict[str, list] = {}
+    for n, s in enumerate(d.samples):
+        for g in (s.get("resources") or {}).get("gpus") or []:
+            gpus.setdefault(f"gpu{g['index']}", [None] * len(d.samples))[n] = g.get("util_percent")
+    gpu = [Series(k, xs, v, PALETTE[i % len(PALETTE)]) for i, (k, v) in enumerate(sorted(gpus.items()))]
+    return cpu, rss, gpu
+
+
+# --- SVG ----------------------------------------------------------------------------------------------------
+
+
+def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    if not math.isfinite(lo) or not math.isfinite(hi):
+        return [0.0, 1.0]
+    if hi <= lo:
+        hi = lo + (abs(lo) or 1.0)
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if (hi - lo) / (m * mag) <= n)
+    start = math.floor(lo / step) * step
+    ticks, t = [], start
+    while t < hi + step * 0.999:
+        ticks.append(round(t, 12))
+        t += step
+    return ticks
+
+
+def fmt_num(v: float) -> str:
+    if v == 0:
+        return "0"
+    a = abs(v)
+    if a >= 1e6:
+        return f"{v / 1e6:.3g}M"
+    if a >= 1e4:
+        return f"{v / 1e3:.3g}k"
+    if a >= 100:
+        return f"{v:.0f}"
+    return f"{v:.3g}"
+
+
+def _esc(s) -> str:
+    return html.escape(str(s), quote=True)
+
+
+class Frame:
+    """Axes of one chart: data -> viewBox coordinates, ticks and grid."""
+
+    def __init__(self, xs: list[float], ys: list[float], y_min=None, y_max=None):
+        self.minutes = bool(xs) and max(xs) - min(xs) > 900
+        xs = [x / 60 for x in xs] if self.minutes else xs
+        self.xt = nice_ticks(min(xs, default=0.0), max(xs, default=1.0))
+        lo = min(ys, default=0.0) if y_min is None else y_min
+        hi = max(ys, default=1.0) if y_max is None else max(y_max, max(ys, default=y_max))
+        self.yt = nice_ticks(min(lo, 0.0) if lo >= 0 else lo, hi)
+        self.x0, self.x1, self.y0, self.y1 = self.xt[0], self.xt[-1], self.yt[0], self.yt[-1]
+
+    def px(self, x: float) -> float:
+        x = x / 60 if self.minutes else x
+        return PAD_L + (x - self.x0) / ((self.x1 - self.x0) or 1) * (W - PAD_L - PAD_R)
+
+    def py(self, y: float) -> float:
+        return H - PAD_B - (y - self.y0) / ((self.y1 - self.y0) or 1) * (H - PAD_T - PAD_B)
+
+    def axes(self, x_label: str, y_label: str) -> str:
+        out = []
+        for t in self.yt:
+            y = self.py(t)
+            out.append(f'<line class="grid" x1="{PAD_L}" x2="{W - PAD_R}" y1="{y:.1f}" y2="{y:.1f}"/>'
+                       f'<text class="tick" x="{PAD_L - 6}" y="{y + 4:.1f}" text-anchor="end">{fmt_num(t)}</text>')
+        for t in self.xt:
+            x = PAD_L + (t - self.x0) / ((self.x1 - self.x0) or 1) * (W - PAD_L - PAD_R)
+            out.append(f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T}" y2="{H - PAD_B}"/>'
+                       f'<text class="tick" x="{x:.1f}" y="{H - PAD_B + 15}" text-anchor="middle">{fmt_num(t)}</text>')
+        unit = "minutes" if self.minutes else "seconds"
+        out.append(f'<text class="label" x="{(PAD_L + W - PAD_R) / 2}" y="{H - 4}" text-anchor="middle">'
+                   f'{_esc(x_label or unit + " since the start")}</text>')
+        if y_label:
+            out.append(f'<text class="label" transform="translate(12,{(PAD_T + H - PAD_B) / 2}) rotate(-90)" '
+                       f'text-anchor="middle">{_esc(y_label)}</text>')
+        return "".join(out)
+
+
+def _path(f: Frame, s: Series) -> str:
+    parts, pen = [], False
+    prev_y = None
+    for x, y in zip(s.xs, s.ys):
+        if y is None or (isinstance(y, float) and not math.isfinite(y)):
+            pen = False
+            continue
+        px, py = f.px(x), f.py(y)
+        if not pen:
+            parts.append(f"M{px:.1f},{py:.1f}")
+        elif s.step:
+            parts.append(f"H{px:.1f}V{py:.1f}")
+        else:
+            parts.append(f"L{px:.1f},{py:.1f}")
+        pen, prev_y = True, py
+    if s.step and pen and prev_y is not None:
+        parts.append(f"H{W - PAD_R:.1f}")  # a count holds until the end
+    return "".join(parts)
+
+
+def _points(f: Frame, s: Series, x_unit: str) -> str:
+    pts = [(x, y) for x, y in zip(s.xs, s.ys) if y is not None]
+    stride = max(1, len(pts) // 60)
+    r = 2.4 if len(pts) <= 40 else 0
+    out = []
+    for x, y in pts[::stride]:
+        out.append(f'<circle class="pt" cx="{f.px(x):.1f}" cy="{f.py(y):.1f}" r="{r or 4}" '
+                   f'fill="{s.color if r else "transparent"}"><title>{_esc(s.name)}: {fmt_num(y)} at '
+                   f'{x:.0f} {x_unit}</title></circle>')
+    return "".join(out)
+
+
+def _stack(series: list[Series]) -> list[tuple[Series, list[float], list[float]]]:
+    """(series, lower, upper) per series, stacked in order; the series share their xs."""
+    lower = [0.0] * len(series[0].xs)
+    out = []
+    for s in series:
+        upper = [lo + (y or 0.0) for lo, y in zip(lower, s.ys)]
+        out.append((s, lower, upper))
+        lower = upper
+    return out
+
+
+def _step_area(f: Frame, xs: list[float], lower: list[float], upper: list[float]) -> str:
+    def edge(ys):
+        pts = []
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            nxt = f.px(xs[i + 1]) if i + 1 < len(xs) else W - PAD_R
+            pts += [(f.px(x), f.py(y)), (nxt, f.py(y))]
+        return pts
+    pts = edge(upper) + edge(lower)[::-1]
+    return "M" + "L".join(f"{x:.1f},{y:.1f}" for x, y in pts) + "Z"
+
+
+def _line_chart(key: str, title: str, series: list[Series], *, y_label: str = "", y_min=None, y_max=None,
+               markers: list[tuple[float, str]] = (), hlines: list[tuple[float, str]] = (),
+               stacked: bool = False, x_range: tuple[float, float] | None = None, empty: str = "no data",
+               note: str = "") -> str:
+    """A figure with one SVG line chart; ``markers`` are vertical lines with a hover label.
+
+    ``stacked`` draws step areas on top of each other (counts per role that add up to a total);
+    ``hlines`` are labelled thresholds.
+    """
+    series = [s for s in series if any(y is not None for y in s.ys)]
+    if not series:
+        return _figure(key, title, f'<p class="empty">{_esc(empty)}</p>', "", note, empty=True)
+    xs = [x for s in series for x in s.xs] + [m[0] for m in markers] + list(x_range or ())
+    ys = [y for s in series for y in s.ys if y is not None and math.isfinite(y)] + [h[0] for h in hlines]
+    layers = _stack(series) if stacked else []
+    if layers:
+        ys += layers[-1][2]
+    f = Frame(xs, ys, y_min, y_max)
+    dash = ' stroke-dasharray="5 3"'
+    if layers:
+        marks = "".join(f'<path class="series area" data-series="{_esc(s.name)}" d="{_step_area(f, s.xs, lo, up)}" '
+                        f'style="fill:{s.color}" stroke="{s.color}"><title>{_esc(s.name)}</title></path>'
+                        for s, lo, up in layers)
+    else:
+        marks = "".join(f'<path class="series" data-series="{_esc(s.name)}" d="{_path(f, s)}" stroke="{s.color}"'
+                        f'{dash if s.dash else ""}/>' + _points(f, s, "s") for s in series)
+    marks += "".join(f'<line class="threshold" x1="{PAD_L}" x2="{W - PAD_R}" y1="{f.py(y):.1f}" y2="{f.py(y):.1f}"/>'
+                     f'<text class="tick" x="{W - PAD_R - 2}" y="{f.py(y) - 4:.1f}" text-anchor="end">{_esc(lab)}</text>'
+                     for y, lab in hlines)
+    mk = "".join(f'<g class="decision"><line x1="{f.px(x):.1f}" x2="{f.px(x):.1f}" y1="{PAD_T}" y2="{H - PAD_B}"/>'
+                 f'<path d="M{f.px(x) - 4:.1f},{PAD_T}h8l-4,6z"/><title>{_esc(label)} (at {x:.0f} s)</title></g>'
+                 for x, label in markers)
+    svg = (f'<svg class="plot" viewBox="0 0 {W} {H}" role="img" aria-label="{_esc(title)}">'
+           f'<g class="axes">{f.axes("", y_label)}</g><g class="marks">{marks}</g>'
+           f'<g class="markers">{mk}</g></svg>')
+    legend = "".join(f'<span><i style="background:{s.color}"></i>{_esc(s.name)}</span>' for s in series)
+    if markers:
+        legend += f'<span><i class="mk"></i>controller decision ({len(markers)})</span>'
+    return _figure(key, title, svg, legend, note)
+
+
+def bar_chart(key: str, title: str, labels: list[str], values: list[float], colors: list[str], *,
+              x_label: str, y_label: str, empty: str, note: str = "") -> str:
+    if not values:
+        return _figure(key, title, f'<p class="empty">{_esc(empty)}</p>', "", note, empty=True)
+    f = Frame([0, 1], values, 0)
+    n, inner = len(values), W - PAD_L - PAD_R
+    bw = inner / n
+    bars = []
+    for i, (lab, v, c) in enumerate(zip(labels, values, colors)):
+        x, y = PAD_L + i * bw + bw * 0.15, f.py(v)
+        bars.append(f'<rect class="bar" x="{x:.1f}" y="{y:.1f}" width="{bw * 0.7:.1f}" '
+                    f'height="{max(H - PAD_B - y, 0.5):.1f}" fill="{c}"><title>{_esc(lab)}: {fmt_num(v)}</title></rect>'
+                    f'<text class="tick" x="{x + bw * 0.35:.1f}" y="{H - PAD_B + 15}" text-anchor="middle">'
+                    f'{_esc(lab)}</text><text class="val" x="{x + bw * 0.35:.1f}" y="{y - 4:.1f}" '
+                    f'text-anchor="middle">{fmt_num(v)}</text>')
+    grid = "".join(f'<line class="grid" x1="{PAD_L}" x2="{W - PAD_R}" y1="{f.py(t):.1f}" y2="{f.py(t):.1f}"/>'
+                   f'<text class="tick" x="{PAD_L - 6}" y="{f.py(t) + 4:.1f}" text-anchor="end">{fmt_num(t)}</text>'
+                   for t in f.yt)
+    svg = (f'<svg class="plot" viewBox="0 0 {W} {H}" role="img" aria-label="{_esc(title)}"><g class="axes">{grid}'
+           f'<text class="label" x="{(PAD_L + W - PAD_R) / 2}" y="{H - 4}" text-anchor="middle">{_esc(x_label)}</text>'
+           f'<text class="label" transform="translate(12,{(PAD_T + H - PAD_B) / 2}) rotate(-90)" '
+           f'text-anchor="middle">{_esc(y_label)}</text></g><g class="marks">{"".join(bars)}</g></svg>')
+    return _figure(key, title, svg, "", note)
+
+
+def _figure(key: str, title: str, body: str, legend: str, note: str, empty: bool = False) -> str:
+    return (f'<figure class="chart{" empty" if empty else ""}" data-chart="{_esc(key)}">'
+            f'<figcaption>{_esc(title)}</figcaption>{body}'
+            f'{f"<div class=legend>{legend}</div>" if legend else ""}'
+            f'{f"<p class=note>{_esc(note)}</p>" if note else ""}</figure>')
+
+
+# --- the page ---------------------------------------------------------------------------------------------
+
+
+def headline(d: RunData) -> list[tuple[str, str]]:
+    s, m = d.summary, d.manifest
+    last = d.steps[-1] if d.steps else {}
+    rows = [("run", d.run_dir.name), ("job", (m.get("config") or {}).get("job", {}).get("name", "?"))]
+    if s:
+        rows += [("held-out success", f"{s.get('success_rate_start', 0):.1%} → {s.get('success_rate_end', 0):.1%}"),
+                 ("trajectories trained", str(s.get("trajectories_trained"))),
+                 ("trajectories/s", str(s.get("trajectories_per_s"))), ("wall time", f"{s.get('wall_s', 0):.0f} s"),
+                 ("dropped as stale", str(s.get("dropped_stale"))), ("dead-lettered", str(s.get("dead_lettered")))]
+    elif last:
+        rows += [("learner steps", str(last.get("step"))), ("trajectories trained", str(last.get("trained_total"))),
+                 ("dropped as stale", str(last.get("dropped_stale_total")))]
+    if last:
+        rows.append(("policy version", str(last.get("policy_version"))))
+    return rows
+
+
+def events_table(d: RunData) -> str:
+    rows = []
+    for e in d.events:
+        if isinstance(e.get("at"), (int, float)):
+            detail = e.get("summary") or e.get("reason") or ""
+            if isinstance(e.get("from"), dict) and isinstance(e.get("to"), dict):
+                detail += f"  {json.dumps(e['from'])} → {json.dumps(e['to'])}"
+            rows.append((e["at"], "controller", e.get("kind", "event"), detail))
+    for r in d.logs:
+        ev = r.get("event")
+        if ev in NOTABLE or r.get("level") in ("warning", "error", "critical"):
+            detail = ", ".join(f"{k}={v}" for k, v in r.items()
+                               if k not in ("event", "timestamp", "level", "job", "role", "worker", "_at"))
+            rows.append((r["_at"], r.get("worker", "?"), ev, detail))
+    rows.sort(key=lambda row: row[0])
+    cut = len(rows) > MAX_EVENTS
+    rows = rows[:MAX_EVENTS // 2] + rows[-MAX_EVENTS // 2:] if cut else rows
+    body = "".join(f"<tr><td>{d.x(at):.1f}</td><td>{_esc(src)}</td><td>{_esc(ev)}</td><td>{_esc(detail[:300])}</td></tr>"
+                   for at, src, ev, detail in rows)
+    more = f"<p class=note>{MAX_EVENTS} of the events shown (first and last).</p>" if cut else ""
+    if not rows:
+        return "<p class=empty>no events recorded</p>"
+    return (f"<table class=events><thead><tr><th>s</th><th>source</th><th>event</th><th>detail</th></tr></thead>"
+            f"<tbody>{body}</tbody></table>{more}")
+
+
+CSS = """
+body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#111827;background:#f9fafb}
+header{background:#111827;color:#f9fafb;padding:14px 24px}header h1{margin:0;font-size:20px}
+header dl{display:flex;flex-wrap:wrap;gap:4px 22px;margin:8px 0 0}header dt{color:#9ca3af;font-size:12px}
+header dd{margin:0;font-weight:600}main{padding:12px 24px}h2{font-size:16px;margin:22px 0 6px}
+.grid3{display:grid;grid-template-columns:repeat(3,minmax(0,1fr));gap:12px}
+.grid2{display:grid;grid-template-columns:repeat(2,minmax(0,1fr));gap:12px}
+@media (max-width:1100px){.grid3,.grid2{grid-template-columns:minmax(0,1fr)}}
+figure.chart{margin:0;background:#fff;border:1px solid #e5e7eb;border-radius:6px;padding:8px 10px}
+figcaption{font-weight:600;margin-bottom:4px}svg.plot{width:100%;height:auto;display:block}
+.grid{stroke:#e5e7eb;stroke-width:1}.tick{font-size:11px;fill:#6b7280}.label{font-size:12px;fill:#374151}
+.val{font-size:10px;fill:#111827}path.series{fill:none;stroke-width:2}
+path.series.area{fill-opacity:.55;stroke-width:1}.threshold{stroke:#dc2626;stroke-width:1;stroke-dasharray:4 3}
+.decision line{stroke:#7c3aed;stroke-width:1.2;stroke-dasharray:3 3}.decision path{fill:#7c3aed}
+.legend{display:flex;flex-wrap:wrap;gap:4px 14px;font-size:12px;color:#374151}
+.legend i{display:inline-block;width:12px;height:3px;margin-right:5px;vertical-align:middle}
+.legend i.mk{background:#7c3aed;height:10px;width:2px}
+.empty{color:#9ca3af;font-style:italic;padding:30px 0;text-align:center}.note{font-size:12px;color:#6b7280;margin:4px 0 0}
+table.events{border-collapse:collapse;width:100%;font-size:12px;background:#fff}
+table.events td,table.events th{border-bottom:1px solid #e5e7eb;padding:3px 6px;text-align:left;vertical-align:top}
+table.events td:first-child{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+pre{background:#fff;border:1px solid #e5e7eb;padding:10px;overflow:auto;font-size:12px;max-height:520px}
+footer{color:#9ca3af;font-size:12px;padding:10px 24px 24px}
+"""
+
+# Runs after layout: counts the charts whose marks have a non-empty box (what the Chromium test reads).
+SELF_CHECK = """
+(function(){var figs=document.querySelectorAll('figure.chart svg.plot'),n=0;
+for(var i=0;i<figs.length;i++){var m=figs[i].querySelector('.marks');if(!m||!m.childElementCount)continue;
+var b=m.getBBox();if(b.width>0||b.height>0){n++;figs[i].setAttribute('data-rendered','1');}}
+document.body.setAttribute('data-rendered-charts',String(n));document.body.setAttribute('data-charts',String(figs.length));
+var f=document.getElementById('selfcheck');if(f)f.textContent=n+' of '+figs.length+' charts rendered';})();
+"""
+
+
+def render(d: RunData) -> str:
+    line_chart = functools.partial(_line_chart, x_range=d.x_range())  # every time axis spans the whole run
+    traj, tok, tp_src = throughput_series(d)
+    markers = decision_markers(d)
+    cpu, rss, gpu = resource_series(d)
+    labels, values, colors = staleness_bars(d)
+    no_samples = "no metric samples in metrics.jsonl (the sampler was not running)"
+    one_page = "".join([
+        line_chart("throughput", "Throughput (trajectories/s)", traj, y_label="trajectories / s", y_min=0,
+                   markers=markers, note=f"from the {tp_src}", empty="no throughput data"),
+        line_chart("reward", "Reward", [step_series(d, "reward_mean", "reward mean", PALETTE[1]),
+                                        step_series(d, "success_rate", "success rate", PALETTE[0]),
+                                        step_series(d, "reward_std", "reward std", PALETTE[6])],
+                   y_label="per learner step", y_min=0, markers=markers, empty="no learner steps"),
+        line_chart("diversity", "Diversity", diversity_series(d), y_label="share", y_min=0, y_max=1,
+                   markers=markers, empty="no learner steps",
+                   note="" if any(s.get("diversity_groups") for s in d.steps) else
+                   "distinct rate and similarity appear when the learner computes them (metrics.diversity_every)"),
+    ])
+    pipeline_row = "".join([
+        line_chart("allocation", "Allocation (workers per role, stacked)", allocation_series(d), y_label="workers",
+                   y_min=0, markers=markers, stacked=True, empty="no allocation recorded (no samples, no controller events)"),
+        line_chart("queues", "Queue lengths (entries waiting or in flight)", queue_series(d),
+                   y_label="stream entries", y_min=0, markers=markers, empty=no_samples),
+        line_chart("wait", "Learner wait (share of time)", wait_series(d), y_label="share", y_min=0, y_max=1,
+                   markers=markers, hlines=[(0.2, "20%: rollout short")], empty="no learner steps",
+                   note="above 0.2 over a period, rollout is the bottleneck (the field guide's rule)"),
+        bar_chart("staleness", "Staleness of trained trajectories", labels, values, colors,
+                  x_label="policy versions behind", y_label="trajectories", empty="no learner steps",
+                  note="red: dropped as older than learner.max_staleness" if "dropped" in labels else ""),
+    ])
+    res_row = "".join([
+        line_chart("tokens", "Rollout tokens/s", tok, y_label="tokens / s", y_min=0, empty="no token counts"),
+        line_chart("cpu", "CPU by role (100 = one core)", cpu, y_label="percent", y_min=0, empty=no_samples),
+        line_chart("rss", "Resident memory by role", rss, y_label="MiB", y_min=0, empty=no_samples),
+        line_chart("gpu", "GPU utilisation", gpu, y_label="percent", y_min=0, y_max=100,
+                   empty="no GPU samples (CPU-only run or no sampler)"),
+    ])
+    head = "".join(f"<div><dt>{_esc(k)}</dt><dd>{_esc(v)}</dd></div>" for k, v in headline(d))
+    manifest = json.dumps(d.manifest, indent=2)
+    summary = json.dumps(d.summary, indent=2) if d.summary else ""
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1">
+<title>Libra report: {_esc(d.run_dir.name)}</title><style>{CSS}</style></head>
+<body><header><h1>Libra run report</h1><dl>{head}</dl></header><main>
+<h2>Throughput, reward and diversity</h2><div class="grid3">{one_page}</div>
+<h2>Pipeline</h2><div class="grid2">{pipeline_row}</div>
+<h2>Resources</h2><div class="grid2">{res_row}</div>
+<h2>Events</h2>{events_table(d)}
+<h2>Manifest</h2><details open><summary>manifest.json</summary><pre>{_esc(manifest)}</pre></details>
+{f"<details><summary>summary.json</summary><pre>{_esc(summary)}</pre></details>" if summary else ""}
+</main><footer>written by libra-ctl report from {_esc(d.run_dir.resolve())} · <span id="selfcheck">charts not
+checked (scripts off)</span></footer><script>{SELF_CHECK}</script></body></html>
+"""
+
+
+def write_report(run_dir: Path | str, out: Path | str | None = None) -> Path:
+    """Write ``report.html`` (or ``out``) for a run directory; returns its path."""
+    d = load_run(run_dir)
+    path = Path(out) if out else Path(run_dir) / "report.html"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(render(d), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+# --- headless Chromium (the test and the screenshot script) ------------------------------------------------
+
+
+def find_chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def chromium(html_path: Path, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
+    """Run headless Chromium on a local file with the flags that keep it offline and self-contained."""
+    exe = find_chromium()
+    if exe is None:
+        raise FileNotFoundError("no chromium on PATH (Debian: apt-get install chromium)")
+    with tempfile.TemporaryDirectory(prefix="libra-chromium-") as profile:
+        return subprocess.run([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args,
+                               Path(html_path).resolve().as_uri()],
+                              capture_output=True, text=True, timeout=timeout_s)
+
+
+def dump_dom(html_path: Path) -> str:
+    """The DOM after scripts ran."""
+    proc = chromium(html_path, "--virtual-time-budget=5000", "--dump-dom")
+    if proc.returncode != 0:
+        raise RuntimeError(f"chromium --dump-dom failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+def screenshot(html_path: Path, png: Path, width: int = 1400, height: int = 1700) -> Path:
+    png = Path(png).resolve()
+    proc = chromium(html_path, "--virtual-time-budget=5000", f"--window-size={width},{height}",
+                    f"--screenshot={png}")
+    if proc.returncode != 0 or not png.exists():
+        raise RuntimeError(f"chromium --screenshot failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return png
+
+
+# --- libra-ctl report ---------------------------------------------------------------------------------------
+
+
+def cmd_report(args) -> int:
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "manifest.json").exists() and not (run_dir / "metrics.jsonl").exists():
+        print(f"libra-ctl report: {run_dir} is not a run directory (no manifest.json or metrics.jsonl)")
+        return 2
+    path = write_report(run_dir, args.output)
+    print(f"report: {path}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("report", help="write RUN_DIR/report.html: throughput, reward, diversity, allocation, queues")
+    p.add_argument("run_dir", help="run directory, e.g. runs/<id>")
+    p.add_argument("-o", "--output", help="output file (default: RUN_DIR/report.html)")
+    p.set_defaults(func=cmd_report)

@@ -1,0 +1,84 @@
+"""``libra-ctl status``: jobs, stages and workers, read from Redis.
+
+Called by the CLI in any process that can reach the job's Redis. The JSON
+shape is the one in the design's "Shared interfaces"; documented in the README.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+
+from pipeline.control.allocation import allocation_status, format_allocation
+from pipeline.dataplane.keys import JOBS, JobKeys
+from pipeline.dataplane.streams import group_pending, stream_lag
+
+ROLE_OF_STAGE = {"rollout": "rollout", "reward": "reward", "learner": "learner"}
+STALE_HEARTBEAT_S = 10.0
+
+
+def job_status(r: redis.Redis, job: str) -> dict:
+    keys = JobKeys(job)
+    alloc = allocation_status(r, job)
+    workers = []
+    for wid, raw in sorted(r.hgetall(keys.workers).items()):
+        rec = json.loads(raw)
+        placed = alloc["workers"].get(rec["id"], {})
+        state = rec["state"]
+        if state not in ("exited",) and time.time() - rec.get("heartbeat", 0) > STALE_HEARTBEAT_S:
+            state = "lost"  # no heartbeat: the process is gone or stuck
+        workers.append({"id": rec["id"], "role": rec["role"], "pid": rec["pid"],
+                        "node": placed.get("node", rec["node"]), "slots": placed.get("slots", rec.get("slots", [])),
+                        "state": state,
+                        "rate_per_s": rec.get("rate_per_s", 0.0), "policy_version": rec.get("policy_version")})
+    stages = []
+    for stage, stream, group in keys.stages:
+        live = [w for w in workers if w["role"] == ROLE_OF_STAGE[stage] and w["state"] not in ("exited", "lost")]
+        exists = r.exists(stream)
+        stages.append({
+            "name": stage, "stream": stream, "group": group,
+            "length": r.xlen(stream) if exists else 0,
+            "pending": group_pending(r, stream, group) if exists else 0,
+            "lag": stream_lag(r, stream, group) if exists else 0,
+            "rate_per_s": round(sum(w["rate_per_s"] for w in live), 3),
+        })
+    if not alloc["roles"]:
+        # Workers started by hand (not through an agent): count the live ones that registered.
+        for w in workers:
+            if w["state"] not in ("exited", "lost") and w["role"] in ROLE_OF_STAGE.values():
+                alloc["roles"][w["role"]] = alloc["roles"].get(w["role"], 0) + 1
+    version = r.hget(keys.policy, "version")
+    phase = r.hget(keys.state, "phase")
+    return {
+        "name": job, "phase": phase.decode() if phase else None,
+        "policy_version": int(version) if version is not None else None,
+        "allocation": {k: alloc[k] for k in ("mode", "roles", "target", "pinned", "nodes")},
+        "stages": stages, "workers": workers,
+        "counters": {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()},
+    }
+
+
+def status(r: redis.Redis, job: str | None = None) -> dict:
+    names = sorted(n.decode() for n in r.smembers(JOBS))
+    if job is not None:
+        names = [n for n in names if n == job]
+    return {"jobs": [job_status(r, n) for n in names]}
+
+
+def format_status(st: dict) -> str:
+    if not st["jobs"]:
+        return "no jobs on this Redis"
+    out = []
+    for j in st["jobs"]:
+        out.append(f"job {j['name']}  phase {j['phase']}  policy v{j['policy_version']}")
+        out.append("  " + format_allocation(j["allocation"]).replace("\n", "\n  "))
+        out.append(f"  {'stage':<8} {'stream':<28} {'length':>7} {'pending':>8} {'lag':>6} {'rate/s':>8}")
+        for s in j["stages"]:
+            out.append(f"  {s['name']:<8} {s['stream']:<28} {s['length']:>7} {s['pending']:>8} "
+                       f"{s['lag']:>6} {s['rate_per_s']:>8.2f}")
+        out.append(f"  {'worker':<22} {'role':<8} {'pid':>7} {'state':<9} {'node'}")
+        for w in j["workers"]:
+            out.append(f"  {w['id']:<22} {w['role']:<8} {w['pid']:>7} {w['state']:<9} {w['node']}")
+    return "\n".join(out)

@@ -1,0 +1,191 @@
+"""``libra-ctl top``: a live terminal view of a job, refreshed every second.
+
+Allocation, streams, rates, learner wait, staleness, reward and diversity,
+and the workers with their CPU and memory (from the sampler's newest
+sample). Plain ANSI escapes, no curses; Ctrl-C exits; ``--once`` prints one
+frame without escapes (for tests and scripts). Run by a user on any machine
+that reaches the job's Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import deque
+
+import redis
+
+from pipeline.dataplane.keys import JOBS, JobKeys
+from pipeline.observe.status import job_status
+
+RATE_WINDOW = 10  # snapshots (seconds at the default refresh) the rates average over
+BAR = 24
+CLEAR, HIDE, SHOW = "\x1b[H\x1b[2J", "\x1b[?25l", "\x1b[?25h"
+
+
+def snapshot(r: redis.Redis, job: str) -> dict:
+    keys = JobKeys(job)
+    stats = {k.decode(): json.loads(v) for k, v in r.hgetall(keys.learner_stats).items()}
+    newest = r.xrevrange(keys.metric_samples, count=1)
+    sample = json.loads(newest[0][1][b"data"]) if newest else None
+    return {"t": time.monotonic(), "status": job_status(r, job), "stats": stats, "sample": sample}
+
+
+class Rates:
+    """Per-second rates of the job's counters over the last ``RATE_WINDOW`` snapshots."""
+
+    def __init__(self):
+        self.hist: deque = deque(maxlen=RATE_WINDOW + 1)
+
+    def add(self, snap: dict) -> dict:
+        self.hist.append((snap["t"], snap["status"]["counters"]))
+        (t0, c0), (t1, c1) = self.hist[0], self.hist[-1]
+        dt = t1 - t0
+        return {k: (c1.get(k, 0) - c0.get(k, 0)) / dt if dt > 0 else None
+                for k in ("generated", "scored", "trained", "dropped_stale", "rollout_tokens")}
+
+
+def _fmt(x, spec: str = ".2f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def _bar(x: float, top: float, width: int = BAR) -> str:
+    n = 0 if top <= 0 else min(width, round(width * x / top))
+    return "█" * n + "·" * (width - n)
+
+
+def _paint(text: str, color: str | None, on: bool) -> str:
+    codes = {"red": "31", "green": "32", "yellow": "33", "bold": "1", "dim": "2"}
+    return f"\x1b[{codes[color]}m{text}\x1b[0m" if on and color else text
+
+
+def render(snap: dict, rates: dict, color: bool = False, steps_total: int | None = None) -> str:
+    st, s, sample = snap["status"], snap["stats"], snap["sample"] or {}
+    P = lambda text, c=None: _paint(text, c, color)
+    roles = "  ".join(f"{k} {v}" for k, v in sorted(st["allocation"]["roles"].items())) or "no live workers"
+    step = s.get("step")
+    lines = [
+        P(f"libra top  job {st['name']}  phase {st['phase']}  policy v{st['policy_version']}  "
+          f"step {step if step is not None else '-'}{'/' + str(steps_total) if steps_total else ''}  "
+          f"{time.strftime('%H:%M:%S')}", "bold") + P("   (Ctrl-C quits)", "dim"),
+        "",
+        f"allocation ({st['allocation']['mode']})  {roles}",
+        "",
+        P(f"{'stage':<8} {'length':>7} {'lag':>6} {'pending':>8} {'backlog':>8} {'rate/s':>8}  backlog", "bold"),
+    ]
+    top = max([x["lag"] + x["pending"] for x in st["stages"]] + [1])
+    for x in st["stages"]:
+        backlog = x["lag"] + x["pending"]
+        lines.append(f"{x['name']:<8} {x['length']:>7} {x['lag']:>6} {x['pending']:>8} {backlog:>8} "
+                     f"{x['rate_per_s']:>8.2f}  {_bar(backlog, top)}")
+    c = st["counters"]
+    if rates.get("trained") is None and sample.get("throughput"):
+        rates = _sampled_rates(sample["throughput"])  # one snapshot so far: the sampler's last interval
+    tok = rates.get("rollout_tokens")
+    lines += [
+        "",
+        f"rates ({RATE_WINDOW}s)   generated {_fmt(rates.get('generated'), '.1f')}/s   scored "
+        f"{_fmt(rates.get('scored'), '.1f')}/s   trained {_fmt(rates.get('trained'), '.1f')}/s   "
+        f"tokens {_fmt(tok, ',.0f')}/s   dropped stale {_fmt(rates.get('dropped_stale'), '.1f')}/s",
+        f"totals       issued {c.get('issued', 0)}   generated {c.get('generated', 0)}   scored "
+        f"{c.get('scored', 0)}   trained {c.get('trained', 0)}   dropped stale {c.get('dropped_stale', 0)}   "
+        f"dead-lettered {c.get('dead_lettered', 0)}",
+    ]
+    wait = (sample.get("queues") or {}).get("learner_wait_ratio")
+    if wait is None and s.get("wait_s") is not None:
+        busy = s.get("wait_s", 0) + s.get("train_s", 0)
+        wait = s["wait_s"] / busy if busy else None
+    wait_txt = P(f"{wait:.0%}", "red" if wait > 0.2 else "green") if wait is not None else "-"
+    lines.append(f"learner      wait {wait_txt}   reward {_fmt(s.get('reward_mean'), '.3f')} ± "
+                 f"{_fmt(s.get('reward_std'), '.2f')}   success {_fmt(s.get('success_rate'), '.1%')}   "
+                 f"loss {_fmt(s.get('loss'), '.4f')}   entropy {_fmt(s.get('entropy'), '.3f')}")
+    hist = s.get("staleness_hist") or {}
+    n = sum(hist.values()) or 1
+    bars = "  ".join(f"{k}:{_bar(v, n, 10)}" for k, v in sorted(hist.items(), key=lambda kv: int(kv[0])))
+    lines.append(f"staleness    mean {_fmt(s.get('staleness_mean'), '.2f')}  max {s.get('staleness_max', '-')}   "
+                 f"{bars}")
+    if s.get("diversity_groups") or (sample.get("quality") or {}).get("diversity_distinct_rate") is not None:
+        q = s if s.get("diversity_groups") else sample["quality"]
+        lines.append(f"diversity    distinct {_fmt(q.get('diversity_distinct_rate'), '.0%')}   similarity "
+                     f"{_fmt(q.get('diversity_similarity'), '.2f')}   equal-reward groups "
+                     f"{_fmt(q.get('diversity_equal_reward_share'), '.0%')}")
+    res = (sample.get("resources") or {}).get("workers") or {}
+    lines += ["", P(f"{'worker':<24} {'role':<8} {'state':<9} {'pid':>7} {'cpu%':>6} {'rss MB':>8} {'rate/s':>7}",
+                    "bold")]
+    for w in st["workers"]:
+        r = res.get(w["id"], {})
+        state = P(f"{w['state']:<9}", {"lost": "red", "waiting": "yellow"}.get(w["state"]))
+        rss = r.get("rss_bytes")
+        lines.append(f"{w['id']:<24} {w['role']:<8} {state} {w['pid']:>7} {_fmt(r.get('cpu_percent'), '.0f'):>6} "
+                     f"{_fmt(rss / 2**20 if rss else None, '.0f'):>8} {w.get('rate_per_s', 0):>7.2f}")
+    return "\n".join(lines)
+
+
+def _sampled_rates(tp: dict) -> dict:
+    per_min = tp.get("trajectories_per_min")
+    return {"generated": per_min / 60 if per_min is not None else None, "scored": tp.get("scored_per_s"),
+            "trained": tp.get("learner_samples_per_s"), "dropped_stale": tp.get("dropped_stale_per_s"),
+            "rollout_tokens": tp.get("rollout_tokens_per_s")}
+
+
+def _jobs(r: redis.Redis, job: str | None) -> list[str]:
+    if job:
+        return [job]
+    return sorted(n.decode() for n in r.smembers(JOBS))
+
+
+def _steps_total(r: redis.Redis, job: str) -> int | None:
+    from pathlib import Path
+
+    rd = r.hget(JobKeys(job).state, "run_dir")
+    try:
+        manifest = json.loads((Path(rd.decode()) / "manifest.json").read_text()) if rd else {}
+        return manifest["config"]["job"]["steps"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def frame(r: redis.Redis, jobs: list[str], rates: dict[str, Rates], color: bool) -> str:
+    if not jobs:
+        return "no jobs on this Redis"
+    out = []
+    for job in jobs:
+        snap = snapshot(r, job)
+        out.append(render(snap, rates.setdefault(job, Rates()).add(snap), color, _steps_total(r, job)))
+    return "\n\n".join(out)
+
+
+def cmd_top(args) -> int:
+    from pipeline.dataplane.redisconn import find_redis_url
+    from pipeline.dataplane.redisconn import connect
+
+    r = connect(find_redis_url(args.redis))
+    rates: dict[str, Rates] = {}
+    if args.once:
+        print(frame(r, _jobs(r, args.job), rates, color=False))
+        return 0
+    tty = sys.stdout.isatty()
+    try:
+        if tty:
+            sys.stdout.write(HIDE)
+        while True:
+            text = frame(r, _jobs(r, args.job), rates, color=tty)
+            sys.stdout.write((CLEAR if tty else "") + text + "\n")
+            sys.stdout.flush()
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if tty:
+            sys.stdout.write(SHOW)
+            sys.stdout.flush()
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("top", help="live view of a job: allocation, streams, rates, staleness, reward")
+    p.add_argument("--job", help="job name (default: every job on the Redis)")
+    p.add_argument("--redis", help="Redis URL (default: $LIBRA_REDIS_URL or the newest local run's)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true", help="print one frame without terminal escapes and exit")
+    p.set_defaults(func=cmd_top)

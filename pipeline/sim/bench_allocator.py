@@ -1,0 +1,325 @@
+"""``libra-ctl bench policy WORKLOAD.toml``: the allocation policy's throughput benchmark.
+
+Registered on the ``bench`` subcommand by ``pipeline.cli`` (``add_parser``);
+runs in the CLI process. ``run_bench`` runs one workload under several modes
+(``bench/README.md``: sync, static, static-best, libra, ideal) on the
+discrete-event engine (``pipeline.sim.des``), and with ``engine="live"`` also
+runs the asynchronous modes on the real control plane (``pipeline.sim.bench_live``);
+it returns the README's JSON shape, plus per-mode timelines under the extra key
+``details`` (kept out of ``--json``). ``format_table`` is the terminal view, ``plot`` the picture of
+allocation and throughput over time.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from pipeline.sim import des
+from pipeline.sim.bench_live import LIVE_MODES, LiveBench, LiveEngineError, LiveSettings
+from pipeline.control.allocator import Allocation
+from pipeline.sim.workload import WorkloadError, load_workload
+
+MODES = ("sync", "static", "static-best", "libra", "ideal")
+ENGINES = ("des", "live")
+BASELINES = ("sync", "static", "static-best", "ideal")
+Report = Callable[[str], None]
+
+
+class BenchInputError(ValueError):
+    """An unknown mode or engine; the message says the choices."""
+
+
+def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed: int | None = None,
+              report: Report | None = None, live: LiveSettings | None = None) -> dict:
+    """Run ``modes`` of one workload; returns {"workload", "modes", "ratios", "details"}.
+
+    ``seed`` defaults to the workload's [job] seed. ``report`` receives
+    progress lines (the CLI prints them on stderr). With ``engine="live"``
+    the modes of ``bench_live.LIVE_MODES`` run on the control plane
+    (``live`` settings) after the des engine has run every mode, and the
+    result adds ``engine`` and ``live_vs_des`` (each live mode's rate over
+    its des rate). Raises WorkloadError for a bad or multi-job workload,
+    BenchInputError for an unknown mode or engine or a workload the live
+    engine cannot run, LiveEngineError when a live run fails.
+    """
+    modes = _check_modes(modes)
+    if engine not in ENGINES:
+        raise BenchInputError(f"unknown engine {engine!r}: use {' or '.join(ENGINES)}")
+    wl = load_workload(workload_path)
+    job = wl.job            # raises for multi-job workloads
+    seed = job.seed if seed is None else seed
+    say = report or (lambda line: None)
+    live = live or LiveSettings()
+    if engine == "live":
+        try:
+            live.check(wl)
+        except ValueError as exc:
+            raise BenchInputError(str(exc)) from None
+    results: dict[str, des.ModeResult] = {}
+    details: dict[str, dict] = {}
+    for mode in modes:
+        t0 = time.perf_counter()
+        results[mode], details[mode] = _run_mode(wl, mode, seed, results, say)
+        details[mode]["wall_s"] = time.perf_counter() - t0
+        say(f"{mode}{' (des)' if engine == 'live' else ''}: {results[mode].trajectories_per_s:.2f} "
+            f"trajectories/s ({details[mode]['wall_s']:.1f} s wall)")
+    out = {"workload": wl.name}
+    live_modes = [m for m in modes if m in LIVE_MODES]
+    if engine == "live" and not live_modes:
+        say(f"live: none of the modes asked runs live ({', '.join(LIVE_MODES)} do); the des engine's results stand")
+    elif engine == "live":
+        by_des = dict(results)
+        for mode in modes:
+            details[mode]["engine"] = "des"
+        _run_live(wl, workload_path, live_modes, live, seed, results, details, say)
+        out["engine"] = "live"
+        out["live_vs_des"] = {m: results[m].trajectories_per_s / by_des[m].trajectories_per_s
+                              for m in modes if details[m]["engine"] == "live" and by_des[m].trajectories_per_s}
+    out.update(modes={m: results[m].report() for m in modes}, ratios=_ratios(results), details=details)
+    return out
+
+
+def _run_live(wl, workload_path, modes: list[str], settings: LiveSettings, seed: int, results: dict,
+              details: dict, say: Report) -> None:
+    """Replace the des results of ``modes`` by live runs (static-best at the split des found best)."""
+    static = des.static_split(wl)
+    splits = {"static": static, "libra": static}
+    if "static-best" in modes:
+        splits["static-best"] = Allocation(**results["static-best"].final_allocation)
+    ran: dict[Allocation, str] = {}
+    with LiveBench(wl, workload_path, settings, say, seed) as bench:
+        for mode in modes:
+            split, t0 = splits[mode], time.perf_counter()
+            if mode == "static-best" and ran.get(split) == "static":
+                results[mode], details[mode] = results["static"], {**details["static"], "same_run_as": "static"}
+                say("static-best: the des engine's best split is the static split; the static run stands for it")
+                continue
+            results[mode], details[mode] = bench.run_mode(mode, split)
+            details[mode]["wall_s"] = time.perf_counter() - t0
+            if mode != "libra":
+                ran[split] = mode
+            say(f"{mode} (live): {results[mode].trajectories_per_s:.2f} trajectories/s "
+                f"({details[mode]['wall_s']:.0f} s wall)")
+
+
+def _check_modes(modes) -> list[str]:
+    if isinstance(modes, str):
+        modes = [m.strip() for m in modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise BenchInputError(f"unknown mode {bad[0]!r}: choose from {','.join(MODES)}" if bad
+                         else f"no mode given: choose from {','.join(MODES)}")
+    return [m for m in MODES if m in modes]     # canonical order, no duplicates
+
+
+def _run_mode(wl, mode: str, seed: int, done: dict, say: Report) -> tuple[des.ModeResult, dict]:
+    """One mode's result and its extra details (timeline, decisions, splits tried)."""
+    progress = _throttled(say, mode)
+    if mode == "ideal":
+        r = des.ModeResult(trajectories_per_s=des.ideal_rate(wl))
+        return r, {"phase_rates": [des.ideal_phase_rate(wl, ph) for ph in wl.job.phases]}
+    if mode == "sync":
+        r = des.simulate_sync(wl, seed, progress)
+    elif mode in ("static", "libra"):
+        control = des.LIBRA_CONTROL if mode == "libra" else None
+        r = des.simulate_async(wl, des.static_split(wl), seed, control, progress=progress)
+    else:
+        r = _static_best(wl, seed, done.get("static"), progress, say)
+    return r, {"timeline": r.timeline, "decisions": r.events, "sim_time_s": r.sim_time_s}
+
+
+def _static_best(wl, seed: int, static: des.ModeResult | None, progress, say: Report) -> des.ModeResult:
+    """Search the split that turns out best over the whole run (each candidate a full run)."""
+    tried = []
+
+    def run(a):
+        say(f"static-best: trying rollout={a.rollout} learner={a.learner} reward={a.reward}")
+        r = des.simulate_async(wl, a, seed, progress=progress)
+        tried.append(a)
+        return r
+
+    known = {des.static_split(wl): static} if static is not None else {}
+    _, r = des.search_static_best(wl, run, known)
+    say(f"static-best: {len(tried) + len(known)} splits simulated")
+    return r
+
+
+def _ratios(results: dict[str, des.ModeResult]) -> dict[str, float]:
+    if "libra" not in results:
+        return {}
+    lib = results["libra"].trajectories_per_s
+    return {f"libra/{b}": lib / results[b].trajectories_per_s for b in BASELINES
+            if b in results and results[b].trajectories_per_s > 0}
+
+
+def _throttled(say: Report, mode: str, every_s: float = 2.0):
+    """A sim progress callback that reports at most every ``every_s`` seconds of wall time."""
+    last = [time.perf_counter()]
+
+    def progress(step: int, steps: int, t_sim: float) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= every_s:
+            last[0] = now
+            say(f"{mode}: step {step}/{steps} at {t_sim:.0f} simulated s")
+    return progress
+
+
+def readme_json(result: dict) -> dict:
+    """The README's JSON shape: the result without its ``details`` (a live run adds its two keys)."""
+    return {k: result[k] for k in ("workload", "engine", "live_vs_des", "modes", "ratios") if k in result}
+
+
+# --- terminal table -----------------------------------------------------------
+
+_COLUMNS = (("mode", "{}", "mode"), ("traj/s", "{:.2f}", "trajectories_per_s"),
+            ("gpu busy", "{:.1%}", "gpu_busy_frac"), ("learner wait", "{:.1%}", "learner_wait_frac"),
+            ("stale p50", "{:.0f}", "staleness_p50"), ("stale p99", "{:.0f}", "staleness_p99"),
+            ("dropped", "{:d}", "dropped_stale"), ("reconfigs", "{:d}", "reconfigurations"),
+            ("final allocation", "{}", "final_allocation"))
+
+
+def format_table(result: dict) -> str:
+    """A fixed-width table, one row per mode, then the ratios (times are simulated seconds)."""
+    rows = [[c[0] for c in _COLUMNS]]
+    for mode, m in result["modes"].items():
+        row = []
+        for _, fmt, key in _COLUMNS:
+            v = mode if key == "mode" else m.get(key)
+            if key == "final_allocation" and v is not None:
+                v = " ".join(f"{k}={n}" for k, n in v.items() if n)
+            row.append("-" if v is None else fmt.format(v))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = [f"workload {result['workload']} (trajectories per simulated second)"]
+    for i, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if j in (0, len(r) - 1) else c.rjust(w)
+                               for j, (c, w) in enumerate(zip(r, widths))).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    if result["ratios"]:
+        lines.append("")
+        lines.append("  ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items()))
+    if result.get("engine") == "live":
+        engines = {m: result["details"][m]["engine"] for m in result["modes"]}
+        lines.append("")
+        lines.append("engine: " + "  ".join(f"{m} {e}" for m, e in engines.items()))
+        if result["live_vs_des"]:
+            lines.append("live/des: " + "  ".join(f"{m} {v:.3f}" for m, v in result["live_vs_des"].items()))
+    return "\n".join(lines)
+
+
+# --- plot ---------------------------------------------------------------------
+
+def plot(result: dict, path: str | Path) -> None:
+    """GPUs per role and throughput per learner step over simulated time, one colour per mode.
+
+    sync is colocated (every GPU does every stage), so it has no allocation
+    line and its throughput is drawn as its run average. Needs matplotlib (an
+    optional dependency): raises ImportError if it is missing.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_a, ax_r) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    end = 0.0
+    for i, (mode, d) in enumerate(result.get("details", {}).items()):
+        tl, color = d.get("timeline"), f"C{i}"
+        if not tl:
+            continue
+        if mode == "sync":
+            ax_r.axhline(result["modes"]["sync"]["trajectories_per_s"], color=color, ls=":", lw=1.5,
+                         label="sync (run average)")
+            continue
+        t = [0.0] + [p["t"] for p in tl]
+        for role, ls in (("rollout", "-"), ("learner", "--"), ("reward", ":")):
+            n = [tl[0][role]] + [p[role] for p in tl]
+            if any(n):
+                ax_a.step(t, n, where="post", color=color, ls=ls, label=f"{mode} {role}")
+        ax_r.plot(t[1:], [p["rate"] for p in tl], color=color, lw=1, label=mode)
+        end = max(end, t[-1])
+    if "ideal" in result["modes"]:
+        ax_r.axhline(result["modes"]["ideal"]["trajectories_per_s"], color="k", ls="--", lw=1,
+                     label="ideal (run average)")
+    ax_a.set_ylabel("GPUs")
+    ax_a.set_title(f"workload {result['workload']}: allocation and throughput")
+    ax_r.set_ylabel("trajectories/s (per learner step)")
+    ax_r.set_xlabel("simulated seconds")
+    if end:
+        ax_r.set_xlim(0, end * 1.02)
+    for ax in (ax_a, ax_r):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- command line -------------------------------------------------------------
+
+def add_parser(subparsers) -> None:
+    """Register ``policy`` on the ``bench`` subcommand's subparsers (called by pipeline.cli)."""
+    p = subparsers.add_parser(
+        "policy", help="throughput of the allocation policy against sync, static splits and the ideal bound",
+        description="Run a workload (bench/README.md format) under several modes and report "
+                    "trajectories per simulated second, beside the ideal bound.")
+    p.add_argument("workload", help="workload TOML file, e.g. bench/drift.toml")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--engine", default="des", choices=ENGINES,
+                   help="des: discrete-event simulator; live: also run static, static-best and libra on a real "
+                        "Redis, controller and agent with sim workers on compressed time (up to 64 slots)")
+    p.add_argument("--time-scale", type=float, default=LiveSettings.time_scale,
+                   help="live: simulated seconds per wall second")
+    p.add_argument("--redis", help="live: Redis URL to run on (default: an embedded server, removed after)")
+    p.add_argument("--runs-dir", default=LiveSettings.runs_dir,
+                   help="live: where the run directories and logs go")
+    p.add_argument("--json", metavar="OUT", help="write the README's JSON shape to OUT")
+    p.add_argument("--plot", metavar="OUT.png", help="draw allocation and throughput over time (needs matplotlib)")
+    p.add_argument("--seed", type=int, help="seed of the simulation (default: the workload's [job] seed)")
+    p.set_defaults(func=cmd_bench_policy)
+
+
+def _interrupt(signum, _frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def cmd_bench_policy(args) -> int:
+    """The subcommand: 0 done, 2 bad input (workload, modes, engine, missing matplotlib)."""
+    def err(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if args.engine == "live":
+        # a SIGTERM (timeout, CI cancel, systemd) unwinds like Ctrl-C, so the live engine stops the control
+        # plane, its workers and the embedded Redis, which run in sessions of their own
+        signal.signal(signal.SIGTERM, _interrupt)
+    t0 = time.perf_counter()
+    try:
+        result = run_bench(args.workload, args.modes, args.engine, args.seed,
+                           report=lambda line: err(f"bench policy: {line}"),
+                           live=LiveSettings(time_scale=args.time_scale, redis_url=args.redis,
+                                             runs_dir=args.runs_dir))
+    except (WorkloadError, BenchInputError) as exc:
+        err(f"libra-ctl bench policy: {exc}")
+        return 2
+    except LiveEngineError as exc:
+        err(f"libra-ctl bench policy: live engine: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        err("libra-ctl bench policy: interrupted; the live engine's processes are stopped")
+        return 130
+    print(format_table(result))
+    err(f"bench policy: done in {time.perf_counter() - t0:.1f} s wall")
+    if args.json:
+        Path(args.json).write_text(json.dumps(readme_json(result), indent=2) + "\n")
+    if args.plot:
+        try:
+            plot(result, args.plot)
+        except ImportError:
+            err("libra-ctl bench policy: --plot needs matplotlib: pip install matplotlib")
+            return 2
+    return 0

@@ -1,0 +1,103 @@
+"""The prompt feeder: issues prompts from the job's prompt file into the prompts stream.
+
+Runs as its own process (``python -m workers.feeder``), started by
+``libra-ctl run`` or the Procfile. Its cursor lives in Redis, so a restarted
+feeder continues where it stopped. Each pass over the file is an epoch, and
+the epoch is part of the prompt id, so a prompt issued twice is two distinct
+groups. It pauses while the trajectories in flight (issued and not yet
+trained, dropped or dead-lettered) reach ``streams.max_queue_size``, which
+also bounds how stale the buffer can get.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from pipeline.dataplane import messages
+from pipeline.dataplane.streams import ensure_groups, execute_with_backpressure
+from pipeline.dataplane.worker import WorkerContext, finish_worker, start_worker
+from workers.envs.calc import BadLine, Problem, read_prompt_file
+
+
+def load_prompts(path: str, log=None) -> tuple[list[Problem], list[BadLine]]:
+    """All good problems of a prompt file, and the bad lines (reported, then skipped)."""
+    good, bad = [], []
+    for item in read_prompt_file(path):
+        (bad if isinstance(item, BadLine) else good).append(item)
+    if log:
+        for b in bad:
+            log.warning("bad_prompt_line", file=path, line=b.lineno, reason=b.reason)
+    return good, bad
+
+
+def in_flight(ctx: WorkerContext) -> int:
+    """Trajectories issued and not yet accounted for downstream."""
+    c = {k.decode(): int(v) for k, v in ctx.r.hgetall(ctx.keys.counters).items()}
+    done = c.get("trained", 0) + c.get("dropped_stale", 0) + c.get("dead_lettered", 0)
+    return c.get("issued", 0) - done
+
+
+def admission_limit(cfg) -> int:
+    """Trajectories allowed in flight: the queue bound, and no more than the learner consumes
+    within ``max_staleness`` versions (plus the batch it is filling), so that admitted work is
+    not generated only to be dropped as stale."""
+    lr = cfg.learner
+    return min(cfg.streams.max_queue_size, (lr.max_staleness + 1) * lr.batch_size)
+
+
+def job_phase(ctx: WorkerContext) -> str:
+    phase = ctx.r.hget(ctx.keys.state, "phase")
+    return phase.decode() if phase else "running"
+
+
+def run(ctx: WorkerContext) -> None:
+    cfg = ctx.cfg
+    problems, _bad = load_prompts(cfg.job.train_prompts, ctx.log)
+    if not problems:
+        raise SystemExit(f"feeder: no usable prompt in {cfg.job.train_prompts}")
+    group = cfg.rollout.group_size
+    limit = admission_limit(cfg)
+    ensure_groups(ctx.r, ctx.keys)
+    ctx.publish_state("running")
+    while not ctx.stopping() and job_phase(ctx) == "running":
+        if in_flight(ctx) + group > limit:
+            ctx.state = "waiting"
+            time.sleep(0.1)
+            continue
+        ctx.state = "running"
+        issue_one(ctx, problems, group)
+
+
+def issue_one(ctx: WorkerContext, problems: list[Problem], group: int) -> None:
+    """Issue the prompt under the cursor; cursor and stream entry move together."""
+    cursor = int(ctx.r.hget(ctx.keys.feeder, "cursor") or 0)
+    epoch, idx = divmod(cursor, len(problems))
+    # A fresh, seeded order per epoch: reproducible from the manifest's seed.
+    order = random.Random(ctx.cfg.job.seed * 1_000_003 + epoch).sample(range(len(problems)), len(problems))
+    p = problems[order[idx]]
+    msg = messages.Prompt(prompt_id=f"{p.prompt_id}@{epoch}", prompt=p.prompt, answer=p.answer,
+                          issued_at=time.time())
+
+    def build():
+        pipe = ctx.r.pipeline(transaction=True)
+        pipe.xadd(ctx.keys.prompts, {messages.FIELD: messages.encode(msg)})
+        pipe.hset(ctx.keys.feeder, mapping={"cursor": cursor + 1, "epoch": epoch})
+        pipe.hincrby(ctx.keys.counters, "issued", group)
+        pipe.hincrby(ctx.keys.counters, "issued_prompts", 1)
+        return pipe
+
+    execute_with_backpressure(build, ctx.log, ctx.stopping)
+    ctx.count(group)
+
+
+def main() -> None:
+    ctx = start_worker("feeder")
+    try:
+        run(ctx)
+    finally:
+        finish_worker(ctx)
+
+
+if __name__ == "__main__":
+    main()
