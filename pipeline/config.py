@@ -111,9 +111,9 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class ControlConfig:
-    mode: str = _f("auto", "initial allocation mode: auto (the policy moves slots) or pinned (the configured counts)")
+    mode: str = _f("auto", "initial allocation mode: auto (the allocator moves slots) or pinned (the configured counts)")
     interval_s: float = _f(10.0, "the controller's reconcile period")
-    window_s: float = _f(60.0, "metrics window the policy sees")
+    window_s: float = _f(60.0, "metrics window the allocator sees")
     cooldown_s: float = _f(150.0, "no move sooner than this after the previous one (against flapping)")
     horizon_s: float = _f(900.0, "a move must pay for its transition cost within this time")
     switch_cost_s: float = _f(40.0, "seconds a slot yields nothing while it changes role")

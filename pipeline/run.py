@@ -275,43 +275,18 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
     run_dir = resume_dir or manifest_mod.new_run_dir(cfg)
     print(f"run {run_dir.name}: {'resuming' if resume_dir else 'preparing the policy'}", file=out, flush=True)
     policy_dir = prepare_policy(cfg, out)
-    url = resolve_url(cfg.redis.url)
-    if resume_dir and url is None:
-        recorded = json.loads((run_dir / "manifest.json").read_text())["redis"]
-        url = None if recorded["embedded"] else recorded["url"]
-    # Resuming on the embedded server restarts it from the run's AOF: streams, pending entries,
-    # counters and the feeder's cursor are as they were.
-    embedded = EmbeddedRedis(run_dir / "redis", maxmemory=cfg.redis.maxmemory,
-                             appendfsync=cfg.redis.appendfsync) if url is None else None
+    url, embedded = _choose_redis(cfg, run_dir, resume_dir)
     orch = None
     try:
-        if embedded:
-            embedded.start()
-            url = embedded.url
-            print(f"redis: embedded server at {url}", file=out, flush=True)
-        (run_dir / "redis.url").write_text(url + "\n")
+        url = _start_redis(embedded, url, run_dir, out)
         r = connect(url)
-        keys = JobKeys(cfg.job.name)
         if resume_dir:
-            check_resumable(r, keys, run_dir)
+            check_resumable(r, JobKeys(cfg.job.name), run_dir)
         else:
-            try:
-                reset_job(r, keys)
-            except JobRunning as exc:
-                raise RunFailed(str(exc)) from None
-            manifest_mod.write_manifest(run_dir, cfg, argv=argv, redis_url=url, embedded=bool(embedded),
-                                        policy_dir=policy_dir, bad_prompt_lines=bad_lines)
-            r.hset(keys.policy, mapping={"version": 0, "path": policy_dir, "step": 0,
-                                         "published_at": time.time()})
+            _start_new_job(r, cfg, run_dir, argv=argv, redis_url=url, embedded=bool(embedded),
+                           policy_dir=policy_dir, bad_prompt_lines=bad_lines)
         orch = Orchestrator(cfg, run_dir, r, url, out)
-        sampler = start_sampler(r, cfg.job.name, run_dir, cfg.metrics.interval_s)
-        try:
-            summary = orch.run()
-        finally:
-            sampler.stop()
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(format_summary(summary, run_dir), file=out)
-        print(f"report: {write_report(run_dir)}", file=out)
+        _run_and_summarise(orch)
         return 0
     except RunFailed as exc:
         print(f"\nrun failed: {exc}\nrun directory: {run_dir}", file=out)
@@ -320,16 +295,68 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
         print(f"\ninterrupted; stopping workers. resume with: libra-ctl resume {run_dir}", file=out)
         return 130
     finally:
-        if orch is not None:
-            try:
-                # Any phase but running/trained tells the controller and agent the job is over.
-                done = orch.r.hget(orch.keys.state, "phase") == b"trained"
-                orch.r.hset(orch.keys.state, "phase", "done" if done else "stopped")
-            except redis.RedisError:
-                pass
-            orch.stop_children()
-        if embedded:
-            embedded.stop()
+        _stop(orch, embedded)
+
+
+def _choose_redis(cfg: Config, run_dir: Path, resume_dir: Path | None) -> tuple[str | None, EmbeddedRedis | None]:
+    """The Redis URL to use, or an embedded server (not yet started) when there is none."""
+    url = resolve_url(cfg.redis.url)
+    if resume_dir and url is None:
+        recorded = json.loads((run_dir / "manifest.json").read_text())["redis"]
+        url = None if recorded["embedded"] else recorded["url"]
+    # Resuming on the embedded server restarts it from the run's AOF: streams, pending entries,
+    # counters and the feeder's cursor are as they were.
+    embedded = EmbeddedRedis(run_dir / "redis", maxmemory=cfg.redis.maxmemory,
+                             appendfsync=cfg.redis.appendfsync) if url is None else None
+    return url, embedded
+
+
+def _start_redis(embedded: EmbeddedRedis | None, url: str | None, run_dir: Path, out) -> str:
+    """Start the embedded server if there is one; record the URL in the run directory."""
+    if embedded:
+        embedded.start()
+        url = embedded.url
+        print(f"redis: embedded server at {url}", file=out, flush=True)
+    (run_dir / "redis.url").write_text(url + "\n")
+    return url
+
+
+def _start_new_job(r: redis.Redis, cfg: Config, run_dir: Path, **manifest_fields) -> None:
+    """A fresh job: clear its old state, write the manifest, announce the initial policy as version 0."""
+    keys = JobKeys(cfg.job.name)
+    try:
+        reset_job(r, keys)
+    except JobRunning as exc:
+        raise RunFailed(str(exc)) from None
+    manifest_mod.write_manifest(run_dir, cfg, **manifest_fields)
+    r.hset(keys.policy, mapping={"version": 0, "path": manifest_fields["policy_dir"], "step": 0,
+                                 "published_at": time.time()})
+
+
+def _run_and_summarise(orch: Orchestrator) -> None:
+    """Run the job with the metrics sampler beside it, then write summary.json and the report."""
+    sampler = start_sampler(orch.r, orch.cfg.job.name, orch.run_dir, orch.cfg.metrics.interval_s)
+    try:
+        summary = orch.run()
+    finally:
+        sampler.stop()
+    (orch.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(format_summary(summary, orch.run_dir), file=orch.out)
+    print(f"report: {write_report(orch.run_dir)}", file=orch.out)
+
+
+def _stop(orch: Orchestrator | None, embedded: EmbeddedRedis | None) -> None:
+    """Stop the children first, then the embedded Redis they were using."""
+    if orch is not None:
+        try:
+            # Any phase but running/trained tells the controller and agent the job is over.
+            done = orch.r.hget(orch.keys.state, "phase") == b"trained"
+            orch.r.hset(orch.keys.state, "phase", "done" if done else "stopped")
+        except redis.RedisError:
+            pass
+        orch.stop_children()
+    if embedded:
+        embedded.stop()
 
 
 def _raise_interrupt(signum, _frame):

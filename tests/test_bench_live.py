@@ -12,6 +12,7 @@ import pytest
 
 from pipeline.sim import bench_allocator as bench_policy
 from pipeline.sim import des as sim_des
+from pipeline.sim import fluid
 from pipeline.observe.audit import audit
 from pipeline.sim.bench_live import LiveBench, LiveEngineError, LiveSettings, control_settings, worker_counts
 from pipeline.dataplane.keys import CONTROLLER_LEASE, JOBS, JobKeys
@@ -117,7 +118,7 @@ def test_live_engine_runs_the_async_modes_on_the_control_plane(r, redis_url, tmp
         assert res["modes"][mode]["staleness_p99"] <= wl.job.max_staleness
         manifest = json.loads((Path(d[mode]["run_dir"]) / "manifest.json").read_text())
         assert manifest["config"]["job"]["seed"] == 3          # the sim workers run the seed asked for
-    assert res["modes"]["static"]["final_allocation"] == sim_des.static_split(wl).as_dict()
+    assert res["modes"]["static"]["final_allocation"] == fluid.static_split(wl).as_dict()
     assert any("static (live)" in line for line in lines)
     out = bench_policy.readme_json(res)
     assert set(out) == {"workload", "engine", "live_vs_des", "modes", "ratios"}

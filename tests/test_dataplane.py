@@ -253,12 +253,12 @@ def test_a_long_run_keeps_streams_and_memory_bounded(redis_url):
     pipeline = Pipeline(redis_url, spec)
     try:
         pipeline.run(n)
-        mem_1, lengths_1 = settle(pipeline.r, pipeline.dataplane.keys)
+        mem_1, lengths_1 = settle(pipeline.r, pipeline.keys)
         pipeline.run(2 * n)
-        mem_3, lengths_3 = settle(pipeline.r, pipeline.dataplane.keys)
+        mem_3, lengths_3 = settle(pipeline.r, pipeline.keys)
     finally:
         pipeline.stop()
-    r, keys = pipeline.r, pipeline.dataplane.keys
+    r, keys = pipeline.r, pipeline.keys
     assert int(r.hget(keys.counters, "trained")) == 3 * n * 4
     # While running, a stream holds what is in flight plus what was acknowledged since its stage's
     # last trim (every TRIM_EVERY rounds of up to `count` entries); trimmed, only the last-delivered

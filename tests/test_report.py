@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.observe.report import dump_dom, find_chromium, load_run, nice_ticks, render, screenshot, write_report
+from pipeline.observe.charts import nice_ticks
+from pipeline.observe.report import dump_dom, find_chromium, load_run, render, screenshot, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1.7e9

@@ -1,4 +1,4 @@
-"""The tiny policy (tokenizer, model files, log-probs, torch generator, warm start) and the agent loop.
+"""The tiny policy (tokenizer, model files, log-probs, torch generator, warm start) and the episode loop.
 
 Fast tests use a freshly initialised model (~0.1 s to build); the warm-start
 calibration test is marked slow (about a minute on 2 cores).
@@ -138,7 +138,7 @@ def test_torch_generator_keeps_eos_token_out_of_text(policy_dir, tokenizer):
         assert len(o.logprobs) == len(o.token_ids)
 
 
-# --- the agent loop, with a scripted generator ------------------------------
+# --- the episode loop, with a scripted generator ------------------------------
 
 
 class ScriptedGenerator:

@@ -1,8 +1,8 @@
-"""The rollout engine: vLLM behind the agent loop's ``Generator`` protocol.
+"""The rollout engine: vLLM behind the episode loop's ``Generator`` protocol.
 
 Who calls it: the rollout worker process (one engine per worker; ``generate``
-through ``agent_loop.run_episodes``, ``reload`` between groups when a new
-policy version is published) and the evaluator (``agent_loop.evaluate``).
+through ``episode.run_episodes``, ``reload`` between groups when a new
+policy version is published) and the evaluator (``episode.evaluate``).
 With ``in_process=False``, construct it only under
 ``if __name__ == "__main__"`` (or in a worker's ``run``): vLLM then starts its
 engine core with multiprocessing spawn, which re-imports the main module.
@@ -48,7 +48,7 @@ def _prepare_process(in_process: bool, threads: int | None) -> None:
 
 
 class VLLMEngine:
-    """A ``vllm.LLM`` on a policy directory; implements ``agent_loop.Generator``.
+    """A ``vllm.LLM`` on a policy directory; implements ``episode.Generator``.
 
     Processes and threads on a small CPU machine. ``in_process=True`` (the
     default) runs vLLM's engine in the calling process with ``threads`` torch

@@ -13,11 +13,8 @@ under a new version, and its unacknowledged entries are replayed.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,8 +27,10 @@ from pipeline.observe.trace import span
 from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
                               take_over_pending, transact, trim)
 from pipeline.dataplane.worker import WorkerContext, finish_worker, start_worker
+from workers.checkpoint import (latest_checkpoint, prune_published, read_optimizer, read_state, trained_ids_after,
+                                write_checkpoint, write_published)
 from workers.grpo import clipped_loss, group_advantages
-from workers.tiny_policy import completion_logprobs, load_model, save_weights
+from workers.tiny_policy import completion_logprobs, load_model
 
 MICRO_BATCH = 64  # trajectories per forward/backward; bounds activation memory
 DEDUP_STEPS = 200  # steps a trained id is remembered (in memory and restored from checkpoints)
@@ -53,6 +52,8 @@ class Batch:
 
 
 class Learner:
+    """The learner process's state (model, optimizer, version, entries held until the next checkpoint) and loop."""
+
     def __init__(self, ctx: WorkerContext):
         self.ctx, self.cfg = ctx, ctx.cfg.learner
         torch.set_num_threads(self.cfg.threads)
@@ -97,7 +98,7 @@ class Learner:
                 self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={"trained": 0, "dropped_stale": 0}))
                 self.publish()
             return None
-        state = json.loads((latest / "state.json").read_text())
+        state = read_state(latest)
         self.model = load_model(latest / "model")
         self.step = state["step"]
         self.trained_total = state["trained_total"]
@@ -105,23 +106,13 @@ class Learner:
         # A restore publishes under a new, higher version: a number never names two weight sets.
         self.version = max(published, state["version"]) + 1
         self.ctx.log.info("restored", checkpoint=str(latest), step=self.step, version=self.version)
-        opt = torch.load(latest / "optimizer.pt", weights_only=True)
-        self.restore_trained_ids()
+        opt = read_optimizer(latest)
+        self.trained_ids.update(trained_ids_after(self.ckpt_dir, self.step - DEDUP_STEPS))
         # Counters follow the checkpoint: steps after it will be trained again from the replay.
         self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={
             "trained": self.trained_total, "dropped_stale": self.dropped_total}))
         self.publish()
         return opt
-
-    def restore_trained_ids(self) -> None:
-        for ckpt in sorted(self.ckpt_dir.glob("step-*")):
-            state_file = ckpt / "state.json"
-            if ckpt.name.endswith(".tmp") or not state_file.exists():
-                continue
-            step = json.loads(state_file.read_text())["step"]
-            if step > self.step - DEDUP_STEPS:
-                for tid in (ckpt / "consumed.txt").read_text().split():
-                    self.trained_ids[tid] = step
 
     def set_lr(self) -> None:
         warm = self.cfg.warmup_steps
@@ -199,15 +190,23 @@ class Learner:
 
     def train(self, batch: Batch) -> dict:
         """One GRPO update on the admitted groups; returns the step's metrics."""
-        rows = []  # (prompt tokens, trajectory, advantage, staleness)
-        for g in batch.groups:
-            adv = group_advantages(g.rewards)
-            for t, a in zip(g.trajectories, adv):
-                rows.append((g.prompt_tokens, t, a, self.version - g.version))
+        rows = _rows(batch.groups, self.version)
         active = [row for row in rows if row[2] != 0.0]  # zero advantage: no gradient
-        total_tokens = int(sum(int(r[1].mask.sum()) for r in active))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, stats_all, fresh = self.backward(active)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        if active:
+            self.optimizer.step()
+        self.step += 1
+        self.version += 1
+        self.set_lr()
+        return step_metrics(batch, rows, active, loss_sum, stats_all, fresh, grad_norm,
+                            step=self.step, version=self.version, lr=self.optimizer.param_groups[0]["lr"])
+
+    def backward(self, active: list) -> tuple[float, list, list[float]]:
+        """Accumulate the loss's gradient over micro-batches; returns its sum, the chunks' stats, fresh |log ratio|s."""
+        total_tokens = int(sum(int(r[1].mask.sum()) for r in active))
         loss_sum, stats_all, fresh = 0.0, [], []
         for i in range(0, len(active), MICRO_BATCH):
             chunk = active[i:i + MICRO_BATCH]
@@ -220,86 +219,25 @@ class Learner:
             loss.backward()
             loss_sum += float(loss.detach())
             stats_all.append(st)
-            fresh += self.fresh_ratio_devs(new, old, masks, chunk)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
-        if active:
-            self.optimizer.step()
-        self.step += 1
-        self.version += 1
-        self.set_lr()
-        return self.step_metrics(batch, rows, active, loss_sum, stats_all, fresh, grad_norm)
-
-    @staticmethod
-    def fresh_ratio_devs(new, old, masks, chunk) -> list[float]:
-        """|log ratio| per policy token of samples generated by these very weights (staleness 0)."""
-        out = []
-        for n, o, m, row in zip(new, old, masks, chunk):
-            if row[3] == 0:
-                sel = m.bool()
-                out += (n.detach()[sel] - o[sel]).abs().tolist()
-        return out
-
-    def step_metrics(self, batch, rows, active, loss_sum, stats_all, fresh, grad_norm) -> dict:
-        rewards = np.array([r[1].reward for r in rows], dtype=np.float64)
-        stale = np.array([r[3] for r in rows])
-        masks_all = [r[1].mask.astype(bool) for r in rows]
-        behaviour = np.concatenate([r[1].logprobs[m] for r, m in zip(rows, masks_all)]) if rows else np.zeros(1)
-        equal_groups = sum(1 for g in batch.groups if len(set(g.rewards)) == 1)
-        n_tok = sum(s.tokens for s in stats_all)
-        return {
-            "step": self.step, "policy_version": self.version, "loss": loss_sum,
-            "reward_mean": float(rewards.mean()) if rows else 0.0,
-            "reward_std": float(rewards.std()) if rows else 0.0,
-            "success_rate": float((rewards >= 1.0).mean()) if rows else 0.0,
-            "entropy": float(-behaviour.mean()),
-            "staleness_mean": float(stale.mean()) if rows else 0.0,
-            "staleness_max": int(stale.max()) if rows else 0,
-            "staleness_hist": {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))},
-            "trajectories": len(rows), "active_trajectories": len(active),
-            "zero_signal_groups": equal_groups, "groups": len(batch.groups),
-            "dropped_stale": batch.dropped_trajectories, "grad_norm": grad_norm,
-            "clip_frac": float(np.average([s.clip_frac for s in stats_all],
-                                          weights=[max(s.tokens, 1) for s in stats_all])) if stats_all else 0.0,
-            "ratio_fresh_tokens": len(fresh),
-            "ratio_fresh_max_abs_log": float(max(fresh)) if fresh else None,
-            "ratio_fresh_mean_abs_log": float(np.mean(fresh)) if fresh else None,
-            "policy_tokens": n_tok, "wait_s": batch.wait_s, "lr": self.optimizer.param_groups[0]["lr"],
-        }
+            fresh += fresh_ratio_devs(new, old, masks, chunk)
+        return loss_sum, stats_all, fresh
 
     # --- publishing and checkpoints ---------------------------------------------------------------
 
     def publish(self) -> None:
         """Write weights for the current version and announce them; old versions are pruned."""
-        final = self.pub_dir / f"v{self.version:06d}"
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_weights(self.model, tmp)
-        os.replace(tmp, final) if not final.exists() else (shutil.rmtree(final), os.replace(tmp, final))
+        final = write_published(self.pub_dir, self.version, self.model)
         announce = {"version": self.version, "path": str(final.resolve()), "step": self.step,
                     "published_at": time.time()}
         self.write(lambda pipe: pipe.hset(self.ctx.keys.policy, mapping=announce))
         self.ctx.set_version(self.version)
-        versions = sorted(p for p in self.pub_dir.glob("v*") if not p.name.endswith(".tmp"))
-        for old in versions[:-self.cfg.keep_published]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_published(self.pub_dir, self.cfg.keep_published)
 
     def checkpoint(self) -> None:
         """Make the step durable, then acknowledge what it consumed (offsets ride on checkpoints)."""
-        final = self.ckpt_dir / f"step-{self.step:06d}"
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_weights(self.model, tmp / "model")
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / "consumed.txt").write_text("".join(f"{i}\n" for i in self.consumed))
-        (tmp / "dropped.txt").write_text("".join(f"{i}\n" for i in self.dropped))
-        (tmp / "state.json").write_text(json.dumps({
+        write_checkpoint(self.ckpt_dir, self.model, self.optimizer, self.consumed, self.dropped, {
             "step": self.step, "version": self.version, "trained_total": self.trained_total,
-            "dropped_total": self.dropped_total, "written_at": time.time()}))
-        _fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(self.ckpt_dir)
+            "dropped_total": self.dropped_total, "written_at": time.time()})
         if self.unacked:
             self.ctx.r.xack(self.ctx.keys.scored, GROUP_LEARNER, *self.unacked)
         trim(self.ctx.r, self.ctx.keys.scored)
@@ -320,23 +258,11 @@ class Learner:
         self.dropped_total += batch.dropped_trajectories
         metrics.update(trained_total=self.trained_total, dropped_stale_total=self.dropped_total,
                        duplicates_skipped=batch.duplicates, at=time.time())
-        keys = self.ctx.keys
-
-        def build():
-            pipe = self.ctx.r.pipeline(transaction=True)
-            pipe.hincrby(keys.counters, "trained", metrics["trajectories"])
-            pipe.hincrby(keys.counters, "dropped_stale", batch.dropped_trajectories)
-            if batch.duplicates:
-                pipe.hincrby(keys.counters, "duplicates_dropped_learner", batch.duplicates)
-            pipe.hset(keys.learner_stats, mapping={k: json.dumps(v) for k, v in metrics.items()})
-            pipe.xadd(keys.metrics, {"kind": "learner_step", "data": json.dumps(metrics)},
-                      maxlen=100_000, approximate=True)
-            return pipe
-
-        execute_with_backpressure(build, self.ctx.log, self.ctx.stopping)
+        execute_with_backpressure(lambda: _step_writes(self.ctx.r, self.ctx.keys, batch, metrics),
+                                  self.ctx.log, self.ctx.stopping)
         # Entries held until the next checkpoint: refresh the claim so no one reclaims them.
         if self.unacked:
-            self.ctx.r.xclaim(keys.scored, GROUP_LEARNER, self.ctx.worker_id, 0, self.unacked, justid=True)
+            self.ctx.r.xclaim(self.ctx.keys.scored, GROUP_LEARNER, self.ctx.worker_id, 0, self.unacked, justid=True)
         with open(self.ctx.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"kind": "learner_step", **metrics}) + "\n")
         self.ctx.count(metrics["trajectories"])
@@ -355,11 +281,7 @@ class Learner:
             with span(self.ctx.log, "train", trajectories=batch.trajectories):
                 metrics = self.train(batch)
             metrics["train_s"] = time.monotonic() - t0
-            metrics.update(tool_stats(batch.groups))
-            every = self.ctx.cfg.metrics.diversity_every
-            if every and self.step % every == 0:
-                metrics.update(diversity_metrics([([t.text for t in g.trajectories], list(g.rewards))
-                                                  for g in batch.groups]))
+            metrics.update(batch_metrics(batch, self.step, self.ctx.cfg.metrics.diversity_every))
             if self.step % self.cfg.publish_every == 0 or self.step == steps:
                 with span(self.ctx.log, "publish", version=self.version):
                     self.publish()
@@ -380,19 +302,75 @@ def _ids(group: messages.Group) -> list[str]:
     return [f"{group.prompt_id}/{t.sample_idx}" for t in group.trajectories]
 
 
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    done = sorted(p for p in ckpt_dir.glob("step-*") if not p.name.endswith(".tmp")
-                  and (p / "state.json").exists())
-    return done[-1] if done else None
+def _rows(groups: list[messages.Group], version: int) -> list[tuple]:
+    """(prompt tokens, trajectory, advantage, staleness) for every trajectory of the groups."""
+    rows = []
+    for g in groups:
+        adv = group_advantages(g.rewards)
+        for t, a in zip(g.trajectories, adv):
+            rows.append((g.prompt_tokens, t, a, version - g.version))
+    return rows
 
 
-def _fsync_dir(path: Path) -> None:
-    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def fresh_ratio_devs(new, old, masks, chunk) -> list[float]:
+    """|log ratio| per policy token of samples generated by these very weights (staleness 0)."""
+    out = []
+    for n, o, m, row in zip(new, old, masks, chunk):
+        if row[3] == 0:
+            sel = m.bool()
+            out += (n.detach()[sel] - o[sel]).abs().tolist()
+    return out
+
+
+def step_metrics(batch: Batch, rows, active, loss_sum, stats_all, fresh, grad_norm, *,
+                 step: int, version: int, lr: float) -> dict:
+    """The step's figures: reward, staleness, clipping, the fresh-sample ratio check, timing."""
+    rewards = np.array([r[1].reward for r in rows], dtype=np.float64)
+    stale = np.array([r[3] for r in rows])
+    masks_all = [r[1].mask.astype(bool) for r in rows]
+    behaviour = np.concatenate([r[1].logprobs[m] for r, m in zip(rows, masks_all)]) if rows else np.zeros(1)
+    equal_groups = sum(1 for g in batch.groups if len(set(g.rewards)) == 1)
+    n_tok = sum(s.tokens for s in stats_all)
+    return {
+        "step": step, "policy_version": version, "loss": loss_sum,
+        "reward_mean": float(rewards.mean()) if rows else 0.0,
+        "reward_std": float(rewards.std()) if rows else 0.0,
+        "success_rate": float((rewards >= 1.0).mean()) if rows else 0.0,
+        "entropy": float(-behaviour.mean()),
+        "staleness_mean": float(stale.mean()) if rows else 0.0,
+        "staleness_max": int(stale.max()) if rows else 0,
+        "staleness_hist": {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))},
+        "trajectories": len(rows), "active_trajectories": len(active),
+        "zero_signal_groups": equal_groups, "groups": len(batch.groups),
+        "dropped_stale": batch.dropped_trajectories, "grad_norm": grad_norm,
+        "clip_frac": float(np.average([s.clip_frac for s in stats_all],
+                                      weights=[max(s.tokens, 1) for s in stats_all])) if stats_all else 0.0,
+        "ratio_fresh_tokens": len(fresh),
+        "ratio_fresh_max_abs_log": float(max(fresh)) if fresh else None,
+        "ratio_fresh_mean_abs_log": float(np.mean(fresh)) if fresh else None,
+        "policy_tokens": n_tok, "wait_s": batch.wait_s, "lr": lr,
+    }
+
+
+def batch_metrics(batch: Batch, step: int, diversity_every: int) -> dict:
+    """Tool use of the batch, and its diversity every ``diversity_every`` steps (0: never)."""
+    out = tool_stats(batch.groups)
+    if diversity_every and step % diversity_every == 0:
+        out.update(diversity_metrics([([t.text for t in g.trajectories], list(g.rewards)) for g in batch.groups]))
+    return out
+
+
+def _step_writes(r, keys, batch: Batch, metrics: dict):
+    """The step's counters, stats and metrics entry, as one transaction (rebuilt on each retry)."""
+    pipe = r.pipeline(transaction=True)
+    pipe.hincrby(keys.counters, "trained", metrics["trajectories"])
+    pipe.hincrby(keys.counters, "dropped_stale", batch.dropped_trajectories)
+    if batch.duplicates:
+        pipe.hincrby(keys.counters, "duplicates_dropped_learner", batch.duplicates)
+    pipe.hset(keys.learner_stats, mapping={k: json.dumps(v) for k, v in metrics.items()})
+    pipe.xadd(keys.metrics, {"kind": "learner_step", "data": json.dumps(metrics)},
+              maxlen=100_000, approximate=True)
+    return pipe
 
 
 def main() -> None:

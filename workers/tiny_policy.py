@@ -10,7 +10,7 @@ A model directory holds config.json, generation_config.json, model.safetensors
 ``transformers.Qwen2ForCausalLM.from_pretrained`` and in vLLM. The tokenizer
 maps every printable ASCII character, space and newline to one token, so
 ``decode(encode(s)) == s`` and one character of the task is one action (the
-agent loop and the warm start rely on that: a character mask is a token mask).
+episode loop and the warm start rely on that: a character mask is a token mask).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ import structlog
 
 from pipeline.control import actions
 from pipeline.control.actions import STATE_DRAIN, STATE_GONE, STATE_RUN
-from pipeline.dataplane.keys import AGENTS, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
+from pipeline.dataplane.keys import AGENTS, ROLES, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
 from pipeline.dataplane.redisconn import ENV_URL, connect
 
 TICK_S = 0.2
@@ -60,7 +60,6 @@ TOMBSTONE_S = 3600.0      # drained records are kept this long, so a late retrie
 GPUS_ENV = "LIBRA_GPUS"
 NODE_ENV = "LIBRA_NODE"
 SLOTS_ENV = "LIBRA_SLOTS"
-STAGE_ROLES = ("rollout", "reward", "learner")
 
 
 class SlotError(ValueError):
@@ -127,7 +126,7 @@ def worker_argv(backend: str, role: str, run_dir: str, worker: str) -> list[str]
     tail = ["--run-dir", run_dir, "--worker-id", worker]
     if role == "feeder":
         return [sys.executable, "-m", "workers.feeder", *tail]
-    if role not in STAGE_ROLES:
+    if role not in ROLES:
         raise ValueError(f"unknown role {role!r}")
     if backend == "sim":
         return [sys.executable, "-m", "pipeline.sim.worker", "--role", role, *tail]

@@ -13,7 +13,7 @@ import time
 import redis
 
 from pipeline.dataplane.keys import AGENTS, CONTROLLER_WAKE, JobKeys, agent_procs
-from pipeline.dataplane.worker import ROLES
+from pipeline.dataplane.keys import ROLES
 
 AGENT_DEAD_S = 10.0      # an agent silent this long is gone: its slots leave the inventory
 
@@ -39,7 +39,7 @@ def pin(r: redis.Redis, job: str, roles: dict[str, int]) -> None:
 
 
 def unpin(r: redis.Redis, job: str) -> None:
-    """Hand the job back to the policy."""
+    """Hand the job back to the allocator."""
     r.hset(JobKeys(job).allocation, "mode", "auto")
     r.lpush(CONTROLLER_WAKE, f"auto:{job}")
 

@@ -1,9 +1,9 @@
-"""The allocation policy: a pure ``plan(metrics, inventory, jobs) -> Decision``.
+"""The allocator: a pure ``plan(metrics, inventory, jobs) -> Decision``.
 
 Called every control interval by the live controller's reconcile loop (which
 reads the metrics from Redis) and by the throughput simulator
 (``pipeline.sim.des``, which measures them inside the simulation), so a
-benchmark of the policy is a benchmark of the product. No Redis, no processes,
+benchmark of the allocator is a benchmark of the product. No Redis, no processes,
 no clock reads: everything it knows arrives in its arguments, and everything it
 knows is observable on a live job (measured rates, queue lengths, wait
 fractions), never a workload's cost-model parameters.
@@ -36,7 +36,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-ROLES = ("rollout", "reward", "learner")
+from pipeline.dataplane.keys import ROLES
+
 
 
 @dataclass(frozen=True)
@@ -162,15 +163,20 @@ def median_of_counts(counts: Mapping[int, int]) -> float:
     return 0.0
 
 
+# Field guide: a learner idle more than 20% of the time means rollout is short. The policy's signal,
+# and the line that libra-ctl doctor, libra top, the Prometheus help and report.html use.
+LEARNER_WAIT_THRESHOLD = 0.2
+
+
 @dataclass(frozen=True)
 class PlanConfig:
-    """Knobs of the policy (the controller's config)."""
+    """Knobs of the allocator (the controller's config)."""
 
     horizon_s: float = 900.0            # a move must pay for itself within this time
     cooldown_s: float = 150.0           # no move sooner than this after the previous one
     min_gain_frac: float = 0.02         # ignore predicted gains below this share of the current rate
     reverse_gain_frac: float = 0.05     # ... and below this one for a move that undoes the previous move
-    learner_wait_threshold: float = 0.2   # field guide: learner idle > 20% means rollout is short
+    learner_wait_threshold: float = LEARNER_WAIT_THRESHOLD  # learner idle above this: rollout is short
     idle_slots_threshold: float = 0.2     # rollout slots this empty while the learner waits: window-bound
     backlog_batches: float = 1.0        # a backlog above this many batches and rising means learner short
     candidates: int = 12                # target rates tried between current and best

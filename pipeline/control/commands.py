@@ -18,7 +18,7 @@ from pipeline.control.allocation import allocation_status, get_allocation, pin, 
 from pipeline.control.events import read_events
 from pipeline.dataplane.keys import CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, JobKeys
 from pipeline.dataplane.redisconn import connect, find_redis_url
-from pipeline.dataplane.worker import ROLES
+from pipeline.dataplane.keys import ROLES
 
 
 def pick_job(r: redis.Redis, job: str | None) -> str:
@@ -48,11 +48,11 @@ def cmd_scale(args) -> int:
     r = connect(find_redis_url(args.redis))
     job = pick_job(r, args.job)
     if args.auto == bool(args.counts):
-        print("libra-ctl scale: give role=N counts to pin, or --auto to hand back to the policy", file=sys.stderr)
+        print("libra-ctl scale: give role=N counts to pin, or --auto to hand back to the allocator", file=sys.stderr)
         return 2
     if args.auto:
         unpin(r, job)
-        print(f"{job}: allocation is automatic again (the policy decides on the next tick)")
+        print(f"{job}: allocation is automatic again (the allocator decides on the next tick)")
         return 0
     try:
         pin(r, job, parse_counts(args.counts))
@@ -116,9 +116,9 @@ def cmd_events(args) -> int:
 
 
 def add_commands(sub) -> None:
-    s = sub.add_parser("scale", help="pin worker counts (role=N ...) or hand back to the policy (--auto)")
+    s = sub.add_parser("scale", help="pin worker counts (role=N ...) or hand back to the allocator (--auto)")
     s.add_argument("counts", nargs="*", metavar="ROLE=N")
-    s.add_argument("--auto", action="store_true", help="return control to the policy")
+    s.add_argument("--auto", action="store_true", help="return control to the allocator")
     s.add_argument("--job")
     s.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for the counts")
     s.add_argument("--redis")

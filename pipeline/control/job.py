@@ -19,7 +19,7 @@ from pipeline import config as config_mod
 from pipeline.config import ControlConfig
 from pipeline.control import allocator
 from pipeline.dataplane.keys import JobKeys
-from pipeline.dataplane.worker import ROLES
+from pipeline.dataplane.keys import ROLES
 
 
 def control_settings(raw: dict | None) -> ControlConfig:

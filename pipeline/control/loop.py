@@ -48,7 +48,7 @@ from pipeline.control.observer import Observer
 from pipeline.control.placement import fit, place
 from pipeline.dataplane.keys import (CONTROLLER_EPOCH, CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, LEARNER, JobKeys,
                                      agent_desired)
-from pipeline.dataplane.worker import ROLES
+from pipeline.dataplane.keys import ROLES
 
 RESEND_S = 15.0          # an action not reflected in the agent's desired state after this is sent again
 
@@ -156,7 +156,7 @@ class Controller:
         """The job's allocation record, created from its config on first sight.
 
         In auto mode, slots the config's counts leave empty start as rollout:
-        the policy can only rebalance what it measures, and an empty slot measures nothing.
+        the allocator can only rebalance what it measures, and an empty slot measures nothing.
         """
         alloc = get_allocation(self.r, jc.info.name)
         if alloc["mode"] is None:
@@ -238,7 +238,7 @@ class Controller:
         return True
 
     def commit(self, jc: JobControl, alloc: dict, cur: dict, new: dict, target: dict, now: float) -> None:
-        """Write the placement and, if the target moved, when and from what (the policy's cooldown)."""
+        """Write the placement and, if the target moved, when and from what (the allocator's cooldown)."""
         k = JobKeys(jc.info.name)
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(k.placement)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pipeline.control.allocator import Allocation, RoleBounds
 from pipeline.dataplane.keys import LEARNER
-from pipeline.dataplane.worker import ROLES
+from pipeline.dataplane.keys import ROLES
 
 def place(target: dict[str, int], current: dict[str, dict], nodes: dict[str, list[int]],
           taken: set[tuple[str, int]] = frozenset(), reward_on_slots: bool = False) -> dict[str, dict]:

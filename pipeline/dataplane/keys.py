@@ -12,6 +12,9 @@ from dataclasses import dataclass
 PREFIX = "libra"
 JOBS = f"{PREFIX}:jobs"  # set of job names that have run on this Redis
 
+# The stages whose workers hold slots and that the controller moves between; each reads one stream.
+ROLES = ("rollout", "reward", "learner")
+
 # Consumer group of each stage, one per input stream.
 GROUP_ROLLOUT = "rollout"
 GROUP_REWARD = "reward"

@@ -28,7 +28,6 @@ from pipeline.dataplane.keys import JobKeys
 from pipeline.dataplane.redisconn import ENV_URL, connect
 
 HEARTBEAT_S = 2.0
-ROLES = ("rollout", "reward", "learner")   # the stages whose workers hold slots and that the controller moves
 
 
 @dataclass

@@ -28,6 +28,7 @@ import redis
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
 from pipeline.dataplane.keys import JOBS, JobKeys
 from pipeline.observe.status import job_status
 
@@ -226,7 +227,7 @@ def _families() -> dict:
         "workers": G("libra_workers", "Worker processes by role and state.", labels=["job", "role", "state"]),
         "dlq": C("libra_dead_letters", "Messages sent to the dead-letter stream.", labels=J),
         "wait": G("libra_learner_wait_ratio", f"Share of the last {WAIT_WINDOW_STEPS} learner steps' time spent "
-                  "waiting for data (above 0.2: rollout is short).", labels=J),
+                  f"waiting for data (above {LEARNER_WAIT_THRESHOLD:g}: rollout is short).", labels=J),
         "wait_window": G("libra_learner_wait_ratio_sampled", "Learner wait share over the sampler's last interval.",
                          labels=J),
         "staleness": HistogramMetricFamily("libra_staleness_versions", "Policy versions between generation and "

@@ -4,8 +4,9 @@ Throughput, reward and diversity side by side (the field guide judges a
 change by the three together), the allocation over time with the
 controller's decisions marked, queue lengths and learner wait, a staleness
 histogram, resources, the run's events and its manifest. Everything is
-inline SVG drawn here and a few lines of inline script that check the plots
-laid out; nothing is fetched, so the file can be mailed or archived.
+inline SVG (drawn by ``pipeline.observe.charts``) and a few lines of inline
+script that check the plots laid out; nothing is fetched, so the file can be
+mailed or archived. This module loads the run and assembles the page.
 
 Inputs are the run directory alone: ``metrics.jsonl`` (the learner's steps and
 the sampler's samples), ``events.jsonl`` (controller decisions), ``logs/``,
@@ -18,9 +19,7 @@ Called by the user, by ``libra-ctl run`` at the end of a run, and by
 from __future__ import annotations
 
 import functools
-import html
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -28,30 +27,22 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
+from pipeline.observe.charts import SELF_CHECK, Series, bar_chart, esc, line_chart
+
 COLORS = {"rollout": "#2563eb", "reward": "#d97706", "learner": "#059669", "feeder": "#6b7280",
           "controller": "#7c3aed"}
 PALETTE = ("#2563eb", "#059669", "#d97706", "#dc2626", "#7c3aed", "#0891b2", "#4b5563", "#db2777")
-W, H = 480, 250  # chart viewBox; the page scales it
-PAD_L, PAD_R, PAD_T, PAD_B = 52, 14, 12, 34
 MAX_EVENTS = 400
 BIN_S = 10.0  # rate bins when throughput comes from logs
 NOTABLE = {"checkpointed", "restored", "evaluated", "dead_lettered", "dead_lettered_redelivered",
            "worker_started", "worker_exited", "stop_requested", "redis_full_waiting", "reclaimed", "drained"}
+NO_SAMPLES = "no metric samples in metrics.jsonl (the sampler was not running)"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--no-first-run", "--hide-scrollbars"]
 
 
 # --- the run's data -------------------------------------------------------------------------------------
-
-
-@dataclass
-class Series:
-    name: str
-    xs: list[float]
-    ys: list[float | None]
-    color: str
-    step: bool = False  # drawn as a step function (counts that change at instants)
-    dash: bool = False
 
 
 @dataclass
@@ -250,207 +241,6 @@ def resource_series(d: RunData) -> tuple[list[Series], list[Series], list[Series
     return cpu, rss, gpu
 
 
-# --- SVG ----------------------------------------------------------------------------------------------------
-
-
-def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    if not math.isfinite(lo) or not math.isfinite(hi):
-        return [0.0, 1.0]
-    if hi <= lo:
-        hi = lo + (abs(lo) or 1.0)
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if (hi - lo) / (m * mag) <= n)
-    start = math.floor(lo / step) * step
-    ticks, t = [], start
-    while t < hi + step * 0.999:
-        ticks.append(round(t, 12))
-        t += step
-    return ticks
-
-
-def fmt_num(v: float) -> str:
-    if v == 0:
-        return "0"
-    a = abs(v)
-    if a >= 1e6:
-        return f"{v / 1e6:.3g}M"
-    if a >= 1e4:
-        return f"{v / 1e3:.3g}k"
-    if a >= 100:
-        return f"{v:.0f}"
-    return f"{v:.3g}"
-
-
-def _esc(s) -> str:
-    return html.escape(str(s), quote=True)
-
-
-class Frame:
-    """Axes of one chart: data -> viewBox coordinates, ticks and grid."""
-
-    def __init__(self, xs: list[float], ys: list[float], y_min=None, y_max=None):
-        self.minutes = bool(xs) and max(xs) - min(xs) > 900
-        xs = [x / 60 for x in xs] if self.minutes else xs
-        self.xt = nice_ticks(min(xs, default=0.0), max(xs, default=1.0))
-        lo = min(ys, default=0.0) if y_min is None else y_min
-        hi = max(ys, default=1.0) if y_max is None else max(y_max, max(ys, default=y_max))
-        self.yt = nice_ticks(min(lo, 0.0) if lo >= 0 else lo, hi)
-        self.x0, self.x1, self.y0, self.y1 = self.xt[0], self.xt[-1], self.yt[0], self.yt[-1]
-
-    def px(self, x: float) -> float:
-        x = x / 60 if self.minutes else x
-        return PAD_L + (x - self.x0) / ((self.x1 - self.x0) or 1) * (W - PAD_L - PAD_R)
-
-    def py(self, y: float) -> float:
-        return H - PAD_B - (y - self.y0) / ((self.y1 - self.y0) or 1) * (H - PAD_T - PAD_B)
-
-    def axes(self, x_label: str, y_label: str) -> str:
-        out = []
-        for t in self.yt:
-            y = self.py(t)
-            out.append(f'<line class="grid" x1="{PAD_L}" x2="{W - PAD_R}" y1="{y:.1f}" y2="{y:.1f}"/>'
-                       f'<text class="tick" x="{PAD_L - 6}" y="{y + 4:.1f}" text-anchor="end">{fmt_num(t)}</text>')
-        for t in self.xt:
-            x = PAD_L + (t - self.x0) / ((self.x1 - self.x0) or 1) * (W - PAD_L - PAD_R)
-            out.append(f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T}" y2="{H - PAD_B}"/>'
-                       f'<text class="tick" x="{x:.1f}" y="{H - PAD_B + 15}" text-anchor="middle">{fmt_num(t)}</text>')
-        unit = "minutes" if self.minutes else "seconds"
-        out.append(f'<text class="label" x="{(PAD_L + W - PAD_R) / 2}" y="{H - 4}" text-anchor="middle">'
-                   f'{_esc(x_label or unit + " since the start")}</text>')
-        if y_label:
-            out.append(f'<text class="label" transform="translate(12,{(PAD_T + H - PAD_B) / 2}) rotate(-90)" '
-                       f'text-anchor="middle">{_esc(y_label)}</text>')
-        return "".join(out)
-
-
-def _path(f: Frame, s: Series) -> str:
-    parts, pen = [], False
-    prev_y = None
-    for x, y in zip(s.xs, s.ys):
-        if y is None or (isinstance(y, float) and not math.isfinite(y)):
-            pen = False
-            continue
-        px, py = f.px(x), f.py(y)
-        if not pen:
-            parts.append(f"M{px:.1f},{py:.1f}")
-        elif s.step:
-            parts.append(f"H{px:.1f}V{py:.1f}")
-        else:
-            parts.append(f"L{px:.1f},{py:.1f}")
-        pen, prev_y = True, py
-    if s.step and pen and prev_y is not None:
-        parts.append(f"H{W - PAD_R:.1f}")  # a count holds until the end
-    return "".join(parts)
-
-
-def _points(f: Frame, s: Series, x_unit: str) -> str:
-    pts = [(x, y) for x, y in zip(s.xs, s.ys) if y is not None]
-    stride = max(1, len(pts) // 60)
-    r = 2.4 if len(pts) <= 40 else 0
-    out = []
-    for x, y in pts[::stride]:
-        out.append(f'<circle class="pt" cx="{f.px(x):.1f}" cy="{f.py(y):.1f}" r="{r or 4}" '
-                   f'fill="{s.color if r else "transparent"}"><title>{_esc(s.name)}: {fmt_num(y)} at '
-                   f'{x:.0f} {x_unit}</title></circle>')
-    return "".join(out)
-
-
-def _stack(series: list[Series]) -> list[tuple[Series, list[float], list[float]]]:
-    """(series, lower, upper) per series, stacked in order; the series share their xs."""
-    lower = [0.0] * len(series[0].xs)
-    out = []
-    for s in series:
-        upper = [lo + (y or 0.0) for lo, y in zip(lower, s.ys)]
-        out.append((s, lower, upper))
-        lower = upper
-    return out
-
-
-def _step_area(f: Frame, xs: list[float], lower: list[float], upper: list[float]) -> str:
-    def edge(ys):
-        pts = []
-        for i, (x, y) in enumerate(zip(xs, ys)):
-            nxt = f.px(xs[i + 1]) if i + 1 < len(xs) else W - PAD_R
-            pts += [(f.px(x), f.py(y)), (nxt, f.py(y))]
-        return pts
-    pts = edge(upper) + edge(lower)[::-1]
-    return "M" + "L".join(f"{x:.1f},{y:.1f}" for x, y in pts) + "Z"
-
-
-def _line_chart(key: str, title: str, series: list[Series], *, y_label: str = "", y_min=None, y_max=None,
-               markers: list[tuple[float, str]] = (), hlines: list[tuple[float, str]] = (),
-               stacked: bool = False, x_range: tuple[float, float] | None = None, empty: str = "no data",
-               note: str = "") -> str:
-    """A figure with one SVG line chart; ``markers`` are vertical lines with a hover label.
-
-    ``stacked`` draws step areas on top of each other (counts per role that add up to a total);
-    ``hlines`` are labelled thresholds.
-    """
-    series = [s for s in series if any(y is not None for y in s.ys)]
-    if not series:
-        return _figure(key, title, f'<p class="empty">{_esc(empty)}</p>', "", note, empty=True)
-    xs = [x for s in series for x in s.xs] + [m[0] for m in markers] + list(x_range or ())
-    ys = [y for s in series for y in s.ys if y is not None and math.isfinite(y)] + [h[0] for h in hlines]
-    layers = _stack(series) if stacked else []
-    if layers:
-        ys += layers[-1][2]
-    f = Frame(xs, ys, y_min, y_max)
-    dash = ' stroke-dasharray="5 3"'
-    if layers:
-        marks = "".join(f'<path class="series area" data-series="{_esc(s.name)}" d="{_step_area(f, s.xs, lo, up)}" '
-                        f'style="fill:{s.color}" stroke="{s.color}"><title>{_esc(s.name)}</title></path>'
-                        for s, lo, up in layers)
-    else:
-        marks = "".join(f'<path class="series" data-series="{_esc(s.name)}" d="{_path(f, s)}" stroke="{s.color}"'
-                        f'{dash if s.dash else ""}/>' + _points(f, s, "s") for s in series)
-    marks += "".join(f'<line class="threshold" x1="{PAD_L}" x2="{W - PAD_R}" y1="{f.py(y):.1f}" y2="{f.py(y):.1f}"/>'
-                     f'<text class="tick" x="{W - PAD_R - 2}" y="{f.py(y) - 4:.1f}" text-anchor="end">{_esc(lab)}</text>'
-                     for y, lab in hlines)
-    mk = "".join(f'<g class="decision"><line x1="{f.px(x):.1f}" x2="{f.px(x):.1f}" y1="{PAD_T}" y2="{H - PAD_B}"/>'
-                 f'<path d="M{f.px(x) - 4:.1f},{PAD_T}h8l-4,6z"/><title>{_esc(label)} (at {x:.0f} s)</title></g>'
-                 for x, label in markers)
-    svg = (f'<svg class="plot" viewBox="0 0 {W} {H}" role="img" aria-label="{_esc(title)}">'
-           f'<g class="axes">{f.axes("", y_label)}</g><g class="marks">{marks}</g>'
-           f'<g class="markers">{mk}</g></svg>')
-    legend = "".join(f'<span><i style="background:{s.color}"></i>{_esc(s.name)}</span>' for s in series)
-    if markers:
-        legend += f'<span><i class="mk"></i>controller decision ({len(markers)})</span>'
-    return _figure(key, title, svg, legend, note)
-
-
-def bar_chart(key: str, title: str, labels: list[str], values: list[float], colors: list[str], *,
-              x_label: str, y_label: str, empty: str, note: str = "") -> str:
-    if not values:
-        return _figure(key, title, f'<p class="empty">{_esc(empty)}</p>', "", note, empty=True)
-    f = Frame([0, 1], values, 0)
-    n, inner = len(values), W - PAD_L - PAD_R
-    bw = inner / n
-    bars = []
-    for i, (lab, v, c) in enumerate(zip(labels, values, colors)):
-        x, y = PAD_L + i * bw + bw * 0.15, f.py(v)
-        bars.append(f'<rect class="bar" x="{x:.1f}" y="{y:.1f}" width="{bw * 0.7:.1f}" '
-                    f'height="{max(H - PAD_B - y, 0.5):.1f}" fill="{c}"><title>{_esc(lab)}: {fmt_num(v)}</title></rect>'
-                    f'<text class="tick" x="{x + bw * 0.35:.1f}" y="{H - PAD_B + 15}" text-anchor="middle">'
-                    f'{_esc(lab)}</text><text class="val" x="{x + bw * 0.35:.1f}" y="{y - 4:.1f}" '
-                    f'text-anchor="middle">{fmt_num(v)}</text>')
-    grid = "".join(f'<line class="grid" x1="{PAD_L}" x2="{W - PAD_R}" y1="{f.py(t):.1f}" y2="{f.py(t):.1f}"/>'
-                   f'<text class="tick" x="{PAD_L - 6}" y="{f.py(t) + 4:.1f}" text-anchor="end">{fmt_num(t)}</text>'
-                   for t in f.yt)
-    svg = (f'<svg class="plot" viewBox="0 0 {W} {H}" role="img" aria-label="{_esc(title)}"><g class="axes">{grid}'
-           f'<text class="label" x="{(PAD_L + W - PAD_R) / 2}" y="{H - 4}" text-anchor="middle">{_esc(x_label)}</text>'
-           f'<text class="label" transform="translate(12,{(PAD_T + H - PAD_B) / 2}) rotate(-90)" '
-           f'text-anchor="middle">{_esc(y_label)}</text></g><g class="marks">{"".join(bars)}</g></svg>')
-    return _figure(key, title, svg, "", note)
-
-
-def _figure(key: str, title: str, body: str, legend: str, note: str, empty: bool = False) -> str:
-    return (f'<figure class="chart{" empty" if empty else ""}" data-chart="{_esc(key)}">'
-            f'<figcaption>{_esc(title)}</figcaption>{body}'
-            f'{f"<div class=legend>{legend}</div>" if legend else ""}'
-            f'{f"<p class=note>{_esc(note)}</p>" if note else ""}</figure>')
-
-
 # --- the page ---------------------------------------------------------------------------------------------
 
 
@@ -488,7 +278,7 @@ def events_table(d: RunData) -> str:
     rows.sort(key=lambda row: row[0])
     cut = len(rows) > MAX_EVENTS
     rows = rows[:MAX_EVENTS // 2] + rows[-MAX_EVENTS // 2:] if cut else rows
-    body = "".join(f"<tr><td>{d.x(at):.1f}</td><td>{_esc(src)}</td><td>{_esc(ev)}</td><td>{_esc(detail[:300])}</td></tr>"
+    body = "".join(f"<tr><td>{d.x(at):.1f}</td><td>{esc(src)}</td><td>{esc(ev)}</td><td>{esc(detail[:300])}</td></tr>"
                    for at, src, ev, detail in rows)
     more = f"<p class=note>{MAX_EVENTS} of the events shown (first and last).</p>" if cut else ""
     if not rows:
@@ -522,70 +312,75 @@ pre{background:#fff;border:1px solid #e5e7eb;padding:10px;overflow:auto;font-siz
 footer{color:#9ca3af;font-size:12px;padding:10px 24px 24px}
 """
 
-# Runs after layout: counts the charts whose marks have a non-empty box (what the Chromium test reads).
-SELF_CHECK = """
-(function(){var figs=document.querySelectorAll('figure.chart svg.plot'),n=0;
-for(var i=0;i<figs.length;i++){var m=figs[i].querySelector('.marks');if(!m||!m.childElementCount)continue;
-var b=m.getBBox();if(b.width>0||b.height>0){n++;figs[i].setAttribute('data-rendered','1');}}
-document.body.setAttribute('data-rendered-charts',String(n));document.body.setAttribute('data-charts',String(figs.length));
-var f=document.getElementById('selfcheck');if(f)f.textContent=n+' of '+figs.length+' charts rendered';})();
-"""
-
 
 def render(d: RunData) -> str:
-    line_chart = functools.partial(_line_chart, x_range=d.x_range())  # every time axis spans the whole run
-    traj, tok, tp_src = throughput_series(d)
+    """The page: the headline, three rows of charts, the events and the manifest."""
+    timeline = functools.partial(line_chart, x_range=d.x_range())  # every time axis spans the whole run
     markers = decision_markers(d)
-    cpu, rss, gpu = resource_series(d)
-    labels, values, colors = staleness_bars(d)
-    no_samples = "no metric samples in metrics.jsonl (the sampler was not running)"
-    one_page = "".join([
-        line_chart("throughput", "Throughput (trajectories/s)", traj, y_label="trajectories / s", y_min=0,
-                   markers=markers, note=f"from the {tp_src}", empty="no throughput data"),
-        line_chart("reward", "Reward", [step_series(d, "reward_mean", "reward mean", PALETTE[1]),
-                                        step_series(d, "success_rate", "success rate", PALETTE[0]),
-                                        step_series(d, "reward_std", "reward std", PALETTE[6])],
-                   y_label="per learner step", y_min=0, markers=markers, empty="no learner steps"),
-        line_chart("diversity", "Diversity", diversity_series(d), y_label="share", y_min=0, y_max=1,
-                   markers=markers, empty="no learner steps",
-                   note="" if any(s.get("diversity_groups") for s in d.steps) else
-                   "distinct rate and similarity appear when the learner computes them (metrics.diversity_every)"),
-    ])
-    pipeline_row = "".join([
-        line_chart("allocation", "Allocation (workers per role, stacked)", allocation_series(d), y_label="workers",
-                   y_min=0, markers=markers, stacked=True, empty="no allocation recorded (no samples, no controller events)"),
-        line_chart("queues", "Queue lengths (entries waiting or in flight)", queue_series(d),
-                   y_label="stream entries", y_min=0, markers=markers, empty=no_samples),
-        line_chart("wait", "Learner wait (share of time)", wait_series(d), y_label="share", y_min=0, y_max=1,
-                   markers=markers, hlines=[(0.2, "20%: rollout short")], empty="no learner steps",
-                   note="above 0.2 over a period, rollout is the bottleneck (the field guide's rule)"),
-        bar_chart("staleness", "Staleness of trained trajectories", labels, values, colors,
-                  x_label="policy versions behind", y_label="trajectories", empty="no learner steps",
-                  note="red: dropped as older than learner.max_staleness" if "dropped" in labels else ""),
-    ])
-    res_row = "".join([
-        line_chart("tokens", "Rollout tokens/s", tok, y_label="tokens / s", y_min=0, empty="no token counts"),
-        line_chart("cpu", "CPU by role (100 = one core)", cpu, y_label="percent", y_min=0, empty=no_samples),
-        line_chart("rss", "Resident memory by role", rss, y_label="MiB", y_min=0, empty=no_samples),
-        line_chart("gpu", "GPU utilisation", gpu, y_label="percent", y_min=0, y_max=100,
-                   empty="no GPU samples (CPU-only run or no sampler)"),
-    ])
-    head = "".join(f"<div><dt>{_esc(k)}</dt><dd>{_esc(v)}</dd></div>" for k, v in headline(d))
+    traj, tok, tp_src = throughput_series(d)
+    one_page = _outcome_row(d, timeline, markers, traj, tp_src)
+    pipeline_row = _pipeline_row(d, timeline, markers)
+    res_row = _resource_row(d, timeline, tok)
+    head = "".join(f"<div><dt>{esc(k)}</dt><dd>{esc(v)}</dd></div>" for k, v in headline(d))
     manifest = json.dumps(d.manifest, indent=2)
     summary = json.dumps(d.summary, indent=2) if d.summary else ""
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1">
-<title>Libra report: {_esc(d.run_dir.name)}</title><style>{CSS}</style></head>
+<title>Libra report: {esc(d.run_dir.name)}</title><style>{CSS}</style></head>
 <body><header><h1>Libra run report</h1><dl>{head}</dl></header><main>
 <h2>Throughput, reward and diversity</h2><div class="grid3">{one_page}</div>
 <h2>Pipeline</h2><div class="grid2">{pipeline_row}</div>
 <h2>Resources</h2><div class="grid2">{res_row}</div>
 <h2>Events</h2>{events_table(d)}
-<h2>Manifest</h2><details open><summary>manifest.json</summary><pre>{_esc(manifest)}</pre></details>
-{f"<details><summary>summary.json</summary><pre>{_esc(summary)}</pre></details>" if summary else ""}
-</main><footer>written by libra-ctl report from {_esc(d.run_dir.resolve())} · <span id="selfcheck">charts not
+<h2>Manifest</h2><details open><summary>manifest.json</summary><pre>{esc(manifest)}</pre></details>
+{f"<details><summary>summary.json</summary><pre>{esc(summary)}</pre></details>" if summary else ""}
+</main><footer>written by libra-ctl report from {esc(d.run_dir.resolve())} · <span id="selfcheck">charts not
 checked (scripts off)</span></footer><script>{SELF_CHECK}</script></body></html>
 """
+
+
+def _outcome_row(d: RunData, timeline, markers, traj: list[Series], tp_src: str) -> str:
+    """Throughput, reward and diversity: the three the field guide judges a change by."""
+    return "".join([
+        timeline("throughput", "Throughput (trajectories/s)", traj, y_label="trajectories / s", y_min=0,
+                 markers=markers, note=f"from the {tp_src}", empty="no throughput data"),
+        timeline("reward", "Reward", [step_series(d, "reward_mean", "reward mean", PALETTE[1]),
+                                      step_series(d, "success_rate", "success rate", PALETTE[0]),
+                                      step_series(d, "reward_std", "reward std", PALETTE[6])],
+                 y_label="per learner step", y_min=0, markers=markers, empty="no learner steps"),
+        timeline("diversity", "Diversity", diversity_series(d), y_label="share", y_min=0, y_max=1,
+                 markers=markers, empty="no learner steps",
+                 note="" if any(s.get("diversity_groups") for s in d.steps) else
+                 "distinct rate and similarity appear when the learner computes them (metrics.diversity_every)"),
+    ])
+
+
+def _pipeline_row(d: RunData, timeline, markers) -> str:
+    labels, values, colors = staleness_bars(d)
+    wait = LEARNER_WAIT_THRESHOLD
+    return "".join([
+        timeline("allocation", "Allocation (workers per role, stacked)", allocation_series(d), y_label="workers",
+                 y_min=0, markers=markers, stacked=True, empty="no allocation recorded (no samples, no controller events)"),
+        timeline("queues", "Queue lengths (entries waiting or in flight)", queue_series(d),
+                 y_label="stream entries", y_min=0, markers=markers, empty=NO_SAMPLES),
+        timeline("wait", "Learner wait (share of time)", wait_series(d), y_label="share", y_min=0, y_max=1,
+                 markers=markers, hlines=[(wait, f"{wait:.0%}: rollout short")], empty="no learner steps",
+                 note=f"above {wait:g} over a period, rollout is the bottleneck (the field guide's rule)"),
+        bar_chart("staleness", "Staleness of trained trajectories", labels, values, colors,
+                  x_label="policy versions behind", y_label="trajectories", empty="no learner steps",
+                  note="red: dropped as older than learner.max_staleness" if "dropped" in labels else ""),
+    ])
+
+
+def _resource_row(d: RunData, timeline, tok: list[Series]) -> str:
+    cpu, rss, gpu = resource_series(d)
+    return "".join([
+        timeline("tokens", "Rollout tokens/s", tok, y_label="tokens / s", y_min=0, empty="no token counts"),
+        timeline("cpu", "CPU by role (100 = one core)", cpu, y_label="percent", y_min=0, empty=NO_SAMPLES),
+        timeline("rss", "Resident memory by role", rss, y_label="MiB", y_min=0, empty=NO_SAMPLES),
+        timeline("gpu", "GPU utilisation", gpu, y_label="percent", y_min=0, y_max=100,
+                 empty="no GPU samples (CPU-only run or no sampler)"),
+    ])
 
 
 def write_report(run_dir: Path | str, out: Path | str | None = None) -> Path:

@@ -16,6 +16,7 @@ from collections import deque
 
 import redis
 
+from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
 from pipeline.dataplane.keys import JOBS, JobKeys
 from pipeline.observe.status import job_status
 
@@ -60,30 +61,32 @@ def _paint(text: str, color: str | None, on: bool) -> str:
     return f"\x1b[{codes[color]}m{text}\x1b[0m" if on and color else text
 
 
-def render(snap: dict, rates: dict, color: bool = False, steps_total: int | None = None) -> str:
-    st, s, sample = snap["status"], snap["stats"], snap["sample"] or {}
-    P = lambda text, c=None: _paint(text, c, color)
+def _header(st: dict, s: dict, P, steps_total: int | None) -> list[str]:
     roles = "  ".join(f"{k} {v}" for k, v in sorted(st["allocation"]["roles"].items())) or "no live workers"
     step = s.get("step")
-    lines = [
+    return [
         P(f"libra top  job {st['name']}  phase {st['phase']}  policy v{st['policy_version']}  "
           f"step {step if step is not None else '-'}{'/' + str(steps_total) if steps_total else ''}  "
           f"{time.strftime('%H:%M:%S')}", "bold") + P("   (Ctrl-C quits)", "dim"),
         "",
         f"allocation ({st['allocation']['mode']})  {roles}",
-        "",
-        P(f"{'stage':<8} {'length':>7} {'lag':>6} {'pending':>8} {'backlog':>8} {'rate/s':>8}  backlog", "bold"),
     ]
-    top = max([x["lag"] + x["pending"] for x in st["stages"]] + [1])
-    for x in st["stages"]:
+
+
+def _stage_table(stages: list[dict], P) -> list[str]:
+    lines = ["", P(f"{'stage':<8} {'length':>7} {'lag':>6} {'pending':>8} {'backlog':>8} {'rate/s':>8}  backlog",
+                   "bold")]
+    top = max([x["lag"] + x["pending"] for x in stages] + [1])
+    for x in stages:
         backlog = x["lag"] + x["pending"]
         lines.append(f"{x['name']:<8} {x['length']:>7} {x['lag']:>6} {x['pending']:>8} {backlog:>8} "
                      f"{x['rate_per_s']:>8.2f}  {_bar(backlog, top)}")
-    c = st["counters"]
-    if rates.get("trained") is None and sample.get("throughput"):
-        rates = _sampled_rates(sample["throughput"])  # one snapshot so far: the sampler's last interval
+    return lines
+
+
+def _rate_lines(rates: dict, c: dict) -> list[str]:
     tok = rates.get("rollout_tokens")
-    lines += [
+    return [
         "",
         f"rates ({RATE_WINDOW}s)   generated {_fmt(rates.get('generated'), '.1f')}/s   scored "
         f"{_fmt(rates.get('scored'), '.1f')}/s   trained {_fmt(rates.get('trained'), '.1f')}/s   "
@@ -92,34 +95,60 @@ def render(snap: dict, rates: dict, color: bool = False, steps_total: int | None
         f"{c.get('scored', 0)}   trained {c.get('trained', 0)}   dropped stale {c.get('dropped_stale', 0)}   "
         f"dead-lettered {c.get('dead_lettered', 0)}",
     ]
+
+
+def render(snap: dict, rates: dict, color: bool = False, steps_total: int | None = None) -> str:
+    """One job's frame: header, stage table, rates, learner, staleness, diversity, workers."""
+    st, s, sample = snap["status"], snap["stats"], snap["sample"] or {}
+    P = lambda text, c=None: _paint(text, c, color)
+    lines = _header(st, s, P, steps_total) + _stage_table(st["stages"], P)
+    if rates.get("trained") is None and sample.get("throughput"):
+        rates = _sampled_rates(sample["throughput"])  # one snapshot so far: the sampler's last interval
+    lines += _rate_lines(rates, st["counters"])
+    wait = _learner_wait(s, sample)
+    wait_txt = P(f"{wait:.0%}", "red" if wait > LEARNER_WAIT_THRESHOLD else "green") if wait is not None else "-"
+    lines.append(f"learner      wait {wait_txt}   reward {_fmt(s.get('reward_mean'), '.3f')} ± "
+                 f"{_fmt(s.get('reward_std'), '.2f')}   success {_fmt(s.get('success_rate'), '.1%')}   "
+                 f"loss {_fmt(s.get('loss'), '.4f')}   entropy {_fmt(s.get('entropy'), '.3f')}")
+    lines += _staleness_and_diversity(s, sample)
+    lines += _worker_table(st["workers"], (sample.get("resources") or {}).get("workers") or {}, P)
+    return "\n".join(lines)
+
+
+def _learner_wait(s: dict, sample: dict) -> float | None:
+    """Share of the learner's time spent waiting: the sampler's ratio, else the last step's."""
     wait = (sample.get("queues") or {}).get("learner_wait_ratio")
     if wait is None and s.get("wait_s") is not None:
         busy = s.get("wait_s", 0) + s.get("train_s", 0)
         wait = s["wait_s"] / busy if busy else None
-    wait_txt = P(f"{wait:.0%}", "red" if wait > 0.2 else "green") if wait is not None else "-"
-    lines.append(f"learner      wait {wait_txt}   reward {_fmt(s.get('reward_mean'), '.3f')} ± "
-                 f"{_fmt(s.get('reward_std'), '.2f')}   success {_fmt(s.get('success_rate'), '.1%')}   "
-                 f"loss {_fmt(s.get('loss'), '.4f')}   entropy {_fmt(s.get('entropy'), '.3f')}")
+    return wait
+
+
+def _staleness_and_diversity(s: dict, sample: dict) -> list[str]:
     hist = s.get("staleness_hist") or {}
     n = sum(hist.values()) or 1
     bars = "  ".join(f"{k}:{_bar(v, n, 10)}" for k, v in sorted(hist.items(), key=lambda kv: int(kv[0])))
-    lines.append(f"staleness    mean {_fmt(s.get('staleness_mean'), '.2f')}  max {s.get('staleness_max', '-')}   "
-                 f"{bars}")
+    lines = [f"staleness    mean {_fmt(s.get('staleness_mean'), '.2f')}  max {s.get('staleness_max', '-')}   "
+             f"{bars}"]
     if s.get("diversity_groups") or (sample.get("quality") or {}).get("diversity_distinct_rate") is not None:
         q = s if s.get("diversity_groups") else sample["quality"]
         lines.append(f"diversity    distinct {_fmt(q.get('diversity_distinct_rate'), '.0%')}   similarity "
                      f"{_fmt(q.get('diversity_similarity'), '.2f')}   equal-reward groups "
                      f"{_fmt(q.get('diversity_equal_reward_share'), '.0%')}")
-    res = (sample.get("resources") or {}).get("workers") or {}
-    lines += ["", P(f"{'worker':<24} {'role':<8} {'state':<9} {'pid':>7} {'cpu%':>6} {'rss MB':>8} {'rate/s':>7}",
-                    "bold")]
-    for w in st["workers"]:
+    return lines
+
+
+def _worker_table(workers: list[dict], res: dict, P) -> list[str]:
+    """One row per worker, with CPU and memory from the sampler's newest sample (``res``, by worker id)."""
+    lines = ["", P(f"{'worker':<24} {'role':<8} {'state':<9} {'pid':>7} {'cpu%':>6} {'rss MB':>8} {'rate/s':>7}",
+                   "bold")]
+    for w in workers:
         r = res.get(w["id"], {})
         state = P(f"{w['state']:<9}", {"lost": "red", "waiting": "yellow"}.get(w["state"]))
         rss = r.get("rss_bytes")
         lines.append(f"{w['id']:<24} {w['role']:<8} {state} {w['pid']:>7} {_fmt(r.get('cpu_percent'), '.0f'):>6} "
                      f"{_fmt(rss / 2**20 if rss else None, '.0f'):>8} {w.get('rate_per_s', 0):>7.2f}")
-    return "\n".join(lines)
+    return lines
 
 
 def _sampled_rates(tp: dict) -> dict:

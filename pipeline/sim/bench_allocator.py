@@ -1,4 +1,4 @@
-"""``libra-ctl bench policy WORKLOAD.toml``: the allocation policy's throughput benchmark.
+"""``libra-ctl bench policy WORKLOAD.toml``: the allocator's throughput benchmark.
 
 Registered on the ``bench`` subcommand by ``pipeline.cli`` (``add_parser``);
 runs in the CLI process. ``run_bench`` runs one workload under several modes
@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pipeline.sim import des
+from pipeline.sim import des, fluid
+from pipeline.sim.result import ModeResult
+from pipeline.sim.sync import simulate_sync
 from pipeline.sim.bench_live import LIVE_MODES, LiveBench, LiveEngineError, LiveSettings
 from pipeline.control.allocator import Allocation
 from pipeline.sim.workload import WorkloadError, load_workload
@@ -60,7 +62,7 @@ def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed:
             live.check(wl)
         except ValueError as exc:
             raise BenchInputError(str(exc)) from None
-    results: dict[str, des.ModeResult] = {}
+    results: dict[str, ModeResult] = {}
     details: dict[str, dict] = {}
     for mode in modes:
         t0 = time.perf_counter()
@@ -87,7 +89,7 @@ def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed:
 def _run_live(wl, workload_path, modes: list[str], settings: LiveSettings, seed: int, results: dict,
               details: dict, say: Report) -> None:
     """Replace the des results of ``modes`` by live runs (static-best at the split des found best)."""
-    static = des.static_split(wl)
+    static = fluid.static_split(wl)
     splits = {"static": static, "libra": static}
     if "static-best" in modes:
         splits["static-best"] = Allocation(**results["static-best"].final_allocation)
@@ -117,23 +119,23 @@ def _check_modes(modes) -> list[str]:
     return [m for m in MODES if m in modes]     # canonical order, no duplicates
 
 
-def _run_mode(wl, mode: str, seed: int, done: dict, say: Report) -> tuple[des.ModeResult, dict]:
+def _run_mode(wl, mode: str, seed: int, done: dict, say: Report) -> tuple[ModeResult, dict]:
     """One mode's result and its extra details (timeline, decisions, splits tried)."""
     progress = _throttled(say, mode)
     if mode == "ideal":
-        r = des.ModeResult(trajectories_per_s=des.ideal_rate(wl))
-        return r, {"phase_rates": [des.ideal_phase_rate(wl, ph) for ph in wl.job.phases]}
+        r = ModeResult(trajectories_per_s=fluid.ideal_rate(wl))
+        return r, {"phase_rates": [fluid.ideal_phase_rate(wl, ph) for ph in wl.job.phases]}
     if mode == "sync":
-        r = des.simulate_sync(wl, seed, progress)
+        r = simulate_sync(wl, seed, progress)
     elif mode in ("static", "libra"):
         control = des.LIBRA_CONTROL if mode == "libra" else None
-        r = des.simulate_async(wl, des.static_split(wl), seed, control, progress=progress)
+        r = des.simulate_async(wl, fluid.static_split(wl), seed, control, progress=progress)
     else:
         r = _static_best(wl, seed, done.get("static"), progress, say)
     return r, {"timeline": r.timeline, "decisions": r.events, "sim_time_s": r.sim_time_s}
 
 
-def _static_best(wl, seed: int, static: des.ModeResult | None, progress, say: Report) -> des.ModeResult:
+def _static_best(wl, seed: int, static: ModeResult | None, progress, say: Report) -> ModeResult:
     """Search the split that turns out best over the whole run (each candidate a full run)."""
     tried = []
 
@@ -143,13 +145,13 @@ def _static_best(wl, seed: int, static: des.ModeResult | None, progress, say: Re
         tried.append(a)
         return r
 
-    known = {des.static_split(wl): static} if static is not None else {}
-    _, r = des.search_static_best(wl, run, known)
+    known = {fluid.static_split(wl): static} if static is not None else {}
+    _, r = fluid.search_static_best(wl, run, known)
     say(f"static-best: {len(tried) + len(known)} splits simulated")
     return r
 
 
-def _ratios(results: dict[str, des.ModeResult]) -> dict[str, float]:
+def _ratios(results: dict[str, ModeResult]) -> dict[str, float]:
     if "libra" not in results:
         return {}
     lib = results["libra"].trajectories_per_s
@@ -265,7 +267,7 @@ def plot(result: dict, path: str | Path) -> None:
 def add_parser(subparsers) -> None:
     """Register ``policy`` on the ``bench`` subcommand's subparsers (called by pipeline.cli)."""
     p = subparsers.add_parser(
-        "policy", help="throughput of the allocation policy against sync, static splits and the ideal bound",
+        "policy", help="throughput of the allocator (libra) against sync, static splits and the ideal bound",
         description="Run a workload (bench/README.md format) under several modes and report "
                     "trajectories per simulated second, beside the ideal bound.")
     p.add_argument("workload", help="workload TOML file, e.g. bench/drift.toml")

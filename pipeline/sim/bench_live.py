@@ -12,7 +12,7 @@ batch size, group size, staleness bound and steps.
 
 One job per asynchronous mode, one after the other on the same control plane:
 
-- ``static``: pinned at ``des.static_split`` (the first phase's best
+- ``static``: pinned at ``fluid.static_split`` (the first phase's best
   integer split);
 - ``static-best``: pinned at the split the des engine finds best for the
   whole run (the hindsight oracle; each live candidate would be a full run);
@@ -53,7 +53,8 @@ from pipeline.control.events import read_events
 from pipeline.control.local import start_local_control
 from pipeline.dataplane.keys import CONTROLLER_LEASE, JOBS, JobKeys
 from pipeline.dataplane.redisconn import EmbeddedRedis, connect
-from pipeline.sim import des
+from pipeline.sim import des, fluid
+from pipeline.sim.result import ModeResult, hist_quantile
 from pipeline.sim.job import prepare_sim_run
 from pipeline.sim.workload import Workload
 
@@ -186,7 +187,7 @@ class LiveBench:
 
     # --- one mode -------------------------------------------------------------------------------
 
-    def run_mode(self, mode: str, split: Allocation) -> tuple[des.ModeResult, dict]:
+    def run_mode(self, mode: str, split: Allocation) -> tuple[ModeResult, dict]:
 
         job, wl = f"bench-{mode}", self.wl
         counts = worker_counts(wl, split)
@@ -204,7 +205,7 @@ class LiveBench:
                                                "run_dir": str(run_dir), "backend": "sim"})
             trace.t0 = self._first_prompt_at(job, run_dir)
             if mode == "libra":
-                unpin(self.r, job)       # the policy takes over as the first prompt enters the pipeline
+                unpin(self.r, job)       # the allocator takes over as the first prompt enters the pipeline
             self._follow(job, mode, trace, run_dir)
             result = self._result(job, trace)
         except (RuntimeError, redis.RedisError) as exc:
@@ -253,7 +254,7 @@ class LiveBench:
     def _follow(self, job: str, mode: str, trace: _Trace, run_dir: Path) -> None:
         """Record learner steps, worker costs and the allocation until the last step."""
         keys, steps = JobKeys(job), self.wl.job.steps
-        expected_step_s = self.wl.job.batch_size / max(des.ideal_rate(self.wl), 1e-9) / self.scale
+        expected_step_s = self.wl.job.batch_size / max(fluid.ideal_rate(self.wl), 1e-9) / self.scale
         # the first step also waits for the pipeline to fill: a rollout call, reward, a training step
         first_step_s = max(self.settings.start_timeout_s, STALL_STEPS * expected_step_s)
         last_progress, last_say = time.monotonic(), 0.0
@@ -294,7 +295,7 @@ class LiveBench:
             new = True
         return new
 
-    def _result(self, job: str, trace: _Trace) -> des.ModeResult:
+    def _result(self, job: str, trace: _Trace) -> ModeResult:
         keys = JobKeys(job)
         wall = trace.steps[-1]["at"] - trace.t0
         counters = {a.decode(): int(b) for a, b in self.r.hgetall(keys.counters).items()}
@@ -307,11 +308,11 @@ class LiveBench:
         roles = allocation_status(self.r, job)["roles"]
         trained = sum(s["trajectories"] for s in trace.steps)
         decisions = self._decisions(job)
-        return des.ModeResult(
+        return ModeResult(
             trajectories_per_s=trained / (wall * self.scale),
             gpu_busy_frac=min(1.0, busy / (self.wl.cluster.gpus * wall)),
             learner_wait_frac=min(1.0, sum(self._wait_in_run(s, trace.t0) for s in trace.steps) / wall),
-            staleness_p50=des.hist_quantile(hist, 0.5), staleness_p99=des.hist_quantile(hist, 0.99),
+            staleness_p50=hist_quantile(hist, 0.5), staleness_p99=hist_quantile(hist, 0.99),
             dropped_stale=counters.get("dropped_stale", 0), reconfigurations=len(decisions),
             final_allocation={"rollout": roles.get("rollout", 0),
                               "reward": roles.get("reward", 0) if self.wl.reward.gpu else 0,

@@ -90,7 +90,7 @@ def run_sim_job(url: str, workload: str | Path, *, runs_dir: str = "runs", job: 
                 pinned: dict | None = None, control: dict | None = None, out=sys.stderr) -> Path:
     """``libra-ctl sim-job``: a sim job on the running agents and controller, from start to ``done``.
 
-    Prepares the run, pins ``pinned`` counts (else the policy decides), has the
+    Prepares the run, pins ``pinned`` counts (else the allocator decides), has the
     agent of ``node`` (else the first live one) start the feeder, prints
     progress until the learner has trained every step, then marks the job done
     (the controller drains its workers).
@@ -134,7 +134,7 @@ def cmd_sim_job(args) -> int:
 def add_commands(sub) -> None:
     j = sub.add_parser("sim-job", help="run a bench workload on the live agents with sim workers (virtual time)")
     j.add_argument("workload", help="workload TOML (bench/README.md format), e.g. examples/bench/steady.toml")
-    j.add_argument("counts", nargs="*", metavar="ROLE=N", help="pin these counts (default: the policy decides)")
+    j.add_argument("counts", nargs="*", metavar="ROLE=N", help="pin these counts (default: the allocator decides)")
     j.add_argument("--job", default="sim")
     j.add_argument("--time-scale", type=float, default=50.0, help="simulated seconds per wall second")
     j.add_argument("--steps", type=int, help="stop after this many learner steps (default: the workload's)")

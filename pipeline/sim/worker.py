@@ -50,10 +50,9 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.dataplane import messages
-from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT
+from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT, ROLES
 from pipeline.dataplane.streams import dead_letter, decode_entries, ensure_groups, read, run_stage
-from pipeline.dataplane.worker import (ROLES, CostMeter, claim_policy, dedup_for, finish_worker, room_downstream,
-                                       start_worker)
+from pipeline.dataplane.worker import CostMeter, claim_policy, dedup_for, finish_worker, room_downstream, start_worker
 from pipeline.sim.workload import Workload, load_workload
 
 SLOTS_ENV = "LIBRA_SLOTS"  # set by the node agent: the slots this worker holds, e.g. "2,3"
@@ -90,7 +89,7 @@ class CostModel:
                            tool_calls=(calls,) * n)
 
     def mean_rollout_gpu_s(self, version: int = 0) -> float:
-        """Expected GPU-seconds of one trajectory (the policy's ``rollout_gpu_s_per_traj``)."""
+        """Expected GPU-seconds of one trajectory (the allocator's ``rollout_gpu_s_per_traj``)."""
         ro, ph = self.wl.rollout, self.wl.job.phase_at(version)
         return (ph.prompt_tokens / ro.prefill_tokens_per_s
                 + (ph.response_tokens.mean() / ro.decode_tokens_per_s + ph.tool_calls.mean_wait_s()) / ro.concurrency)

@@ -5,7 +5,7 @@ discrete-event simulator (``pipeline.sim.des``); the format is the one of
 ``bench/README.md``. Every section becomes a frozen dataclass; a bad or missing
 value raises ``WorkloadError`` (a ``ValueError``) naming the key and the fix.
 
-Nothing here is seen by the allocation policy: ``plan()`` works from measured
+Nothing here is seen by the allocator: ``plan()`` works from measured
 metrics only, as the live controller must.
 """
 
@@ -174,7 +174,7 @@ class Workload:
         if self.multi_job:
             raise WorkloadError(
                 f"multi-job workloads are not supported yet: {self.source or self.name} declares "
-                f"{len(self.jobs)} [[jobs]]; the policy benchmark runs one job, so give it a single "
+                f"{len(self.jobs)} [[jobs]]; the allocator benchmark runs one job, so give it a single "
                 "[job] table with its [[phase]] list")
         return self.jobs[0]
 

@@ -1,0 +1,167 @@
+"""The fluid cost model: the ideal bound, the static split and the static-best search.
+
+Called by ``pipeline.sim.bench_allocator`` (``libra-ctl bench policy``, in the
+CLI process) for the ``ideal`` mode and for the splits the ``static`` and
+``static-best`` modes run from, and by ``pipeline.sim.bench_live`` for the same
+splits and the expected step time. A split's fluid rate is what its stages
+sustain at once with no bubbles and no sync cost (the README's ideal-bound
+formulas); ``search_static_best`` then scores splits by full simulated runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.control.allocator import Allocation
+from pipeline.sim.result import ModeResult
+from pipeline.sim.workload import Phase, Workload
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """Per-trajectory costs of a phase, from the README's ideal-bound formulas."""
+
+    rollout_gpu_s: float     # prompt/prefill + (response/decode + tool waits)/concurrency
+    tokens: float            # prompt + mean response, what the learner trains on
+    reward_s: float          # reward worker seconds
+
+
+def phase_cost(wl: Workload, ph: Phase) -> PhaseCost:
+    """Mean per-trajectory costs of phase ``ph`` on the workload's rollout and reward settings."""
+    ro = wl.rollout
+    slot = ph.response_tokens.mean() / ro.decode_tokens_per_s + ph.tool_calls.mean_wait_s()
+    return PhaseCost(ph.prompt_tokens / ro.prefill_tokens_per_s + slot / ro.concurrency,
+                     ph.prompt_tokens + ph.response_tokens.mean(), wl.reward.seconds)
+
+
+def fluid_rates(wl: Workload, ph: Phase, rollout, learner, reward=0, cpu_reward: bool = True):
+    """Sustainable trajectories/s of splits (numpy arrays or scalars): no bubbles, no sync cost.
+
+    ``cpu_reward=False`` leaves out a CPU reward pool's cap (to rank splits it makes equal).
+    """
+    c = phase_cost(wl, ph)
+    le = wl.learner
+    r = np.asarray(rollout, dtype=float) / c.rollout_gpu_s
+    lr = le.train_tokens_per_s * np.asarray(learner, dtype=float) ** le.scaling_exponent / c.tokens
+    workers = np.asarray(reward, dtype=float) if wl.reward.gpu else float(wl.reward.cpu_workers)
+    rw = workers / c.reward_s if c.reward_s > 0 and (wl.reward.gpu or cpu_reward) else np.inf
+    return np.minimum(np.minimum(r, lr), rw)
+
+
+def ideal_phase_rate(wl: Workload, ph: Phase) -> float:
+    """Best real-valued split of the phase: the highest rate every stage sustains at once."""
+    c = phase_cost(wl, ph)
+    le = wl.learner
+
+    def gpus_needed(rate: float) -> float:
+        learner = (rate * c.tokens / le.train_tokens_per_s) ** (1 / le.scaling_exponent)
+        reward = rate * c.reward_s if wl.reward.gpu else 0.0
+        return rate * c.rollout_gpu_s + learner + reward
+
+    lo, hi = 0.0, 1.0
+    while gpus_needed(hi) <= wl.cluster.gpus:
+        lo, hi = hi, hi * 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if gpus_needed(mid) <= wl.cluster.gpus else (lo, mid)
+    if not wl.reward.gpu and c.reward_s > 0:
+        lo = min(lo, wl.reward.cpu_workers / c.reward_s)
+    return lo
+
+
+def ideal_rate(wl: Workload) -> float:
+    """Total trajectories / sum over phases of (phase trajectories / ideal phase rate)."""
+    job = wl.job
+    n = job.phase_trajectories()
+    return sum(n) / sum(k / ideal_phase_rate(wl, ph) for k, ph in zip(n, job.phases))
+
+
+def _integer_splits(wl: Workload) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every split of the pool with at least one GPU per GPU stage: (rollout, learner, reward)."""
+    g = wl.cluster.gpus
+    if not wl.reward.gpu:
+        x = np.arange(1, g)
+        return x, g - x, np.zeros_like(x)
+    x, z = np.meshgrid(np.arange(1, g), np.arange(1, g), indexing="ij")
+    ok = x + z <= g - 1
+    x, z = x[ok], z[ok]
+    return x, g - x - z, z
+
+
+def _as_alloc(x, y, z) -> Allocation:
+    return Allocation(rollout=int(x), learner=int(y), reward=int(z))
+
+
+def static_split(wl: Workload) -> Allocation:
+    """The integer split that maximises the first phase's fluid rate (what a careful user picks)."""
+    x, y, z = _integer_splits(wl)
+    ph = wl.job.phases[0]
+    i = _argmax_tie_balanced(fluid_rates(wl, ph, x, y, z), fluid_rates(wl, ph, x, y, z, cpu_reward=False))
+    return _as_alloc(x[i], y[i], z[i])
+
+
+def _argmax_tie_balanced(rate: np.ndarray, gpu_rate: np.ndarray) -> int:
+    """Best rate; among equals (a CPU reward pool capping them all), the best-balanced GPU stages."""
+    top = rate >= rate.max() * (1 - 1e-12)
+    return int(np.argmax(np.where(top, gpu_rate, -np.inf)))
+
+
+def run_fluid_rate(wl: Workload, x, y, z, cpu_reward: bool = True):
+    """Whole-run fluid rate of splits: total / sum over phases of (trajectories / rate)."""
+    job = wl.job
+    n = job.phase_trajectories()
+    with np.errstate(divide="ignore"):
+        t = sum(k / fluid_rates(wl, ph, x, y, z, cpu_reward) for k, ph in zip(n, job.phases))
+    return sum(n) / t
+
+
+def fluid_best_split(wl: Workload) -> Allocation:
+    """The integer split with the best whole-run fluid rate (where the static-best search starts)."""
+    x, y, z = _integer_splits(wl)
+    i = _argmax_tie_balanced(run_fluid_rate(wl, x, y, z), run_fluid_rate(wl, x, y, z, cpu_reward=False))
+    return _as_alloc(x[i], y[i], z[i])
+
+
+def search_static_best(wl: Workload, run: Callable[[Allocation], ModeResult],
+                       known: dict[Allocation, ModeResult] | None = None) -> tuple[Allocation, ModeResult]:
+    """The hindsight oracle: hill-climb over integer splits, scoring each by a full simulated run.
+
+    Starts at the fluid optimum and moves ``step`` GPUs between any two roles
+    while that helps, halving the step down to one GPU; ``known`` holds runs
+    already made (the static split's). Splits are scored with the same seed, so
+    the search is deterministic.
+    """
+    cache = dict(known or {})
+
+    def rate(a: Allocation) -> float:
+        if a not in cache:
+            cache[a] = run(a)
+        return cache[a].trajectories_per_s
+
+    cur = fluid_best_split(wl)
+    step = max(1, round(wl.cluster.gpus * 0.04))
+    while True:
+        better = [a for a in _neighbours(wl, cur, step) if rate(a) > rate(cur)]
+        if better:
+            cur = max(better, key=rate)
+        elif step == 1:
+            return cur, cache[cur]
+        else:
+            step = max(1, step // 2)
+
+
+def _neighbours(wl: Workload, a: Allocation, step: int) -> list[Allocation]:
+    """Splits that move ``step`` GPUs from one GPU role to another, every GPU role keeping one."""
+    roles = ("rollout", "learner") + (("reward",) if wl.reward.gpu else ())
+    out = []
+    for src in roles:
+        for dst in roles:
+            if src != dst and a.get(src) - step >= 1:
+                d = a.as_dict()
+                d[src] -= step
+                d[dst] += step
+                out.append(Allocation(**d))
+    return out

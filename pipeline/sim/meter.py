@@ -1,0 +1,121 @@
+"""What libra's controller would read from Redis, measured inside the des engine.
+
+Owned by ``pipeline.sim.des.AsyncSim`` (one per run, in the CLI process of
+``libra-ctl bench policy``): the engine adds to the current tick's counters as
+it runs; in libra mode, at every control tick it closes the tick and asks
+``metrics`` for the ``allocator.Metrics`` over the window, which it hands to
+``allocator.plan``. Counters are summed over ticks; what the engine is doing
+right now (in-flight work, queue, allocation) comes in as ``Gauges``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import numpy as np
+
+from pipeline.control import allocator
+from pipeline.control.allocator import Allocation, learner_speed, median_of_counts, ratio
+from pipeline.sim.workload import Workload
+
+_COUNTERS = ("n_done", "cost", "tokens", "rollout_gpu_s", "pause_gpu_s", "idle_slot_s", "dropped")
+
+
+class StepSample(NamedTuple):
+    """One learner step as the learner reports it."""
+
+    train_s: float
+    publish_s: float
+    trajectories: int
+    gpus: int
+    tokens: float
+    staleness: np.ndarray     # per group trained
+
+
+class Gauges(NamedTuple):
+    """The engine's state at a control tick, read as it is (not summed over ticks)."""
+
+    allocation: Allocation             # the allocation ordered (switches included)
+    changed_from: Allocation | None
+    since_change_s: float
+    inflight: int                      # trajectories on rollout slots
+    queue: int                         # trajectories that may start now
+    learner_gpus: int                  # learner GPUs that take part in the next step
+    learner_idle_since: float | None   # when the learner became free, None while it trains
+
+
+class Meter:
+    """Counters per control tick, kept for the last 64 ticks, summed over a window."""
+
+    def __init__(self, wl: Workload, concurrency: int):
+        self.wl, self.C = wl, concurrency
+        self.ticks: deque[dict] = deque(maxlen=64)
+        self.waits: deque[tuple[float, float]] = deque()   # learner waiting periods (start, end)
+        self._reset(0.0)
+
+    def _reset(self, t: float) -> None:
+        self.t0 = t
+        self.n_done = 0                  # trajectories finished by rollout
+        self.cost = 0.0                  # their GPU-seconds (prefill + slot time / concurrency)
+        self.tokens = 0.0                # their prompt + response tokens
+        self.steps: list[StepSample] = []
+        self.rollout_gpu_s = self.pause_gpu_s = self.idle_slot_s = 0.0
+        self.dropped = 0
+
+    def add_rollout(self, cost: np.ndarray, tokens: np.ndarray) -> None:
+        self.n_done += cost.size
+        self.cost += float(cost.sum())
+        self.tokens += float(tokens.sum())
+
+    def add_wait(self, start: float, end: float) -> None:
+        self.waits.append((start, end))
+
+    def close_tick(self, t: float, backlog: int) -> None:
+        """End the tick at t: keep its counters (and the backlog then), start the next one."""
+        tick = {k: getattr(self, k) for k in ("t0", "steps") + _COUNTERS}
+        tick["backlog"] = backlog
+        self.ticks.append(tick)
+        self._reset(t)
+
+    def metrics(self, t: float, window: int, now: Gauges) -> allocator.Metrics:
+        """The policy's inputs over the last ``window`` ticks."""
+        ticks = list(self.ticks)[-window:]
+        span = max(t - ticks[0]["t0"], 1e-9)
+        total = {k: sum(tk[k] for tk in ticks) for k in _COUNTERS}
+        steps = [s for tk in ticks for s in tk["steps"]]
+        stale = np.concatenate([s.staleness for s in steps]) if steps else np.zeros(0)
+        n_done, rollout_gpu_s = total["n_done"], total["rollout_gpu_s"]
+        n_now = max(now.learner_gpus, 1)
+        return allocator.Metrics(
+            window_s=span, allocation=now.allocation, since_change_s=now.since_change_s,
+            changed_from=now.changed_from,
+            rollout_gpu_s_per_traj=ratio(total["cost"], n_done),
+            rollout_pause_frac=ratio(total["pause_gpu_s"], rollout_gpu_s),
+            rollout_inflight=now.inflight, rollout_queue=now.queue,
+            rollout_idle_frac=ratio(total["idle_slot_s"], rollout_gpu_s * self.C),
+            # every scoring takes exactly reward.seconds in this cost model, so that is its measured mean
+            reward_s_per_traj=self.wl.reward.seconds, reward_cpu_workers=self.wl.reward.cpu_workers,
+            traj_tokens=ratio(total["tokens"], n_done),
+            learner_tokens_per_s=learner_speed(((s.tokens, s.train_s, s.gpus) for s in steps), n_now,
+                                               self.wl.learner.scaling_exponent),
+            learner_gpus_measured=n_now if steps else 0,
+            learner_publish_s=sum(s.publish_s for s in steps) / len(steps) if steps else 0.0,
+            learner_wait_frac=self._wait_in(ticks[0]["t0"], t, now.learner_idle_since) / span,
+            backlog=ticks[-1]["backlog"],
+            backlog_trend_per_s=(ticks[-1]["backlog"] - ticks[0]["backlog"]) / span,
+            trained=sum(s.trajectories for s in steps),
+            staleness_p50=median_of_counts(dict(zip(*np.unique(stale, return_counts=True)))),
+            dropped_stale=total["dropped"])
+
+    def _wait_in(self, a: float, b: float, idle_since: float | None) -> float:
+        """Seconds in [a, b] the learner spent waiting for data (a wait still going on counts up to b)."""
+        total = 0.0
+        periods = list(self.waits)
+        if idle_since is not None:
+            periods.append((idle_since, b))
+        for s, e in periods:
+            total += max(0.0, min(e, b) - max(s, a))
+        while self.waits and self.waits[0][1] < a - 3600:
+            self.waits.popleft()
+        return total

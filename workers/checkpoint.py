@@ -1,0 +1,96 @@
+"""The learner's files: checkpoints it restores from and the weights it publishes.
+
+Called only by ``workers.learner`` (the learner process). A checkpoint is a
+directory ``step-NNNNNN`` holding ``model/``, ``optimizer.pt``,
+``consumed.txt`` and ``dropped.txt`` (trajectory ids, one a line) and
+``state.json``; published weights are directories ``vNNNNNN``. Both are
+written under a ``.tmp`` name and renamed, so a reader (a restart, a rollout
+worker loading weights) never sees half a directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from workers.tiny_policy import save_weights
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    done = sorted(p for p in ckpt_dir.glob("step-*") if not p.name.endswith(".tmp")
+                  and (p / "state.json").exists())
+    return done[-1] if done else None
+
+
+def read_state(ckpt: Path) -> dict:
+    return json.loads((ckpt / "state.json").read_text())
+
+
+def read_optimizer(ckpt: Path) -> dict:
+    return torch.load(ckpt / "optimizer.pt", weights_only=True)
+
+
+def trained_ids_after(ckpt_dir: Path, after_step: int) -> dict[str, int]:
+    """Trajectory id -> step, for the ids consumed by every complete checkpoint after ``after_step``."""
+    ids = {}
+    for ckpt in sorted(ckpt_dir.glob("step-*")):
+        state_file = ckpt / "state.json"
+        if ckpt.name.endswith(".tmp") or not state_file.exists():
+            continue
+        step = json.loads(state_file.read_text())["step"]
+        if step > after_step:
+            for tid in (ckpt / "consumed.txt").read_text().split():
+                ids[tid] = step
+    return ids
+
+
+def write_checkpoint(ckpt_dir: Path, model, optimizer, consumed: list[str], dropped: list[str], state: dict) -> None:
+    """Write ``step-<state["step"]>`` and make it durable (fsynced, renamed, parent fsynced) before returning.
+
+    The caller acknowledges stream entries only after this returns: a crash
+    before the rename leaves them pending, to be replayed.
+    """
+    final = ckpt_dir / f"step-{state['step']:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_weights(model, tmp / "model")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    (tmp / "consumed.txt").write_text("".join(f"{i}\n" for i in consumed))
+    (tmp / "dropped.txt").write_text("".join(f"{i}\n" for i in dropped))
+    (tmp / "state.json").write_text(json.dumps(state))
+    _fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(ckpt_dir)
+
+
+def write_published(pub_dir: Path, version: int, model) -> Path:
+    """Write the weights of ``version`` as ``v<version>``, replacing any earlier set under that name."""
+    final = pub_dir / f"v{version:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_weights(model, tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def prune_published(pub_dir: Path, keep: int) -> None:
+    versions = sorted(p for p in pub_dir.glob("v*") if not p.name.endswith(".tmp"))
+    for old in versions[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
