@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.sim import bench_allocator as bench_policy
+from pipeline.sim import bench_allocator
 from pipeline.config import ControlConfig
-from pipeline.sim import des as sim_des
+from pipeline.sim import des
 from pipeline.sim import fluid
 from pipeline.sim.sync import simulate_sync
 from pipeline.control.allocator import Allocation
@@ -104,7 +104,7 @@ def test_static_run_keeps_its_split_and_steps_at_learner_speed():
     # at 2/2 the learner is the bottleneck: a phase-1 step trains 32 x 300 / (300 x 2) = 16 s, publishes 1 s;
     # once the pipeline is full, learner steps follow each other every 17 s
     wl = tiny()
-    r = sim_des.simulate_async(wl, Allocation(2, 2), seed=0)
+    r = des.simulate_async(wl, Allocation(2, 2), seed=0)
     assert r.reconfigurations == 0 and r.final_allocation == {"rollout": 2, "reward": 0, "learner": 2}
     gaps = [b["t"] - a["t"] for a, b in zip(r.timeline[1:8], r.timeline[2:9])]
     assert gaps == pytest.approx([17.0] * len(gaps), rel=1e-9)
@@ -113,7 +113,7 @@ def test_static_run_keeps_its_split_and_steps_at_learner_speed():
 def test_rollout_bound_run_pays_prefill_and_weight_loads():
     # one rollout GPU: 0.6 GPU-s per trajectory (prefill exclusive) -> 19.2 s per 32-trajectory batch,
     # plus the 0.5 s weight load after each publish: ~19.7 s per step while in phase 1
-    r = sim_des.simulate_async(tiny(), Allocation(1, 3), seed=0)
+    r = des.simulate_async(tiny(), Allocation(1, 3), seed=0)
     gaps = [b["t"] - a["t"] for a, b in zip(r.timeline[2:8], r.timeline[3:9])]
     assert sum(gaps) / len(gaps) == pytest.approx(19.7, rel=0.03)
     assert r.learner_wait_frac > 0.3
@@ -123,16 +123,16 @@ def test_async_deterministic_by_seed():
     text = TINY.replace("p99 = 200", "p99 = 900").replace("p99 = 500 }", "p99 = 2000, max = 3000 }")
     wl = tiny(text)
     control = ControlConfig(interval_s=20.0, window_s=100.0)   # a window of five ticks
-    a = sim_des.simulate_async(wl, Allocation(2, 2), seed=7, control=control)
-    b = sim_des.simulate_async(wl, Allocation(2, 2), seed=7, control=control)
-    c = sim_des.simulate_async(wl, Allocation(2, 2), seed=8, control=control)
+    a = des.simulate_async(wl, Allocation(2, 2), seed=7, control=control)
+    b = des.simulate_async(wl, Allocation(2, 2), seed=7, control=control)
+    c = des.simulate_async(wl, Allocation(2, 2), seed=8, control=control)
     assert a.report() == b.report() and a.timeline == b.timeline
     assert a.report() != c.report()
 
 
 def test_staleness_never_exceeds_the_bound():
     text = TINY.replace("p99 = 200", "p99 = 2000").replace("max_staleness = 2", "max_staleness = 1")
-    r = sim_des.simulate_async(tiny(text), Allocation(3, 1), seed=0)
+    r = des.simulate_async(tiny(text), Allocation(3, 1), seed=0)
     assert r.staleness_p99 <= 1
     assert r.dropped_stale > 0 and r.dropped_stale % 4 == 0     # whole groups
 
@@ -159,7 +159,7 @@ def test_sync_matches_reference_steady():
 
 @pytest.mark.slow
 def test_drift_targets():
-    res = bench_policy.run_bench(BENCH / "drift.toml", ["sync", "static", "libra", "ideal"])
+    res = bench_allocator.run_bench(BENCH / "drift.toml", ["sync", "static", "libra", "ideal"])
     ratios, libra = res["ratios"], res["modes"]["libra"]
     assert ratios["libra/ideal"] >= 0.9
     assert ratios["libra/sync"] >= 3.0
@@ -169,7 +169,7 @@ def test_drift_targets():
 
 @pytest.mark.slow
 def test_steady_targets():
-    res = bench_policy.run_bench(BENCH / "steady.toml", ["static-best", "libra"])
+    res = bench_allocator.run_bench(BENCH / "steady.toml", ["static-best", "libra"])
     assert res["ratios"]["libra/static-best"] >= 0.97
     assert res["modes"]["libra"]["staleness_p99"] <= 4
 
@@ -177,8 +177,8 @@ def test_steady_targets():
 # --- run_bench, JSON shape and the command line ---------------------------------------
 
 def test_json_shape(tmp_path):
-    res = bench_policy.run_bench(write(tmp_path, TINY), "sync,static,libra,ideal")
-    out = bench_policy.readme_json(res)
+    res = bench_allocator.run_bench(write(tmp_path, TINY), "sync,static,libra,ideal")
+    out = bench_allocator.readme_json(res)
     assert set(out) == {"workload", "modes", "ratios"} and out["workload"] == "tiny"
     assert list(out["modes"]) == ["sync", "static", "libra", "ideal"]
     assert out["modes"]["ideal"] == {"trajectories_per_s": pytest.approx(fluid.ideal_rate(tiny()))}
@@ -187,7 +187,7 @@ def test_json_shape(tmp_path):
     assert set(out["modes"]["libra"]) == keys
     assert set(out["ratios"]) == {"libra/sync", "libra/static", "libra/ideal"}    # static-best not run
     json.dumps(out)
-    assert "libra/static" in bench_policy.format_table(res)
+    assert "libra/static" in bench_allocator.format_table(res)
 
 
 def test_multi_job_parses_but_is_rejected(tmp_path):
@@ -197,7 +197,7 @@ def test_multi_job_parses_but_is_rejected(tmp_path):
     wl = parse_workload(tomllib.loads(text), "multi.toml")
     assert len(wl.jobs) == 2 and wl.jobs[0].max_gpus == 4
     with pytest.raises(WorkloadError, match="multi-job workloads are not supported yet"):
-        bench_policy.run_bench(write(tmp_path, text), "ideal")
+        bench_allocator.run_bench(write(tmp_path, text), "ideal")
 
 
 @pytest.mark.parametrize("edit,key", [
@@ -216,7 +216,7 @@ def test_bad_workloads_name_the_key(tmp_path, edit, key):
 def _cli(argv) -> int:
     import argparse
     parser = argparse.ArgumentParser()
-    bench_policy.add_parser(parser.add_subparsers(dest="cmd", required=True))
+    bench_allocator.add_parser(parser.add_subparsers(dest="cmd", required=True))
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from pipeline.sim import bench_allocator as bench_policy
-from pipeline.sim import des as sim_des
+from pipeline.sim import bench_allocator
+from pipeline.sim import des
 from pipeline.sim import fluid
 from pipeline.observe.audit import audit
 from pipeline.sim.bench_live import LiveBench, LiveEngineError, LiveSettings, control_settings, worker_counts
@@ -26,13 +26,13 @@ except ModuleNotFoundError:
     from test_sim_workers import BASE, write_workload
 
 
-def test_control_settings_are_the_des_policy_in_wall_seconds():
+def test_control_settings_are_the_des_allocator_in_wall_seconds():
     wl = parse_workload(BASE)
     c = control_settings(wl, 10.0)
-    des = sim_des.LIBRA_CONTROL
-    assert c["interval_s"] == pytest.approx(des.interval_s / 10)
-    assert c["window_s"] == pytest.approx(sim_des.window_ticks(des) * des.interval_s / 10)
-    assert c["cooldown_s"] == pytest.approx(des.cooldown_s / 10)
+    ctl = des.LIBRA_CONTROL
+    assert c["interval_s"] == pytest.approx(ctl.interval_s / 10)
+    assert c["window_s"] == pytest.approx(des.window_ticks(ctl) * ctl.interval_s / 10)
+    assert c["cooldown_s"] == pytest.approx(ctl.cooldown_s / 10)
     assert c["switch_cost_s"] == pytest.approx(wl.cluster.switch_cost_s / 10)
     assert c["learner_scaling_exponent"] == wl.learner.scaling_exponent and c["mode"] == "pinned"
     # reward on CPU: processes beside the slots; on GPU: one per slot of the split
@@ -60,7 +60,7 @@ def test_wait_before_the_first_prompt_is_not_counted():
 def test_live_engine_without_live_modes_runs_nothing_live(tmp_path):
     wl_path = write_workload(tmp_path / "tiny.toml", job={"steps": 4})
     lines: list[str] = []
-    res = bench_policy.run_bench(wl_path, "sync,ideal", engine="live", report=lines.append,
+    res = bench_allocator.run_bench(wl_path, "sync,ideal", engine="live", report=lines.append,
                                  live=LiveSettings(redis_url="redis://127.0.0.1:1/0"))   # never connected
     assert "engine" not in res and set(res["modes"]) == {"sync", "ideal"}
     assert any("none of the modes asked runs live" in line for line in lines)
@@ -100,7 +100,7 @@ def test_live_engine_runs_the_async_modes_on_the_control_plane(r, redis_url, tmp
     steps = 12
     wl_path = write_workload(tmp_path / "tiny.toml", job={"steps": steps})
     lines: list[str] = []
-    res = bench_policy.run_bench(wl_path, "sync,static,static-best,libra,ideal", engine="live", seed=3,
+    res = bench_allocator.run_bench(wl_path, "sync,static,static-best,libra,ideal", engine="live", seed=3,
                                  report=lines.append,
                                  live=LiveSettings(time_scale=10.0, redis_url=redis_url, runs_dir=str(tmp_path)))
     d = res["details"]
@@ -120,10 +120,10 @@ def test_live_engine_runs_the_async_modes_on_the_control_plane(r, redis_url, tmp
         assert manifest["config"]["job"]["seed"] == 3          # the sim workers run the seed asked for
     assert res["modes"]["static"]["final_allocation"] == fluid.static_split(wl).as_dict()
     assert any("static (live)" in line for line in lines)
-    out = bench_policy.readme_json(res)
+    out = bench_allocator.readme_json(res)
     assert set(out) == {"workload", "engine", "live_vs_des", "modes", "ratios"}
     json.dumps(out)
-    assert "live/des" in bench_policy.format_table(res)
+    assert "live/des" in bench_allocator.format_table(res)
     # the control plane is gone, and no sim worker of any mode is left running
     assert r.get(CONTROLLER_LEASE) is None
     assert not _sim_processes(str(tmp_path))
@@ -142,7 +142,7 @@ def _sim_processes(under: str) -> list:
 def test_live_engine_default_embedded_redis_is_removed_after(tmp_path):
     wl_path = write_workload(tmp_path / "tiny.toml", job={"steps": 4})
     lines: list[str] = []
-    res = bench_policy.run_bench(wl_path, "static", engine="live", report=lines.append,
+    res = bench_allocator.run_bench(wl_path, "static", engine="live", report=lines.append,
                                  live=LiveSettings(time_scale=10.0, runs_dir=str(tmp_path)))
     assert [p["step"] for p in res["details"]["static"]["timeline"]] == [1, 2, 3, 4]
     started = next(line for line in lines if line.startswith("live: Redis unix://"))

@@ -470,7 +470,7 @@ def _pinned_rate(c: Cluster, rollout: int, slots: int) -> float:
 
 
 @pytest.mark.slow
-def test_policy_reaches_the_best_split_from_a_bad_one(r, redis_url, tmp_path):
+def test_allocator_reaches_the_best_split_from_a_bad_one(r, redis_url, tmp_path):
     """The issue's acceptance test, on 8 CPU slots in the sim backend's virtual time."""
     slots = 8
     control = {"window_s": 5.0, "cooldown_s": 3.0, "horizon_s": 60.0, "switch_cost_s": 1.5,

@@ -1,6 +1,6 @@
 """The ``live`` engine of ``libra-ctl bench policy``: the workload on the real control plane.
 
-Called by ``pipeline.bench_policy.run_bench`` for ``--engine live``. Where the
+Called by ``pipeline.sim.bench_allocator.run_bench`` for ``--engine live``. Where the
 ``des`` engine simulates the pipeline, this one runs it: a Redis server (an
 embedded one unless ``--redis`` names one), ``libra-ctl controller`` and one
 ``libra-ctl agent`` holding one CPU slot per GPU of the workload, and the

@@ -1,4 +1,4 @@
-"""plan(): the pure allocation policy, tested on hand-made metrics (no Redis, no simulator)."""
+"""plan(): the pure allocator, tested on hand-made metrics (no Redis, no simulator)."""
 
 from __future__ import annotations
 
