@@ -24,6 +24,10 @@ def _f(default, doc: str):
     return field(default=default, metadata={"doc": doc})
 
 
+def _f_dict(doc: str):
+    return field(default_factory=dict, metadata={"doc": doc})
+
+
 @dataclass(frozen=True)
 class JobConfig:
     name: str = _f("quickstart", "job name; every Redis key of the job carries it")
@@ -37,6 +41,8 @@ class JobConfig:
 
 @dataclass(frozen=True)
 class PolicyConfig:
+    path: str = _f("", "a Hugging Face causal LM directory to train (weights, config, tokenizer); "
+                   "empty: build and warm-start the tiny built-in policy")
     cache_dir: str = _f(".cache/policies", "where built and warm-started policies are cached, keyed by this section "
                         "(the warm start's calibrated settings are workers.tiny_policy.DEFAULT_SPEC)")
     seed: int = _f(0, "seed of the initial weights and of the warm start")
@@ -50,18 +56,40 @@ class RolloutConfig:
     engine: str = _f("vllm", "generation engine: vllm")
     group_size: int = _f(8, "samples per prompt (one GRPO group)")
     groups_per_call: int = _f(8, "groups decoded together in one engine call; reloads happen between calls")
-    temperature: float = _f(1.0, "sampling temperature (1.0 only, so behaviour log-probs are the sampled distribution's)")
+    temperature: float = _f(1.0, "sampling temperature, in (0, 2]; behaviour log-probs are those of the "
+                            "temperature-scaled distribution, and the learner scales its logits by the same 1/T")
     max_turns: int = _f(4, "model turns per episode (each tool call ends a turn)")
     max_tokens_per_turn: int = _f(48, "tokens generated per turn at most")
     tool_timeout_s: float = _f(2.0, "a tool call that takes longer is answered with a timeout")
     gpu_memory_utilization: float = _f(0.02, "share of device memory (host RAM on CPU) the engine reserves")
     max_model_len: int = _f(256, "longest prompt + completion the engine accepts (at most the policy's max_position_embeddings)")
+    dtype: str = _f("float32", "the engine's weights and activations: float32, bfloat16, float16 or auto "
+                    "(vLLM's pick: the platform's preferred 16-bit type, as the learner publishes float32); "
+                    "a dtype other than the learner's widens the behaviour/learner log-prob gap")
+    kv_cache_bytes: int = _f(1 << 30, "KV cache size per engine in bytes; 0: vLLM sizes it from "
+                             "gpu_memory_utilization (on a GPU, after profiling the model)")
+    enforce_eager: bool = _f(True, "run the model eagerly; false lets vLLM compile it and capture CUDA graphs "
+                             "(minutes at start, faster decoding on a GPU)")
+    tensor_parallel_size: int = _f(1, "GPUs each engine shards the model over")
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    entry: str = _f("calc", "the environment: \"package.module:ClassName\", or a name registered in the "
+                    "libra.envs entry points (calc, guess)")
+    options: dict = _f_dict("keyword arguments of the environment's class, e.g. {tool_delay_s = 0.5}")
+    chat_template: str = _f("auto", "render prompts and replies through the policy's chat template: "
+                            "auto (when it has one), on or off")
 
 
 @dataclass(frozen=True)
 class RewardConfig:
     workers: int = _f(1, "reward worker processes")
     verifier_retries: int = _f(2, "retries of a failing verifier before the group is dead-lettered")
+    entry: str = _f("", "\"package.module:function\" (task, transcript) -> float scoring each episode; "
+                    "empty: the environment's reward")
+    model: str = _f("", "a Hugging Face sequence-classification directory (one label) that scores prompt + "
+                    "transcript; reward workers load it on their slot's GPU, else the CPU")
 
 
 @dataclass(frozen=True)
@@ -80,6 +108,15 @@ class LearnerConfig:
     threads: int = _f(1, "torch CPU threads of the learner")
     step_budget_s: float = _f(60.0, "the longest a learner step (waiting for data included) may take")
     checkpoint_write_s: float = _f(30.0, "the longest a checkpoint write may take")
+    dtype: str = _f("fp32", "forward-pass precision: fp32, or bf16 (torch.autocast; master weights, optimizer "
+                    "and log-softmax stay float32)")
+    micro_batch_tokens: int = _f(8192, "padded tokens (rows x longest row) per forward/backward; bounds "
+                                 "activation memory (8192: ~64 quick-start trajectories of ~120 tokens); "
+                                 "a longer trajectory goes alone")
+    logprob_chunk: int = _f(1024, "completion positions whose logits (x vocab) are computed at once; bounds "
+                            "the LM head's memory")
+    gradient_checkpointing: bool = _f(False, "recompute each layer's activations in the backward pass "
+                                      "(less memory, ~30% more compute)")
 
 
 @dataclass(frozen=True)
@@ -138,6 +175,7 @@ class RunConfig:
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
@@ -206,7 +244,7 @@ def from_dict(raw: dict, cls=Config, where: str = "") -> Any:
         if dataclasses.is_dataclass(typ):
             kwargs[f.name] = from_dict(value, typ, dotted + ".")
         else:
-            kwargs[f.name] = _coerce(value, typ, dotted, f.default)
+            kwargs[f.name] = _coerce(value, typ, dotted, default_of(f))
     return cls(**kwargs)
 
 
@@ -218,6 +256,12 @@ def _coerce(value, typ, dotted: str, default):
     raise ConfigError(
         f"{dotted} = {value!r}: expected {typ.__name__} (default {default!r}); "
         f"fix it in the file or with --set {dotted}=<{typ.__name__}>")
+
+
+def _is_entry(text: str) -> bool:
+    module, sep, attr = text.partition(":")
+    return bool(sep and module and attr and all(part.isidentifier() for part in module.split("."))
+                and attr.isidentifier())
 
 
 def _need(ok: bool, key: str, msg: str) -> None:
@@ -246,8 +290,14 @@ def validate(cfg: Config) -> None:
     need(lr.workers == 1, "learner.workers", "only a single learner process is supported so far; set 1")
     need(lr.keep_published >= 2, "learner.keep_published", "keep at least 2 versions so a loading worker never loses its files")
     need(ro.engine == "vllm", "rollout.engine", f"unknown engine {ro.engine!r}; use \"vllm\"")
-    need(ro.temperature == 1.0, "rollout.temperature",
-         "only 1.0 is supported: behaviour log-probs must be those of the distribution sampled from")
+    need(0 < ro.temperature <= 2.0, "rollout.temperature",
+         f"{ro.temperature:g} is outside (0, 2]; greedy decoding is for evaluation only, sample with e.g. 1.0")
+    need(ro.dtype in ("float32", "bfloat16", "float16", "auto"), "rollout.dtype",
+         f"{ro.dtype!r}: use float32, bfloat16, float16 or auto")
+    need(ro.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1 (1: one GPU per engine)")
+    need(lr.dtype in ("fp32", "bf16"), "learner.dtype", f"{lr.dtype!r}: use fp32 or bf16")
+    need(lr.micro_batch_tokens >= 1, "learner.micro_batch_tokens", "must be >= 1, e.g. 8192")
+    need(lr.logprob_chunk >= 1, "learner.logprob_chunk", "must be >= 1, e.g. 1024")
     need(ro.workers >= 1 and cfg.reward.workers >= 1, "rollout.workers/reward.workers", "each stage needs >= 1 worker")
     need(ro.max_turns >= 1 and ro.max_tokens_per_turn >= 1, "rollout.max_turns", "must be >= 1")
     need(0 < ro.gpu_memory_utilization <= 0.95, "rollout.gpu_memory_utilization", "must be in (0, 0.95]")
@@ -261,6 +311,12 @@ def validate(cfg: Config) -> None:
          f"{lr.step_budget_s:g} + checkpoint_write_s {lr.checkpoint_write_s:g} = {hold_s:g}s); raise it above "
          f"{hold_s:g} or checkpoint more often")
     validate_control(cfg.control)
+    need(cfg.env.chat_template in ("auto", "on", "off"), "env.chat_template",
+         f"{cfg.env.chat_template!r}: use auto, on or off")
+    need(bool(cfg.env.entry.strip()), "env.entry", "name an environment, e.g. \"calc\" or \"mypkg.envs:MyEnv\"")
+    need(not cfg.reward.entry or _is_entry(cfg.reward.entry), "reward.entry",
+         f"{cfg.reward.entry!r}: write \"package.module:function\"")
+    need(not (cfg.reward.entry and cfg.reward.model), "reward.model", "set reward.entry or reward.model, not both")
     need(cfg.metrics.interval_s > 0, "metrics.interval_s", "must be > 0")
     need(st.max_deliveries >= 1, "streams.max_deliveries", "must be >= 1")
     need(min(st.rollout_min_idle_s, st.reward_min_idle_s) > 0, "streams.*_min_idle_s", "must be > 0")
@@ -285,11 +341,15 @@ def _section_name(cfg: Config, section) -> str:
     return next(f.name for f in fields(cfg) if getattr(cfg, f.name) is section)
 
 
+def default_of(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def reference() -> str:
     """The config reference as Markdown (used by the README)."""
     lines = []
     for sec in fields(Config):
         lines.append(f"\n[{sec.name}]\n")
         for f in fields(sec.default_factory):
-            lines.append(f"- `{f.name}` = `{f.default!r}`: {f.metadata['doc']}")
+            lines.append(f"- `{f.name}` = `{default_of(f)!r}`: {f.metadata['doc']}")
     return "\n".join(lines)

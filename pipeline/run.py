@@ -55,6 +55,9 @@ def policy_spec(cfg: Config) -> dict:
 
 
 def prepare_policy(cfg: Config, out=sys.stderr) -> str:
+    """The directory of version 0: ``policy.path``, checked, else the tiny policy, built and cached."""
+    if cfg.policy.path:
+        return check_policy_dir(Path(cfg.policy.path))
     from workers.tiny_policy import ensure_policy
 
     def progress(msg: str) -> None:
@@ -64,15 +67,35 @@ def prepare_policy(cfg: Config, out=sys.stderr) -> str:
     return str(Path(path).resolve())
 
 
+def check_policy_dir(path: Path) -> str:
+    """A Hugging Face model directory that transformers and vLLM can load, or RunFailed saying what is missing."""
+    if not path.is_dir():
+        raise RunFailed(f"policy.path = {str(path)!r}: no such directory")
+    missing = [f for f in ("config.json",) if not (path / f).exists()]
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        missing.append("weights (*.safetensors)")
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        missing.append("tokenizer (tokenizer.json or tokenizer_config.json)")
+    if missing:
+        raise RunFailed(f"policy.path = {str(path)!r} is not a Hugging Face model directory: missing "
+                        f"{', '.join(missing)} (save one with save_pretrained for the model and the tokenizer)")
+    return str(path.resolve())
+
+
 def check_prompt_files(cfg: Config, out=sys.stderr) -> list[dict]:
     """Report bad lines of the prompt files (they are skipped) and fail on an unusable file."""
+    from workers.envs import EnvError, env_from_config
     from workers.feeder import load_prompts
 
+    try:
+        env = env_from_config(cfg)
+    except EnvError as exc:
+        raise RunFailed(str(exc)) from None
     bad_all = []
     for path in (cfg.job.train_prompts, cfg.job.eval_prompts):
         if not Path(path).exists():
             raise RunFailed(f"prompt file {path} does not exist (job.train_prompts / job.eval_prompts)")
-        good, bad = load_prompts(path)
+        good, bad = load_prompts(env, path)
         for b in bad:
             print(f"warning: {path}:{b.lineno}: {b.reason}; line skipped", file=out)
             bad_all.append({"file": path, "line": b.lineno, "reason": b.reason})
@@ -271,10 +294,14 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
     # honcho and systemd stop us with SIGTERM: take it as Ctrl-C, so the controller, the agent,
     # the workers and the embedded Redis are stopped in order instead of being orphaned.
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    bad_lines = check_prompt_files(cfg, out)
-    run_dir = resume_dir or manifest_mod.new_run_dir(cfg)
-    print(f"run {run_dir.name}: {'resuming' if resume_dir else 'preparing the policy'}", file=out, flush=True)
-    policy_dir = prepare_policy(cfg, out)
+    try:
+        bad_lines = check_prompt_files(cfg, out)
+        run_dir = resume_dir or manifest_mod.new_run_dir(cfg)
+        print(f"run {run_dir.name}: {'resuming' if resume_dir else 'preparing the policy'}", file=out, flush=True)
+        policy_dir = prepare_policy(cfg, out)
+    except RunFailed as exc:   # bad input (prompt files, environment, policy directory): nothing started
+        print(f"libra-ctl run: {exc}", file=out)
+        return 2
     url, embedded = _choose_redis(cfg, run_dir, resume_dir)
     orch = None
     try:

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from workers.envs import calc
-from workers.envs.calc import BadLine, Problem, VerifierError
+from workers.envs.base import BadLine, RewardError, write_prompt_file
+from workers.envs.calc import Problem
 
 
 def test_problems_are_deterministic_and_distinct():
@@ -61,7 +62,7 @@ def test_demonstration_tool_results_are_what_the_tool_says():
 def test_prompt_file_round_trip_and_bad_lines(tmp_path):
     problems = calc.make_problems(0, 5, "train")
     path = tmp_path / "prompts.jsonl"
-    calc.write_prompt_file(path, problems)
+    write_prompt_file(path, problems)
     with open(path, "a") as f:
         f.write("{not json\n")
         f.write("\n")
@@ -128,9 +129,9 @@ def test_verify():
 
 
 def test_verify_raises_on_its_own_failure():
-    with pytest.raises(VerifierError):
+    with pytest.raises(RewardError):
         calc.verify(Problem("p", "Q:1\n", 1), None)
-    with pytest.raises(VerifierError):
+    with pytest.raises(RewardError):
         calc.verify(Problem("p", "Q:1\n", "1"), "<answer>1</answer>")
 
 

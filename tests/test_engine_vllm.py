@@ -3,7 +3,8 @@
 Slow: builds a partly warm-started tiny policy (~20 s) and starts one
 in-process vLLM engine (~20 s) for the whole module; the tests themselves take
 seconds. Measured on 2 cores: max |Δ log p| ~2e-5 between vLLM's behaviour
-log-probs and ``completion_logprobs``, mean |ratio - 1| ~1e-7.
+log-probs and ``completion_logprobs``, mean |ratio - 1| ~1e-7; at
+temperature 0.7, 3e-5 and 1e-7 (2.5 if the learner forgot to divide by T).
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ def _assert_same_episodes(vllm_eps, torch_eps):
         assert (v.finish, v.turns, v.tool_calls) == (t.finish, t.turns, t.tool_calls)
 
 
-def _logprob_gap(model, episodes) -> tuple[float, float]:
+def _logprob_gap(model, episodes, temperature: float = 1.0) -> tuple[float, float]:
     """(max |Δ log p|, mean |ratio - 1|) of behaviour log-probs against torch's, over sampled tokens."""
     with torch.no_grad():
-        ref = tp.completion_logprobs(model, [e.prompt_tokens for e in episodes], [e.completion_tokens for e in episodes])
+        ref = tp.completion_logprobs(model, [e.prompt_tokens for e in episodes], [e.completion_tokens for e in episodes],
+                                     temperature=temperature)
     gaps = [new - old for e, lp in zip(episodes, ref) for new, old, m in zip(lp.tolist(), e.logprobs, e.completion_mask) if m]
     return max(abs(g) for g in gaps), sum(abs(math.exp(g) - 1) for g in gaps) / len(gaps)
 
@@ -98,6 +100,21 @@ def test_behaviour_logprobs_match_torch_and_seeds_reproduce(engine, tokenizer, p
     assert [e.completion_tokens for e in other] != [e.completion_tokens for e in episodes]
 
 
+def test_behaviour_logprobs_match_the_learner_at_temperature_0_7(engine, tokenizer, policy_dir, problems):
+    """At T != 1 vLLM's processed log-probs are those of softmax(logits / T); the learner divides by T too."""
+    model = tp.load_model(policy_dir).eval()
+    engine.temperature = 0.7
+    try:
+        episodes = _sample(engine, tokenizer, problems, seed=6)
+    finally:
+        engine.temperature = 1.0
+    max_gap, mean_ratio_err = _logprob_gap(model, episodes, temperature=0.7)
+    assert max_gap < MAX_ABS_DLOGP
+    assert mean_ratio_err < 1e-4
+    # Unscaled learner log-probs disagree far beyond the tolerance: the check has teeth.
+    assert _logprob_gap(model, episodes)[0] > 100 * MAX_ABS_DLOGP
+
+
 def _perturbed(policy_dir, tokenizer):
     """The policy with small noise added and EOS made likely.
 
@@ -117,7 +134,7 @@ def _perturbed(policy_dir, tokenizer):
 def test_reload_serves_the_new_weights_and_eos_agrees(engine, tokenizer, policy_dir, problems, tmp_path):
     before = _greedy(engine, tokenizer, problems)  # fills the prefix cache with the old weights' KV
     model = _perturbed(policy_dir, tokenizer)
-    engine.reload(tp.save_weights(model, tmp_path / "v1"))
+    engine.reload(tp.save_weights(model, tmp_path / "v1", policy_dir))
     try:
         after = _greedy(engine, tokenizer, problems)
         _assert_same_episodes(after, _greedy(model, tokenizer, problems))

@@ -71,15 +71,60 @@ def test_model_dir_is_complete_hf_layout(policy_dir, tokenizer):
     assert next(model.parameters()).dtype == torch.float32
 
 
-def test_save_weights_round_trips(tmp_path, model):
+def test_save_weights_round_trips(tmp_path, model, policy_dir):
     ids = torch.tensor([[5, 6, 7, 8]])
-    out = tp.save_weights(model, tmp_path / "saved")
+    out = tp.save_weights(model, tmp_path / "saved", policy_dir)
     reloaded = tp.load_model(out).eval()
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reloaded(ids).logits)
     assert tp.load_tokenizer(out).encode("Q:1", add_special_tokens=False) == tp.build_tokenizer().encode(
         "Q:1", add_special_tokens=False
     )
+
+
+def test_save_weights_copies_the_source_tokenizer_files_byte_for_byte(tmp_path, model, policy_dir):
+    """Any tokenizer travels with the weights: the source's files, not the char tokenizer, end up in the copy."""
+    source = tmp_path / "source"
+    source.mkdir()
+    extras = {
+        "tokenizer.json": (policy_dir / "tokenizer.json").read_bytes() + b"\n",  # differs from what we would write
+        "tokenizer_config.json": b'{"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 77}',
+        "chat_template.jinja": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\u00e9{% endfor %}".encode(),
+        "added_tokens.json": b'{"<tool>": 98}',
+        "vocab.json": b'{"a": 0}',
+        "merges.txt": b"#version: 0.2\n",
+        "special_tokens_map.json": b'{"eos_token": "<eos>"}',
+        "generation_config.json": b'{"eos_token_id": [1, 2], "temperature": 0.6}',
+    }
+    for name, data in extras.items():
+        (source / name).write_bytes(data)
+    for name in ("config.json", "model.safetensors", "model.safetensors.index.json", "spec.json"):
+        (source / name).write_bytes(b"not to be copied")
+    out = tp.save_weights(model, tmp_path / "out", source)
+    for name, data in extras.items():
+        assert (out / name).read_bytes() == data, name
+    assert (out / "config.json").read_bytes() != b"not to be copied"
+    assert (out / "model.safetensors").read_bytes() != b"not to be copied"
+    assert not (out / "model.safetensors.index.json").exists() and not (out / "spec.json").exists()
+    tp.save_weights(model, out, out)  # in place (the warm start): the files stay as they are
+    assert (out / "chat_template.jinja").read_bytes() == extras["chat_template.jinja"]
+
+
+def test_load_model_takes_any_causal_lm_and_pads_with_a_valid_id(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # No pad token and a list of EOS ids, as Llama 3 ships: padding falls back to the first EOS id.
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, pad_token_id=None, eos_token_id=[5, 6])
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    model = tp.load_model(tmp_path / "llama").eval()
+    assert type(model).__name__ == "LlamaForCausalLM" and next(model.parameters()).dtype == torch.float32
+    assert tp.pad_id(model.config) == 5
+    cfg.eos_token_id = None
+    assert tp.pad_id(cfg) == 0
+    lps = tp.completion_logprobs(model, [[1, 2, 3], [4]], [[7, 8], [9, 10, 11]])
+    assert [len(x) for x in lps] == [2, 3] and all(torch.isfinite(x).all() for x in lps)
 
 
 # --- log-probs and the torch generator --------------------------------------
@@ -212,7 +257,8 @@ def test_loop_finishes_on_max_turns_length_and_eos(tokenizer):
 
 def test_loop_records_tool_timeouts(tokenizer):
     problems = calc.make_problems(0, 4, "eval")
-    episodes = _run(ScriptedGenerator(tokenizer, problems), tokenizer, problems, tool_timeout_s=0.05, tool_delay_s=0.5)
+    episodes = _run(ScriptedGenerator(tokenizer, problems), tokenizer, problems, tool_timeout_s=0.05,
+                    env=calc.Calculator(tool_delay_s=0.5))
     for ep in episodes:
         assert ep.tool_timeouts == ep.tool_calls == 2
         assert "<result>error</result>" in ep.text

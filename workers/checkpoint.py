@@ -5,7 +5,10 @@ directory ``step-NNNNNN`` holding ``model/``, ``optimizer.pt``,
 ``consumed.txt`` and ``dropped.txt`` (trajectory ids, one a line) and
 ``state.json``; published weights are directories ``vNNNNNN``. Both are
 written under a ``.tmp`` name and renamed, so a reader (a restart, a rollout
-worker loading weights) never sees half a directory.
+worker loading weights) never sees half a directory. Both carry the tokenizer
+files of the directory the model was loaded from (``source_dir``), so either
+is a complete model directory, and both load on a CPU-only machine whatever
+device the learner trained on.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ def read_state(ckpt: Path) -> dict:
 
 
 def read_optimizer(ckpt: Path) -> dict:
-    return torch.load(ckpt / "optimizer.pt", weights_only=True)
+    # On the CPU: the optimizer's load_state_dict moves each state to its parameter's device.
+    return torch.load(ckpt / "optimizer.pt", weights_only=True, map_location="cpu")
 
 
 def trained_ids_after(ckpt_dir: Path, after_step: int) -> dict[str, int]:
@@ -48,7 +52,8 @@ def trained_ids_after(ckpt_dir: Path, after_step: int) -> dict[str, int]:
     return ids
 
 
-def write_checkpoint(ckpt_dir: Path, model, optimizer, consumed: list[str], dropped: list[str], state: dict) -> None:
+def write_checkpoint(ckpt_dir: Path, model, optimizer, consumed: list[str], dropped: list[str], state: dict,
+                     source_dir: Path) -> None:
     """Write ``step-<state["step"]>`` and make it durable (fsynced, renamed, parent fsynced) before returning.
 
     The caller acknowledges stream entries only after this returns: a crash
@@ -58,8 +63,8 @@ def write_checkpoint(ckpt_dir: Path, model, optimizer, consumed: list[str], drop
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_weights(model, tmp / "model")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    save_weights(model, tmp / "model", source_dir)
+    torch.save(_on_cpu(optimizer.state_dict()), tmp / "optimizer.pt")
     (tmp / "consumed.txt").write_text("".join(f"{i}\n" for i in consumed))
     (tmp / "dropped.txt").write_text("".join(f"{i}\n" for i in dropped))
     (tmp / "state.json").write_text(json.dumps(state))
@@ -69,12 +74,12 @@ def write_checkpoint(ckpt_dir: Path, model, optimizer, consumed: list[str], drop
     _fsync_dir(ckpt_dir)
 
 
-def write_published(pub_dir: Path, version: int, model) -> Path:
+def write_published(pub_dir: Path, version: int, model, source_dir: Path) -> Path:
     """Write the weights of ``version`` as ``v<version>``, replacing any earlier set under that name."""
     final = pub_dir / f"v{version:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_weights(model, tmp)
+    save_weights(model, tmp, source_dir)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -85,6 +90,17 @@ def prune_published(pub_dir: Path, keep: int) -> None:
     versions = sorted(p for p in pub_dir.glob("v*") if not p.name.endswith(".tmp"))
     for old in versions[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _on_cpu(obj):
+    """A copy of a (nested) state dict with every tensor on the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj
 
 
 def _fsync_dir(path: Path) -> None:

@@ -8,9 +8,11 @@ With ``in_process=False``, construct it only under
 engine core with multiprocessing spawn, which re-imports the main module.
 
 Behaviour log-probs are those of the distribution sampled from: sampling is
-temperature 1 with top-p 1, top-k off and no penalties, and the engine runs
-with ``logprobs_mode="processed_logprobs"`` so the returned log-probs stay
-those of the sampling distribution if any of that ever changes.
+at ``temperature`` (rollout.temperature) with top-p 1, top-k off and no
+penalties, and the engine runs with ``logprobs_mode="processed_logprobs"``,
+so the returned log-probs are those of softmax(logits / temperature); the
+learner scales its logits by the same 1 / temperature. Greedy requests
+(evaluation) decode at temperature 0.
 
 EOS: when the policy samples EOS, vLLM puts its id at the end of the output
 token ids (and leaves it out of the text); we keep it, with its log-prob, as
@@ -74,6 +76,9 @@ class VLLMEngine:
         in_process: bool = True,
         threads: int | None = 1,
         enforce_eager: bool = True,
+        dtype: str = "float32",
+        tensor_parallel_size: int = 1,
+        temperature: float = 1.0,
         **llm_kwargs,
     ):
         _prepare_process(in_process, threads)
@@ -81,10 +86,12 @@ class VLLMEngine:
 
         self.model_dir = Path(model_dir)
         self.max_model_len = max_model_len
+        self.temperature = temperature  # of sampled (non-greedy) requests
         self.llm = LLM(
             model=str(model_dir),
             tokenizer=str(model_dir),
-            dtype="float32",
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
             seed=seed,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
@@ -94,9 +101,11 @@ class VLLMEngine:
             # does not use offset"): whole prefills keep per-request seeds usable.
             enable_chunked_prefill=False,
             # On CPU this is the share of RAM vLLM may claim; with an explicit
-            # KV cache size it only gates a free-memory check at start.
+            # KV cache size it only gates a free-memory check at start. With
+            # kv_cache_memory_bytes 0 (None to vLLM) the KV cache gets what this
+            # share leaves after the weights and a profiling run.
             gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            kv_cache_memory_bytes=kv_cache_memory_bytes or None,
             # Eager: torch.compile would take minutes on 2 cores for no gain here.
             enforce_eager=enforce_eager,
             logprobs_mode="processed_logprobs",
@@ -105,12 +114,13 @@ class VLLMEngine:
             disable_log_stats=True,
             **llm_kwargs,
         )
+        self.tokenizer = self.llm.get_tokenizer()
 
     def _params(self, greedy: bool, seed: int | None, max_tokens: int, stops: Sequence[str]):
         from vllm import SamplingParams
 
         return SamplingParams(
-            temperature=0.0 if greedy else 1.0,
+            temperature=0.0 if greedy else self.temperature,
             top_p=1.0,
             top_k=0,
             min_p=0.0,
@@ -136,7 +146,7 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=list(r)) for r in requests]
         params = [self._params(greedy, None if seeds is None else seeds[i], max_tokens, stops) for i in range(len(requests))]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [_turn_output(o.outputs[0]) for o in outputs]
+        return [_turn_output(o.outputs[0], self.tokenizer) for o in outputs]
 
     def reload(self, weights_dir: str | Path) -> None:
         """Load new weights in place, then drop the prefix cache built on the old ones."""
@@ -146,7 +156,14 @@ class VLLMEngine:
         self.model_dir = Path(weights_dir)
 
 
-def _turn_output(completion) -> TurnOutput:
+def _turn_output(completion, tokenizer) -> TurnOutput:
+    """The turn as tokens, log-probs and the text of exactly those tokens.
+
+    vLLM cuts ``completion.text`` at the stop string, but with a BPE tokenizer
+    the token that completed it may carry more characters (``"</g>\n"``):
+    the text is decoded from the token ids instead, so that text and ids never
+    disagree (the environment parses up to the stop, ``envs.base.cut_at_stop``).
+    """
     token_ids = list(completion.token_ids)
     # logprobs=0 gives, per position, a dict holding at least the sampled token.
     logprobs = [float(step[tok].logprob) for step, tok in zip(completion.logprobs, token_ids)]
@@ -157,4 +174,6 @@ def _turn_output(completion) -> TurnOutput:
     else:
         # finish "stop" with no stop string: the EOS token ended it.
         finish = "eos"
-    return TurnOutput(token_ids, logprobs, completion.text, finish)
+    body = token_ids[:-1] if finish == "eos" and token_ids else token_ids
+    text = tokenizer.decode(body, skip_special_tokens=True)
+    return TurnOutput(token_ids, logprobs, text, finish)

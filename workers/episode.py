@@ -1,15 +1,18 @@
-"""The multi-turn tool loop, written once for every generator.
+"""The multi-turn episode loop, written once for every generator and every environment.
 
 Who calls it: the rollout worker (``run_episodes`` over a ``VLLMEngine``), the
 evaluator (``evaluate``), and tests and the warm-start check through
 ``workers.tiny_policy.TorchGenerator`` (a pure-torch reference).
 
-An episode alternates policy turns and tool results. Each turn, all
-unfinished sequences go to the generator in one batched call; a turn ends at a
-stop string of the environment (``calc.TOOL_STOPS``), at EOS, or at
-``max_tokens_per_turn``. After ``</calc>`` the tool runs (all of a turn's
-calls concurrently) and its result is appended as tokens with mask 0, so the
-learner never trains on text the policy did not sample.
+An episode alternates model turns and environment replies
+(``workers.envs.base.Environment``). Each turn, all unfinished sequences go
+to the generator in one batched call; a turn ends at a stop string of the
+environment (decided on tokens), at the end-of-turn token, or at
+``max_tokens_per_turn``. The environment then answers every turn that goes
+on (concurrently, each step bounded by its timeout), and its reply is
+appended as tokens with mask 0 (``workers.chat``), so the learner never
+trains on text the model did not sample. Token ids are never re-derived from
+text: what the engine sampled is what the learner trains on.
 
 Seeds: each request's seed is a hash of (run seed, prompt_id, sample_idx,
 turn), so an episode regenerated under the same id samples the same tokens
@@ -21,10 +24,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-from workers.envs import calc
-from workers.envs.calc import Problem
+from workers.chat import ChatFormat
+from workers.envs import load_env
+from workers.envs.base import Environment, Task
+
+DEFAULT_ENV = "calc"   # the environment when none is given (config's env.entry default)
 
 
 @dataclass
@@ -54,15 +60,16 @@ class Episode:
     prompt_id: str
     sample_idx: int
     prompt_tokens: list[int]
-    completion_tokens: list[int]  # generated and tool tokens interleaved
-    completion_mask: list[int]  # 1 = sampled from the policy, 0 = inserted by the tool
+    completion_tokens: list[int]  # generated and environment tokens interleaved
+    completion_mask: list[int]  # 1 = sampled from the policy, 0 = inserted by the environment
     logprobs: list[float]  # behaviour log-prob of each completion token, 0.0 where mask is 0
-    text: str  # the completion as text (EOS excluded)
+    text: str  # the transcript: the model's turns and the replies' text (no chat markup)
     turns: int = 0
     tool_calls: int = 0
     tool_latency_s: list[float] = field(default_factory=list)
     tool_timeouts: int = 0
-    finish: str = ""  # "answer" | "length" | "max_turns" | "eos"
+    finish: str = ""  # the environment's reason ("answer", ...), or "length" | "max_turns" | "eos"
+    state: Any = None  # the environment's state of this episode
 
 
 def request_seed(seed: int, prompt_id: str, sample_idx: int, turn: int) -> int:
@@ -70,9 +77,70 @@ def request_seed(seed: int, prompt_id: str, sample_idx: int, turn: int) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def _new_episode(tokenizer, problem: Problem, sample_idx: int) -> Episode:
-    prompt_tokens = tokenizer.encode(problem.prompt, add_special_tokens=False)
-    return Episode(problem.prompt_id, sample_idx, prompt_tokens, [], [], [], "")
+@dataclass
+class Loop:
+    """What every episode of a call shares: the environment, the token format and the limits."""
+
+    env: Environment
+    tokenizer: Any
+    fmt: ChatFormat
+    max_turns: int
+    max_tokens_per_turn: int
+    step_timeout_s: float
+    max_total_tokens: int | None
+
+    def new_episode(self, task: Task, sample_idx: int) -> Episode:
+        prompt_tokens = self.fmt.prompt_ids(self.tokenizer, task.prompt)
+        return Episode(task.prompt_id, sample_idx, prompt_tokens, [], [], [], "", state=self.env.start(task))
+
+    def close_turn(self, ep: Episode, out: TurnOutput) -> bool:
+        """Record a turn's output; True if the environment should answer it."""
+        _append(ep, out.token_ids, out.logprobs, out.text, sampled=True)
+        ep.turns += 1
+        if out.finish_reason == "length":
+            ep.finish = "length"
+            return False
+        return True
+
+    def answer(self, episodes: list[Episode], tasks: list[Task], outs: list[TurnOutput], last_turn: bool) -> list[int]:
+        """The environment's replies to these turns; returns the indices of the episodes that go on."""
+        calls = [(ep.state, task, out.text, out.finish_reason) for ep, task, out in zip(episodes, tasks, outs)]
+        replies = self.env.respond(calls, self.step_timeout_s)
+        going = []
+        for k, (ep, out, reply) in enumerate(zip(episodes, outs, replies)):
+            if reply.done:
+                _count_call(ep, reply)
+                ep.finish = reply.finish or "done"
+                continue
+            if last_turn:   # no turn left to read the reply: it is not inserted, and not counted
+                ep.finish = "max_turns"
+                continue
+            _count_call(ep, reply)
+            if reply.text is not None:
+                ids = self.fmt.reply_ids(self.tokenizer, reply.text, out.finish_reason == "eos")
+                _append(ep, ids, [], reply.text, sampled=False)
+            going.append(k)
+        return going
+
+    def fit_context(self, episodes: list[Episode], active: list[int]) -> list[int]:
+        """The active sequences with room for another turn; the rest end with "length"."""
+        if self.max_total_tokens is None:
+            return active
+        keep = []
+        for i in active:
+            ep = episodes[i]
+            if len(ep.prompt_tokens) + len(ep.completion_tokens) + self.max_tokens_per_turn > self.max_total_tokens:
+                ep.finish = "length"
+            else:
+                keep.append(i)
+        return keep
+
+
+def _count_call(ep: Episode, reply) -> None:
+    if reply.tool_call:
+        ep.tool_calls += 1
+        ep.tool_latency_s.append(reply.latency_s)
+        ep.tool_timeouts += int(reply.timed_out)
 
 
 def _append(ep: Episode, token_ids: list[int], logprobs: list[float], text: str, sampled: bool) -> None:
@@ -82,105 +150,76 @@ def _append(ep: Episode, token_ids: list[int], logprobs: list[float], text: str,
     ep.text += text
 
 
-def _close_turn(ep: Episode, out: TurnOutput, last_turn: bool) -> bool:
-    """Record a turn's output; True if the episode now wants a tool call."""
-    _append(ep, out.token_ids, out.logprobs, out.text, sampled=True)
-    ep.turns += 1
-    if out.finish_reason == "eos":
-        ep.finish = "eos"
-    elif out.finish_reason == "length":
-        ep.finish = "length"
-    elif out.text.endswith(calc.ANSWER_CLOSE):
-        ep.finish = "answer"
-    elif last_turn:
-        ep.finish = "max_turns"
-    else:
-        return True
-    return False
-
-
-def _run_tools(tokenizer, episodes: list[Episode], turn_texts: list[str], tool_timeout_s: float, tool_delay_s: float) -> None:
-    exprs = [calc.parse_tool_call(t) for t in turn_texts]
-    results = calc.run_tools(exprs, tool_timeout_s, delay_s=tool_delay_s)
-    for ep, res in zip(episodes, results):
-        ids = tokenizer.encode(res.text, add_special_tokens=False)
-        _append(ep, ids, [], res.text, sampled=False)
-        ep.tool_calls += 1
-        ep.tool_latency_s.append(res.latency_s)
-        ep.tool_timeouts += int(res.timed_out)
+def make_loop(tokenizer, *, env: Environment | None, max_turns: int, max_tokens_per_turn: int, tool_timeout_s: float,
+              max_total_tokens: int | None, chat_template: bool | None = None) -> Loop:
+    env = env if env is not None else load_env(DEFAULT_ENV)
+    return Loop(env=env, tokenizer=tokenizer,
+                fmt=ChatFormat.for_tokenizer(tokenizer, env.reply_role, chat_template),
+                max_turns=env.max_turns or max_turns, max_tokens_per_turn=max_tokens_per_turn,
+                step_timeout_s=env.step_timeout_s or tool_timeout_s, max_total_tokens=max_total_tokens)
 
 
 def run_episodes(
     generator: Generator,
     tokenizer,
-    items: list[tuple[Problem, int]],
+    items: list[tuple[Task, int]],
     *,
     greedy: bool,
     max_turns: int,
     max_tokens_per_turn: int,
     tool_timeout_s: float,
     seed: int,
+    env: Environment | None = None,
     max_total_tokens: int | None = None,
-    tool_delay_s: float = 0.0,
+    chat_template: bool | None = None,
 ) -> list[Episode]:
-    """Play one episode per (problem, sample_idx), all advanced turn by turn in batches.
+    """Play one episode per (task, sample_idx), all advanced turn by turn in batches.
 
+    ``env``: the environment (default: the calculator, ``DEFAULT_ENV``).
     ``max_total_tokens`` (prompt + completion) ends a sequence with "length"
     before a turn that could overflow it; it defaults to the generator's
-    ``max_model_len`` if it has one. ``tool_delay_s`` simulates a slow tool.
+    ``max_model_len`` if it has one. ``chat_template``: render through the
+    tokenizer's chat template (None: when it has one).
     """
     if max_total_tokens is None:
         max_total_tokens = getattr(generator, "max_model_len", None)
-    episodes = [_new_episode(tokenizer, p, i) for p, i in items]
+    loop = make_loop(tokenizer, env=env, max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
+                     tool_timeout_s=tool_timeout_s, max_total_tokens=max_total_tokens, chat_template=chat_template)
+    tasks = [t for t, _ in items]
+    episodes = [loop.new_episode(t, i) for t, i in items]
     active = list(range(len(episodes)))
-    for turn in range(max_turns):
-        active = _fit_context(episodes, active, max_tokens_per_turn, max_total_tokens)
+    for turn in range(loop.max_turns):
+        active = loop.fit_context(episodes, active)
         if not active:
             break
         requests = [episodes[i].prompt_tokens + episodes[i].completion_tokens for i in active]
-        seeds = None if greedy else [request_seed(seed, episodes[i].prompt_id, episodes[i].sample_idx, turn) for i in active]
-        outs = generator.generate(requests, greedy=greedy, seeds=seeds, max_tokens=max_tokens_per_turn, stops=calc.TOOL_STOPS)
-        calling = [(i, out.text) for i, out in zip(active, outs) if _close_turn(episodes[i], out, turn == max_turns - 1)]
-        _run_tools(tokenizer, [episodes[i] for i, _ in calling], [t for _, t in calling], tool_timeout_s, tool_delay_s)
-        active = [i for i, _ in calling]
+        seeds = None if greedy else [request_seed(seed, episodes[i].prompt_id, episodes[i].sample_idx, turn)
+                                     for i in active]
+        outs = generator.generate(requests, greedy=greedy, seeds=seeds, max_tokens=max_tokens_per_turn,
+                                  stops=loop.env.stop_strings)
+        turned = [(i, out) for i, out in zip(active, outs) if loop.close_turn(episodes[i], out)]
+        going = loop.answer([episodes[i] for i, _ in turned], [tasks[i] for i, _ in turned],
+                            [out for _, out in turned], last_turn=turn == loop.max_turns - 1)
+        active = [turned[k][0] for k in going]
     return episodes
-
-
-def _fit_context(episodes: list[Episode], active: list[int], max_tokens: int, max_total: int | None) -> list[int]:
-    """The active sequences with room for another turn; the rest end with "length"."""
-    if max_total is None:
-        return active
-    keep = []
-    for i in active:
-        ep = episodes[i]
-        if len(ep.prompt_tokens) + len(ep.completion_tokens) + max_tokens > max_total:
-            ep.finish = "length"
-        else:
-            keep.append(i)
-    return keep
 
 
 def evaluate(
     generator: Generator,
     tokenizer,
-    problems: list[Problem],
+    tasks: list[Task],
     *,
     max_turns: int,
     max_tokens_per_turn: int,
     tool_timeout_s: float,
+    env: Environment | None = None,
     max_total_tokens: int | None = None,
+    chat_template: bool | None = None,
 ) -> tuple[float, list[Episode]]:
-    """Greedy success rate on ``problems`` and the episodes behind it."""
-    episodes = run_episodes(
-        generator,
-        tokenizer,
-        [(p, 0) for p in problems],
-        greedy=True,
-        max_turns=max_turns,
-        max_tokens_per_turn=max_tokens_per_turn,
-        tool_timeout_s=tool_timeout_s,
-        seed=0,
-        max_total_tokens=max_total_tokens,
-    )
-    rewards = [calc.verify(p, ep.text) for p, ep in zip(problems, episodes)]
+    """Greedy success rate on ``tasks`` (mean reward, clipped to [0, 1]) and the episodes behind it."""
+    env = env if env is not None else load_env(DEFAULT_ENV)
+    episodes = run_episodes(generator, tokenizer, [(t, 0) for t in tasks], greedy=True, max_turns=max_turns,
+                            max_tokens_per_turn=max_tokens_per_turn, tool_timeout_s=tool_timeout_s, seed=0,
+                            env=env, max_total_tokens=max_total_tokens, chat_template=chat_template)
+    rewards = [min(1.0, max(0.0, env.reward(t, ep.text))) for t, ep in zip(tasks, episodes)]
     return (sum(rewards) / len(rewards) if rewards else 0.0), episodes

@@ -17,13 +17,14 @@ import time
 from pipeline.dataplane import messages
 from pipeline.dataplane.streams import ensure_groups, execute_with_backpressure
 from pipeline.dataplane.worker import WorkerContext, finish_worker, start_worker
-from workers.envs.calc import BadLine, Problem, read_prompt_file
+from workers.envs import env_from_config
+from workers.envs.base import BadLine, Environment, Task
 
 
-def load_prompts(path: str, log=None) -> tuple[list[Problem], list[BadLine]]:
-    """All good problems of a prompt file, and the bad lines (reported, then skipped)."""
+def load_prompts(env: Environment, path: str, log=None) -> tuple[list[Task], list[BadLine]]:
+    """All good tasks of a prompt file, read by the environment, and the bad lines (reported, then skipped)."""
     good, bad = [], []
-    for item in read_prompt_file(path):
+    for item in env.read_prompts(path):
         (bad if isinstance(item, BadLine) else good).append(item)
     if log:
         for b in bad:
@@ -53,7 +54,7 @@ def job_phase(ctx: WorkerContext) -> str:
 
 def run(ctx: WorkerContext) -> None:
     cfg = ctx.cfg
-    problems, _bad = load_prompts(cfg.job.train_prompts, ctx.log)
+    problems, _bad = load_prompts(env_from_config(cfg), cfg.job.train_prompts, ctx.log)
     if not problems:
         raise SystemExit(f"feeder: no usable prompt in {cfg.job.train_prompts}")
     group = cfg.rollout.group_size
@@ -69,7 +70,7 @@ def run(ctx: WorkerContext) -> None:
         issue_one(ctx, problems, group)
 
 
-def issue_one(ctx: WorkerContext, problems: list[Problem], group: int) -> None:
+def issue_one(ctx: WorkerContext, problems: list[Task], group: int) -> None:
     """Issue the prompt under the cursor; cursor and stream entry move together."""
     cursor = int(ctx.r.hget(ctx.keys.feeder, "cursor") or 0)
     epoch, idx = divmod(cursor, len(problems))

@@ -8,6 +8,11 @@ admitted, dropping (and counting) groups staler than ``max_staleness``. Every
 version, the ids it consumed) and only then acknowledges the stream entries
 that checkpoint contains. A restart restores the latest checkpoint, publishes
 under a new version, and its unacknowledged entries are replayed.
+
+It trains on the slot's GPU when there is one (the node agent sets
+CUDA_VISIBLE_DEVICES per slot, so that GPU is cuda:0), else on the CPU;
+master weights and optimizer state are float32 on either, and the files it
+writes load on a CPU-only machine.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from pipeline.config import LearnerConfig
 from pipeline.dataplane import messages
 from pipeline.observe.diversity import diversity_metrics
 from pipeline.dataplane.keys import GROUP_LEARNER
@@ -32,7 +39,6 @@ from workers.checkpoint import (latest_checkpoint, prune_published, read_optimiz
 from workers.grpo import clipped_loss, group_advantages
 from workers.tiny_policy import completion_logprobs, load_model
 
-MICRO_BATCH = 64  # trajectories per forward/backward; bounds activation memory
 DEDUP_STEPS = 200  # steps a trained id is remembered (in memory and restored from checkpoints)
 
 
@@ -58,6 +64,8 @@ class Learner:
         self.ctx, self.cfg = ctx, ctx.cfg.learner
         torch.set_num_threads(self.cfg.threads)
         torch.manual_seed(ctx.cfg.job.seed)
+        self.device = pick_device()
+        self.source_dir = Path()  # the directory the model was loaded from: its tokenizer files travel on
         self.ckpt_dir = ctx.run_dir / "checkpoints"
         self.pub_dir = ctx.run_dir / "policy"
         self.step = 0
@@ -91,7 +99,7 @@ class Learner:
         published = int(info[b"version"]) if info else 0
         if latest is None:
             manifest = json.loads((self.ctx.run_dir / "manifest.json").read_text())
-            self.model = load_model(manifest.get("initial_policy") or info[b"path"].decode())
+            self.load(manifest.get("initial_policy") or info[b"path"].decode())
             self.version = 0
             if published > 0:  # a learner ran before: restart under a new version number
                 self.version = published + 1
@@ -99,7 +107,7 @@ class Learner:
                 self.publish()
             return None
         state = read_state(latest)
-        self.model = load_model(latest / "model")
+        self.load(latest / "model")  # a checkpoint's model dir carries the initial policy's tokenizer files
         self.step = state["step"]
         self.trained_total = state["trained_total"]
         self.dropped_total = state["dropped_total"]
@@ -113,6 +121,15 @@ class Learner:
             "trained": self.trained_total, "dropped_stale": self.dropped_total}))
         self.publish()
         return opt
+
+    def load(self, model_dir) -> None:
+        """Load float32 weights onto the learner's device; later saves copy ``model_dir``'s tokenizer files."""
+        self.model = load_model(model_dir).to(self.device)
+        self.source_dir = Path(model_dir)
+        if self.cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.ctx.log.info("model_loaded", path=str(model_dir), device=str(self.device), dtype=self.cfg.dtype,
+                          parameters=sum(p.numel() for p in self.model.parameters()))
 
     def set_lr(self) -> None:
         warm = self.cfg.warmup_steps
@@ -206,27 +223,13 @@ class Learner:
 
     def backward(self, active: list) -> tuple[float, list, list[float]]:
         """Accumulate the loss's gradient over micro-batches; returns its sum, the chunks' stats, fresh |log ratio|s."""
-        total_tokens = int(sum(int(r[1].mask.sum()) for r in active))
-        loss_sum, stats_all, fresh = 0.0, [], []
-        for i in range(0, len(active), MICRO_BATCH):
-            chunk = active[i:i + MICRO_BATCH]
-            new = completion_logprobs(self.model, [r[0].tolist() for r in chunk],
-                                      [r[1].completion.tolist() for r in chunk])
-            old = [torch.from_numpy(r[1].logprobs.astype(np.float32)) for r in chunk]
-            masks = [torch.from_numpy(r[1].mask.astype(np.float32)) for r in chunk]
-            loss, st = clipped_loss(new, old, masks, [r[2] for r in chunk],
-                                    self.cfg.clip_eps, total_tokens)
-            loss.backward()
-            loss_sum += float(loss.detach())
-            stats_all.append(st)
-            fresh += fresh_ratio_devs(new, old, masks, chunk)
-        return loss_sum, stats_all, fresh
+        return accumulate_gradients(self.model, active, self.cfg, self.ctx.cfg.rollout.temperature)
 
     # --- publishing and checkpoints ---------------------------------------------------------------
 
     def publish(self) -> None:
         """Write weights for the current version and announce them; old versions are pruned."""
-        final = write_published(self.pub_dir, self.version, self.model)
+        final = write_published(self.pub_dir, self.version, self.model, self.source_dir)
         announce = {"version": self.version, "path": str(final.resolve()), "step": self.step,
                     "published_at": time.time()}
         self.write(lambda pipe: pipe.hset(self.ctx.keys.policy, mapping=announce))
@@ -237,7 +240,7 @@ class Learner:
         """Make the step durable, then acknowledge what it consumed (offsets ride on checkpoints)."""
         write_checkpoint(self.ckpt_dir, self.model, self.optimizer, self.consumed, self.dropped, {
             "step": self.step, "version": self.version, "trained_total": self.trained_total,
-            "dropped_total": self.dropped_total, "written_at": time.time()})
+            "dropped_total": self.dropped_total, "written_at": time.time()}, self.source_dir)
         if self.unacked:
             self.ctx.r.xack(self.ctx.keys.scored, GROUP_LEARNER, *self.unacked)
         trim(self.ctx.r, self.ctx.keys.scored)
@@ -295,6 +298,62 @@ class Learner:
         if self.step >= steps:
             self.ctx.r.hset(self.ctx.keys.state, "phase", "trained")
             self.ctx.log.info("training_done", step=self.step, version=self.version)
+
+
+def pick_device() -> torch.device:
+    """The slot's GPU when there is one (CUDA_VISIBLE_DEVICES shows it as cuda:0), else the CPU."""
+    return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+def autocast(device: torch.device, dtype: str):
+    """The forward pass's precision: bf16 autocast for learner.dtype "bf16", else a no-op (fp32)."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+
+def row_tokens(row) -> int:
+    """Tokens of a (prompt tokens, trajectory, advantage, staleness) row: prompt + completion."""
+    return len(row[0]) + len(row[1].completion)
+
+
+def micro_batches(rows: list, max_tokens: int) -> list[list]:
+    """Rows by length, cut so that each micro-batch's padded size (rows x longest) fits in ``max_tokens``.
+
+    Sorting keeps rows of similar length together, so little of a micro-batch
+    is padding; a row longer than ``max_tokens`` goes alone.
+    """
+    out: list[list] = []
+    for row in sorted(rows, key=row_tokens):
+        # Sorted ascending: the new row is the longest of its micro-batch.
+        if out and (len(out[-1]) + 1) * row_tokens(row) <= max_tokens:
+            out[-1].append(row)
+        else:
+            out.append([row])
+    return out
+
+
+def accumulate_gradients(model, active: list, cfg: LearnerConfig, temperature: float) -> tuple[float, list, list[float]]:
+    """Add the batch loss's gradient to ``model``'s grads, micro-batch by micro-batch.
+
+    The loss is token-level over the whole batch (each micro-batch's sum is
+    divided by the batch's policy-token count), so however the rows are cut
+    the accumulated gradient is the full batch's. Returns the loss, the
+    micro-batches' stats and the fresh samples' |log ratio|s.
+    """
+    device = next(model.parameters()).device
+    total_tokens = int(sum(int(r[1].mask.sum()) for r in active))
+    loss_sum, stats_all, fresh = 0.0, [], []
+    for chunk in micro_batches(active, cfg.micro_batch_tokens):
+        with autocast(device, cfg.dtype):
+            new = completion_logprobs(model, [r[0].tolist() for r in chunk], [r[1].completion.tolist() for r in chunk],
+                                      temperature=temperature, chunk_tokens=cfg.logprob_chunk)
+        old = [torch.from_numpy(r[1].logprobs.astype(np.float32)).to(device) for r in chunk]
+        masks = [torch.from_numpy(r[1].mask.astype(np.float32)).to(device) for r in chunk]
+        loss, st = clipped_loss(new, old, masks, [r[2] for r in chunk], cfg.clip_eps, total_tokens)
+        loss.backward()
+        loss_sum += float(loss.detach())
+        stats_all.append(st)
+        fresh += fresh_ratio_devs(new, old, masks, chunk)
+    return loss_sum, stats_all, fresh
 
 
 def _ids(group: messages.Group) -> list[str]:

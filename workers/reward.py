@@ -1,52 +1,85 @@
-"""Reward worker: rollouts stream -> the task's verifier -> scored stream.
+"""Reward worker: rollouts stream -> the task's reward -> scored stream.
 
-One or more processes (``python -m workers.reward``), started by ``libra-ctl
-run``. A verifier that raises is retried ``reward.verifier_retries`` times and
-then the whole group is dead-lettered with the error: an error is never
-recorded as a zero reward, and a group is scored whole or not at all.
+One or more processes (``python -m workers.reward``), started by a node
+agent. Each episode is scored by ``[reward] model`` (a sequence-classification
+model, ``workers.reward_model``), or ``[reward] entry`` (a function
+``(task, transcript) -> float`` in any importable module), or, when both are
+empty, by the environment's ``reward``. A reward that raises, or returns
+something that is not a finite number, is retried
+``reward.verifier_retries`` times and then the whole group is dead-lettered
+with the error: an error is never recorded as a zero reward, and a group is
+scored whole or not at all.
 """
 
 from __future__ import annotations
 
+import importlib
 import time
+from typing import Callable
 
 from pipeline.dataplane import messages
 from pipeline.dataplane.keys import GROUP_REWARD
-from pipeline.observe.trace import span
 from pipeline.dataplane.streams import Reject, ensure_groups, run_stage
-from pipeline.dataplane.worker import claim_policy, dedup_for, WorkerContext, finish_worker, start_worker
-from workers.envs.calc import Problem, VerifierError, verify
+from pipeline.dataplane.worker import WorkerContext, claim_policy, dedup_for, finish_worker, start_worker
+from pipeline.observe.trace import span
+from workers.envs import env_from_config
+from workers.envs.base import Task, check_reward
+
+RewardFn = Callable[[Task, str], float]
 
 
-def score_group(group: messages.Group, retries: int, verifier=verify) -> messages.Group | Reject:
-    """Rewards for every sample of the group, or a Reject naming the verifier error."""
-    problem = Problem(group.prompt_id, group.prompt, group.answer)
+def reward_function(cfg) -> RewardFn:
+    """``[reward] model``, else ``[reward] entry`` imported, else the environment's ``reward``.
+
+    SystemExit names a bad entry.
+    """
+    if cfg.reward.model:
+        from workers.reward_model import RewardModel   # loads transformers: only when asked for
+
+        return RewardModel(cfg.reward.model)
+    if not cfg.reward.entry:
+        return env_from_config(cfg).reward
+    module_name, _, attr = cfg.reward.entry.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"reward.entry = {cfg.reward.entry!r}: {exc}") from None
+    if not callable(fn):
+        raise SystemExit(f"reward.entry = {cfg.reward.entry!r} is not a function")
+    return fn
+
+
+def score_group(group: messages.Group, retries: int, reward: RewardFn) -> messages.Group | Reject:
+    """Rewards for every sample of the group, or a Reject naming the error."""
+    task = Task(group.prompt_id, group.prompt, group.answer)
     rewards = []
     for traj in group.trajectories:
         for attempt in range(retries + 1):
             try:
-                rewards.append(float(verifier(problem, traj.text)))
+                rewards.append(check_reward(reward(task, traj.text)))
                 break
-            except VerifierError as exc:
+            # The reward is user code: whatever it raises is its failure to judge, never a zero.
+            # It is retried, then the group goes to the dead-letter stream with the error.
+            except Exception as exc:  # noqa: BLE001
                 if attempt == retries:
-                    return Reject(f"verifier error after {retries + 1} attempts on sample "
-                                  f"{traj.sample_idx}: {exc}")
+                    return Reject(f"reward error after {retries + 1} attempts on sample "
+                                  f"{traj.sample_idx}: {type(exc).__name__}: {exc}")
                 time.sleep(0.05 * 2 ** attempt)
     return group.with_rewards(rewards, scored_at=time.time())
 
 
-def handle(ctx: WorkerContext, groups: list[messages.Group]) -> list:
+def handle(ctx: WorkerContext, reward: RewardFn, groups: list[messages.Group]) -> list:
     with span(ctx.log, "reward", groups=len(groups)):
-        return _score_all(ctx, groups)
+        return _score_all(ctx, reward, groups)
 
 
-def _score_all(ctx: WorkerContext, groups: list[messages.Group]) -> list:
+def _score_all(ctx: WorkerContext, reward: RewardFn, groups: list[messages.Group]) -> list:
     out = []
     for g in groups:
         if not isinstance(g, messages.Group) or any(t.reward is not None for t in g.trajectories):
             out.append(Reject("reward stage expects an unscored group"))
             continue
-        out.append(score_group(g, ctx.cfg.reward.verifier_retries))
+        out.append(score_group(g, ctx.cfg.reward.verifier_retries, reward))
     ctx.count(sum(len(g.trajectories) for g in out if isinstance(g, messages.Group)))
     return out
 
@@ -54,13 +87,15 @@ def _score_all(ctx: WorkerContext, groups: list[messages.Group]) -> list:
 def main() -> None:
     ctx = start_worker("reward")
     try:
+        reward = reward_function(ctx.cfg)
         ensure_groups(ctx.r, ctx.keys)
         ctx.publish_state("running")
         run_stage(ctx.r, ctx.keys, source=ctx.keys.rollouts, group=GROUP_REWARD,
                   consumer=ctx.worker_id, sink=ctx.keys.scored,
-                  handle=lambda groups: handle(ctx, groups), count=16,
+                  handle=lambda groups: handle(ctx, reward, groups), count=16,
                   block_ms=ctx.cfg.streams.block_ms, max_bytes=ctx.cfg.streams.max_message_bytes,
-                  claims=claim_policy(ctx.cfg, "reward"), dedup=dedup_for(ctx.cfg, "reward"), stop=ctx.stopping, counter="scored", log=ctx.log)
+                  claims=claim_policy(ctx.cfg, "reward"), dedup=dedup_for(ctx.cfg, "reward"),
+                  stop=ctx.stopping, counter="scored", log=ctx.log)
     finally:
         finish_worker(ctx)
 

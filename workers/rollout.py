@@ -1,4 +1,4 @@
-"""Rollout worker: prompts stream -> vLLM multi-turn tool loop -> rollouts stream.
+"""Rollout worker: prompts stream -> vLLM multi-turn episodes in the job's environment -> rollouts stream.
 
 One process per engine (``python -m workers.rollout``), started by
 ``libra-ctl run``. Between engine calls, never inside one (so never inside a
@@ -20,8 +20,9 @@ from pipeline.dataplane.keys import GROUP_ROLLOUT
 from pipeline.observe.trace import span
 from pipeline.dataplane.streams import ensure_groups, run_stage, transact
 from pipeline.dataplane.worker import WorkerContext, claim_policy, dedup_for, finish_worker, room_downstream, start_worker
+from workers.envs import chat_template_setting, env_from_config
+from workers.envs.base import Task
 from workers.episode import evaluate, run_episodes
-from workers.envs.calc import Problem, read_prompt_file
 from workers.tiny_policy import load_tokenizer
 
 
@@ -44,14 +45,20 @@ class Rollout:
         version, path = published_policy(ctx)
         t0 = time.monotonic()
         self.engine = VLLMEngine(path, gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-                                 seed=ctx.cfg.job.seed, max_model_len=self.cfg.max_model_len)
+                                 seed=ctx.cfg.job.seed, max_model_len=self.cfg.max_model_len,
+                                 dtype=self.cfg.dtype, kv_cache_memory_bytes=self.cfg.kv_cache_bytes,
+                                 enforce_eager=self.cfg.enforce_eager,
+                                 tensor_parallel_size=self.cfg.tensor_parallel_size,
+                                 temperature=self.cfg.temperature)
         self.tokenizer = load_tokenizer(path)
         ctx.set_version(version)
         ctx.log.info("engine_loaded", path=path, load_s=round(time.monotonic() - t0, 1))
+        self.env = env_from_config(ctx.cfg)
+        self.chat_template = chat_template_setting(ctx.cfg)
         self.eval_cursor = "0"
         self.evaluated_bucket = -1
-        self.eval_problems = [p for p in read_prompt_file(ctx.cfg.job.eval_prompts)
-                              if isinstance(p, Problem)][: ctx.cfg.job.eval_size]
+        self.eval_tasks = [t for t in self.env.read_prompts(ctx.cfg.job.eval_prompts)
+                           if isinstance(t, Task)][: ctx.cfg.job.eval_size]
 
     # --- between engine calls -------------------------------------------------------------
 
@@ -99,8 +106,8 @@ class Rollout:
             return
         t0 = time.monotonic()
         with span(self.ctx.log, "eval", tag=tag):
-            rate, episodes = evaluate(self.engine, self.tokenizer, self.eval_problems,
-                                      max_turns=self.cfg.max_turns,
+            rate, episodes = evaluate(self.engine, self.tokenizer, self.eval_tasks, env=self.env,
+                                      chat_template=self.chat_template, max_turns=self.cfg.max_turns,
                                       max_tokens_per_turn=self.cfg.max_tokens_per_turn,
                                       tool_timeout_s=self.cfg.tool_timeout_s)
         samples = [{"prompt_id": e.prompt_id, "completion": list(map(int, e.completion_tokens)),
@@ -122,12 +129,12 @@ class Rollout:
     def generate(self, prompts: list[messages.Prompt]) -> list[messages.Group]:
         """Run group_size episodes per prompt in one batched multi-turn loop."""
         g = self.cfg.group_size
-        problems = [Problem(p.prompt_id, p.prompt, p.answer) for p in prompts]
-        items = [(prob, i) for prob in problems for i in range(g)]
+        tasks = [Task(p.prompt_id, p.prompt, p.answer) for p in prompts]
+        items = [(task, i) for task in tasks for i in range(g)]
         version, t0, started = self.ctx.policy_version, time.monotonic(), time.time()
         with span(self.ctx.log, "rollout", groups=len(prompts), version=version):
-            episodes = run_episodes(self.engine, self.tokenizer, items, greedy=False,
-                                    max_turns=self.cfg.max_turns,
+            episodes = run_episodes(self.engine, self.tokenizer, items, greedy=False, env=self.env,
+                                    chat_template=self.chat_template, max_turns=self.cfg.max_turns,
                                     max_tokens_per_turn=self.cfg.max_tokens_per_turn,
                                     tool_timeout_s=self.cfg.tool_timeout_s,
                                     seed=self.ctx.cfg.job.seed)

@@ -1,16 +1,21 @@
-"""The tiny policy: a char-level tokenizer and a small Qwen2 model in Hugging Face format.
+"""The policy's files and log-probs: any Hugging Face causal LM, and the tiny Qwen2 we build.
 
 Who calls it: ``scripts/build_policy.py`` and the run setup (``ensure_policy``),
 the learner process (``load_model``, ``completion_logprobs``, ``save_weights``)
 and tests (``TorchGenerator``, ``greedy_episodes``: a pure-torch reference of
 the rollout loop that vLLM must match).
 
-A model directory holds config.json, generation_config.json, model.safetensors
-(float32, HF parameter names) and the tokenizer files, and loads both in
-``transformers.Qwen2ForCausalLM.from_pretrained`` and in vLLM. The tokenizer
-maps every printable ASCII character, space and newline to one token, so
-``decode(encode(s)) == s`` and one character of the task is one action (the
-episode loop and the warm start rely on that: a character mask is a token mask).
+``load_model``, ``save_weights`` and ``completion_logprobs`` work on any
+``AutoModelForCausalLM`` directory; ``save_weights`` copies the source
+directory's tokenizer files byte for byte, so a published or checkpointed
+directory tokenizes exactly as the policy the run started from.
+
+The tiny policy's directory holds config.json, generation_config.json,
+model.safetensors (float32, HF parameter names) and the tokenizer files, and
+loads in transformers and in vLLM. Its tokenizer maps every printable ASCII
+character, space and newline to one token, so ``decode(encode(s)) == s`` and
+one character of the task is one action (the episode loop and the warm start
+rely on that: a character mask is a token mask).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, DynamicCache, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging as hf_logging
 
@@ -37,7 +43,6 @@ from workers.envs.calc import Problem
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIALS = (PAD, EOS, UNK)  # ids 0, 1, 2
-PAD_ID = 0
 ALPHABET = "\n" + "".join(c for c in string.printable if c not in string.whitespace) + " "
 # Bump when the model or tokenizer layout changes, so cached policies rebuild.
 FORMAT_VERSION = 3
@@ -121,26 +126,52 @@ def build_policy(
     # generation_config.json must carry no sampling defaults: vLLM would apply them.
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return save_weights(model, out_dir)
+    out = save_weights(model, out_dir, None)
+    tokenizer.save_pretrained(str(out))
+    return out
 
 
-def load_model(model_dir: str | Path) -> Qwen2ForCausalLM:
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32):
+    """Any Hugging Face causal LM directory, on the CPU, in ``dtype`` (the learner's master weights: float32)."""
     hf_logging.disable_progress_bar()  # one bar per load would flood worker logs
-    model = Qwen2ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    return model.to(torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    return model.to(dtype)
 
 
-def save_weights(model: Qwen2ForCausalLM, out_dir: str | Path) -> Path:
-    """Write a complete model directory (weights, config, tokenizer) into ``out_dir``.
+# Files of a model directory that save_pretrained writes from the model itself;
+# everything else (tokenizer, chat template, generation config) is the source's.
+_MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
+# spec.json describes how the tiny policy's initial weights were built, not these weights.
+_NOT_COPIED = {"config.json", "spec.json"}
 
-    Files are overwritten in place; a publisher that readers watch should write
-    to a fresh directory and rename it, so nobody loads half a checkpoint.
+
+def tokenizer_files(source_dir: str | Path) -> list[Path]:
+    """The files of a model directory that are not weights, config or index: what ``save_weights`` copies."""
+    return sorted(p for p in Path(source_dir).iterdir()
+                  if p.is_file() and not p.name.startswith(".") and p.name not in _NOT_COPIED
+                  and not p.name.endswith(_MODEL_SUFFIXES))
+
+
+def save_weights(model, out_dir: str | Path, source_dir: str | Path | None) -> Path:
+    """Write a complete model directory into ``out_dir``: weights and config, and ``source_dir``'s tokenizer files.
+
+    ``source_dir`` is the directory the model was loaded from (the run's
+    initial policy, or a checkpoint that carries its files); its tokenizer,
+    chat template and generation config are copied byte for byte, over
+    what save_pretrained wrote, so every version tokenizes and stops as the
+    original did. None writes weights and config only (``build_policy``
+    writes its own tokenizer). Files are overwritten in place; a publisher
+    that readers watch should write to a fresh directory and rename it, so
+    nobody loads half a checkpoint.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_logging.disable_progress_bar()
+    # safetensors copies device tensors to the host: the files load on a CPU-only machine.
     model.save_pretrained(str(out), safe_serialization=True)
-    build_tokenizer().save_pretrained(str(out))
+    if source_dir is not None and Path(source_dir).resolve() != out.resolve():
+        for f in tokenizer_files(source_dir):
+            shutil.copyfile(f, out / f.name)
     return out
 
 
@@ -155,20 +186,102 @@ def _right_padded(seqs: list[list[int]], pad_id: int) -> torch.Tensor:
     return ids
 
 
-def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
+def pad_id(config) -> int:
+    """A token id that exists in any vocabulary: the pad token, else the (first) EOS token, else 0."""
+    vocab = getattr(config, "vocab_size", None)
+    for key in ("pad_token_id", "eos_token_id"):
+        value = getattr(config, key, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None and 0 <= value and (vocab is None or value < vocab):
+            return int(value)
+    return 0
+
+
+def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's logits from its final hidden states, as its own forward computes them.
+
+    Some architectures post-process the LM head's output; the ones we know
+    are applied here, and ``_check_head`` refuses a model whose forward
+    still disagrees, rather than train on wrong log-probs.
+    """
+    logits = model.get_output_embeddings()(hidden)
+    config = model.config
+    if getattr(config, "logits_scaling", None):  # Granite
+        logits = logits / config.logits_scaling
+    if getattr(model, "logit_scale", None) is not None:  # Cohere: a float attribute of the model
+        logits = logits * model.logit_scale
+    cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2 and later
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _check_head(model) -> None:
+    """Once per model: do base model + ``head_logits`` reproduce the model's forward on a short probe?"""
+    if getattr(model, "_libra_head_checked", False):
+        return
+    device = next(model.parameters()).device
+    ids = torch.arange(8, device=device)[None] % model.config.vocab_size
+    was_training = model.training
+    model.eval()  # dropout would make the two forwards differ
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            full = model(input_ids=ids, use_cache=False).logits.float()
+            ours = head_logits(model, model.base_model(input_ids=ids, use_cache=False).last_hidden_state).float()
+    finally:
+        model.train(was_training)
+    gap = float((full - ours).abs().max())
+    if gap > 1e-4 * max(1.0, float(full.abs().max())):
+        raise ValueError(f"{type(model).__name__}: logits from the final hidden states differ from the model's "
+                         f"forward by {gap:.3g}; workers.tiny_policy.head_logits must learn this architecture's "
+                         "logit post-processing before the learner can train it")
+    model._libra_head_checked = True
+
+
+def _token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(target) for rows of final hidden states (N, H) -> (N,), float32."""
+    logits = head_logits(model, hidden).float() / temperature  # (N, V)
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *,
+                        temperature: float = 1.0, chunk_tokens: int | None = None) -> list[torch.Tensor]:
     """Log-prob of each completion token given all tokens before it, with grad.
 
     Right padding needs no attention mask: pads come after every real token,
     so causal attention already hides them, and positions are 0..len-1 as in
-    the rollout engine. Returns one float32 tensor of len(completion) per row.
+    the rollout engine. The model runs once to its final hidden states; the
+    LM head, the ``1 / temperature`` scaling (vLLM's processed log-probs at
+    that temperature) and the log-softmax then run only on the positions
+    that predict a completion token, ``chunk_tokens`` positions at a time
+    (None: all at once). With grad, each chunk's logits are recomputed in
+    the backward pass instead of kept, so memory holds one chunk x vocab,
+    never batch x length x vocab. Returns one float32 tensor of
+    len(completion) per row, on the model's device.
     """
+    _check_head(model)
+    device = next(model.parameters()).device
     seqs = [p + c for p, c in zip(prompts, completions)]
-    ids = _right_padded(seqs, pad_id=PAD_ID)
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
-    logits = model(input_ids=ids, position_ids=positions).logits  # (B, T, V)
-    # logp[:, t] is log p(ids[:, t + 1] | ids[:, :t + 1])
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return [logp[row, len(p) - 1 : len(p) - 1 + len(c)] for row, (p, c) in enumerate(zip(prompts, completions))]
+    ids = _right_padded(seqs, pad_id=pad_id(model.config)).to(device)
+    positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+    hidden = model.base_model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state  # (B, T, H)
+    # Position len(p) - 1 + j predicts completion token j.
+    rows = torch.cat([torch.full((len(c),), b, dtype=torch.long) for b, c in enumerate(completions)]).to(device)
+    cols = torch.cat([torch.arange(len(p) - 1, len(p) - 1 + len(c)) for p, c in zip(prompts, completions)]).to(device)
+    picked, targets = hidden[rows, cols], ids[rows, cols + 1]  # (N, H), (N,)
+    step = chunk_tokens or max(1, len(targets))
+    recompute = torch.is_grad_enabled() and picked.requires_grad
+    parts = []
+    for i in range(0, len(targets), step):
+        h, t = picked[i:i + step], targets[i:i + step]
+        if recompute:
+            parts.append(checkpoint(_token_logprobs, model, h, t, temperature, use_reentrant=False,
+                                    preserve_rng_state=False))
+        else:
+            parts.append(_token_logprobs(model, h, t, temperature))
+    logp = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    return list(logp.split([len(c) for c in completions]))
 
 
 # --- torch reference generator ---------------------------------------------
@@ -187,7 +300,7 @@ class TorchGenerator:
         self.model = model
         self.batch_size = batch_size
         self.eos_id = tokenizer.eos_token_id
-        self.pad_id = tokenizer.pad_token_id
+        self.pad_id = pad_id(model.config)
         vocab = model.config.vocab_size
         self.pieces = [tokenizer.decode([i], skip_special_tokens=True) for i in range(vocab)]
 
@@ -290,7 +403,7 @@ def _lr_at(step: int, lr: float, warmup: int = 30) -> float:
 
 def sft_loss(model, prompts, completions, masks) -> torch.Tensor:
     logps = completion_logprobs(model, prompts, completions)
-    num = sum((lp * torch.tensor(m, dtype=lp.dtype)).sum() for lp, m in zip(logps, masks))
+    num = sum((lp * torch.tensor(m, dtype=lp.dtype, device=lp.device)).sum() for lp, m in zip(logps, masks))
     return -num / max(1, sum(sum(m) for m in masks))
 
 
@@ -365,7 +478,7 @@ def warm_start(
                 break
             next_check = step + _check_interval(success, target_success, check_every)
     model.eval()
-    return save_weights(model, model_dir)
+    return save_weights(model, model_dir, model_dir)
 
 
 def _check_interval(success: float, target: float | None, every: int) -> int:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import msgpack
 import numpy as np
 
 SCHEMA_VERSION = 1
+MAX_JSON_DEPTH = 16   # an answer nested deeper is refused (a bound on what a decoder recurses into)
 FIELD = b"m"  # the one field of every stream entry
 
 TOKEN_DTYPE = np.dtype("<i4")
@@ -37,7 +39,7 @@ class Prompt:
 
     prompt_id: str
     prompt: str
-    answer: int  # ground truth for the verifier; the policy never sees it
+    answer: Any  # ground truth for the reward (any JSON value); the policy never sees it
     issued_at: float
 
 
@@ -64,7 +66,7 @@ class Group:
 
     prompt_id: str
     prompt: str
-    answer: int
+    answer: Any  # as in Prompt
     prompt_tokens: np.ndarray  # int32 [p]
     version: int  # policy version that generated every sample (the oldest, were there two)
     worker: str
@@ -152,7 +154,8 @@ def decode(payload: bytes, max_bytes: int) -> Prompt | Group:
         raise BadMessage(f"unknown schema version {version!r} (this build reads {SCHEMA_VERSION})")
     kind = body.get("kind")
     if kind == "prompt":
-        return Prompt(*_fields(body, _PROMPT_FIELDS, _PROMPT_TYPES))
+        prompt_id, prompt, issued_at = _fields(body, _PROMPT_FIELDS, _PROMPT_TYPES)
+        return Prompt(prompt_id, prompt, _json_field(body, "answer"), issued_at)
     if kind == "group":
         return _decode_group(body)
     raise BadMessage(f"unknown message kind {kind!r}")
@@ -161,11 +164,11 @@ def decode(payload: bytes, max_bytes: int) -> Prompt | Group:
 # Required fields of each map and their exact types. ``_fields`` checks them all in one pass of C
 # loops; only when that fails does it go field by field, to coerce an int where a float goes and to
 # name the first field that is missing or mistyped.
-_PROMPT_FIELDS = ("prompt_id", "prompt", "answer", "issued_at")
-_PROMPT_TYPES = (str, str, int, float)
-_GROUP_FIELDS = ("prompt_id", "prompt", "answer", "prompt_tokens", "version", "worker", "generated_at", "gen_s",
+_PROMPT_FIELDS = ("prompt_id", "prompt", "issued_at")
+_PROMPT_TYPES = (str, str, float)
+_GROUP_FIELDS = ("prompt_id", "prompt", "prompt_tokens", "version", "worker", "generated_at", "gen_s",
                  "trajectories")
-_GROUP_TYPES = (str, str, int, bytes, int, str, float, float, list)
+_GROUP_TYPES = (str, str, bytes, int, str, float, float, list)
 _TRAJ_FIELDS = ("sample_idx", "completion", "mask", "logprobs", "text", "finish", "turns", "tool_calls",
                 "tool_latency_s", "tool_timeouts")
 _TRAJ_TYPES = (int, bytes, bytes, bytes, str, str, int, int, list, int)
@@ -193,6 +196,35 @@ def _get(body: dict, name: str, typ: type, optional: bool = False):
     raise BadMessage(f"field {name!r}: expected {typ.__name__}, got {type(value).__name__}")
 
 
+def _json_field(body: dict, name: str):
+    """A required field that may hold any JSON value (an answer: a number, a string, a list, a map)."""
+    if name not in body:
+        raise BadMessage(f"missing field {name!r}")
+    value = body[name]
+    try:
+        _check_json(value, 0)
+    except ValueError as exc:
+        raise BadMessage(f"field {name!r}: {exc}") from None
+    return value
+
+
+def _check_json(value, depth: int) -> None:
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH}")
+    if type(value) in _SCALARS:
+        return
+    if type(value) is list:
+        for v in value:
+            _check_json(v, depth + 1)
+    elif type(value) is dict:
+        for k, v in value.items():
+            if type(k) is not str:
+                raise ValueError(f"map key {k!r} is not a string")
+            _check_json(v, depth + 1)
+    else:
+        raise ValueError(f"a {type(value).__name__} is not a JSON value")
+
+
 def _array(name: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
     if len(raw) % dtype.itemsize:
         raise BadMessage(f"field {name!r}: {len(raw)} bytes is not a whole number of {dtype}")
@@ -200,8 +232,9 @@ def _array(name: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
 
 
 def _decode_group(body: dict) -> Group:
-    prompt_id, prompt, answer, prompt_tokens, version, worker, generated_at, gen_s, raw_trajs = _fields(
+    prompt_id, prompt, prompt_tokens, version, worker, generated_at, gen_s, raw_trajs = _fields(
         body, _GROUP_FIELDS, _GROUP_TYPES)
+    answer = _json_field(body, "answer")
     if not raw_trajs:
         raise BadMessage("empty group: no trajectories")
     trajs = tuple(map(_decode_traj, raw_trajs))

@@ -1,9 +1,8 @@
 """The calculator task: an agentic, multi-turn, sparse-reward arithmetic problem.
 
-Who calls it: the feeder (``make_problems``, ``write_prompt_file``,
-``read_prompt_file``), the rollout worker through ``workers.episode``
-(``TOOL_STOPS``, ``parse_tool_call``, ``run_tools``), the reward worker
-(``verify``) and the policy builder (``demonstration`` for the warm start).
+``Calculator`` is the environment (``workers.envs.base.Environment``) that
+``[env] entry = "calc"`` names, the default: every stage reaches this module
+through it (``workers.envs.load_env``), never by importing it.
 
 Text format (one character is one token of ``workers.tiny_policy``)::
 
@@ -18,20 +17,22 @@ the policy ends at a stop string (``TOOL_STOPS``): after ``</calc>`` the
 environment appends ``<result>N</result>`` (or ``<result>error</result>``)
 and the policy continues; ``</answer>`` ends the episode. The reward is 1.0 if
 the last ``<answer>`` holds the right integer, else 0.0.
+
+With a chat template (a BPE stand-in or a real model), the calls stay in
+this format and each ``<result>`` arrives as a tool message.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import re
 import time
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from workers.envs.base import BadLine, Environment, Reply, RewardError, Task, cut_at_stop
 
 OPS = ("+", "-", "*")
 MAX_OPERAND = 99
@@ -55,19 +56,7 @@ _INT_RE = re.compile(_INT)
 _RESULT_SPAN_RE = re.compile(re.escape(RESULT_OPEN) + r".*?" + re.escape(RESULT_CLOSE), re.DOTALL)
 
 
-@dataclass(frozen=True)
-class Problem:
-    prompt_id: str
-    prompt: str
-    answer: int
-
-
-@dataclass(frozen=True)
-class BadLine:
-    """A prompt-file line that could not be read; the feeder reports and skips it."""
-
-    lineno: int
-    reason: str
+Problem = Task   # a calculator task: its answer is the integer value of the expression
 
 
 @dataclass(frozen=True)
@@ -75,10 +64,6 @@ class ToolResult:
     text: str  # what the environment appends, e.g. "<result>391</result>"
     latency_s: float
     timed_out: bool
-
-
-class VerifierError(RuntimeError):
-    """The verifier itself failed; the reward worker retries, then dead-letters."""
 
 
 # --- problems -------------------------------------------------------------
@@ -138,39 +123,9 @@ def make_problems(seed: int, n: int, split: str) -> list[Problem]:
 # --- prompt files ---------------------------------------------------------
 
 
-def write_prompt_file(path: str | Path, problems: Iterable[Problem]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"prompt_id": p.prompt_id, "prompt": p.prompt, "answer": p.answer}) + "\n" for p in problems)
-
-
-def _problem_from_json(obj: object) -> Problem | str:
-    """The problem a decoded line describes, or the reason it is not one."""
-    if not isinstance(obj, dict):
-        return "not a JSON object"
-    for key, typ in (("prompt_id", str), ("prompt", str), ("answer", int)):
-        if key not in obj:
-            return f"missing field {key!r}"
-        # bool is an int subclass; true/false is not an answer.
-        if not isinstance(obj[key], typ) or isinstance(obj[key], bool):
-            return f"field {key!r} must be {typ.__name__}"
-    if not obj["prompt_id"]:
-        return "empty prompt_id"
-    return Problem(obj["prompt_id"], obj["prompt"], obj["answer"])
-
-
 def read_prompt_file(path: str | Path) -> Iterator[Problem | BadLine]:
     """Each line's problem, or a ``BadLine`` saying why not; blank lines are skipped."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield BadLine(lineno, f"bad JSON: {e.msg}")
-                continue
-            parsed = _problem_from_json(obj)
-            yield BadLine(lineno, parsed) if isinstance(parsed, str) else parsed
+    return Calculator().read_prompts(path)
 
 
 # --- the tool -------------------------------------------------------------
@@ -199,50 +154,18 @@ def result_text(value: int | None) -> str:
     return f"{RESULT_OPEN}{ERROR_TEXT if value is None else value}{RESULT_CLOSE}"
 
 
-# Tool calls run on worker threads so that a slow call can be abandoned at its
-# deadline; evaluate_binary is bounded, so only an injected delay is ever slow.
-# The pool is the tool service's concurrency: with a delay, calls beyond it
-# queue, and the queueing counts in their latency and against their timeout,
-# as it would against a real service.
-TOOL_CONCURRENCY = 16
-_POOL = ThreadPoolExecutor(max_workers=TOOL_CONCURRENCY, thread_name_prefix="calc-tool")
-
-
-def _call(expr: str, delay_s: float, done_at: list[float]) -> str:
-    if delay_s > 0:
-        time.sleep(delay_s)
-    text = result_text(evaluate_binary(expr))
-    done_at.append(time.monotonic())
-    return text
-
-
 def run_tools(exprs: list[str | None], timeout_s: float, *, delay_s: float = 0.0) -> list[ToolResult]:
-    """Run several calls concurrently, each bounded by ``timeout_s``.
+    """Run several calls concurrently, each bounded by ``timeout_s`` (the environment's ``respond``).
 
     ``None`` (a turn that closed a call it never opened) gets an error result.
     ``delay_s`` simulates a slow tool service (benchmarks, timeout tests). A
     timed-out call is answered with an error; its thread finishes in the
     background (it cannot be killed, but it is bounded by ``delay_s``).
     """
-    start = time.monotonic()
-    pending: list[tuple[Future[str] | None, list[float]]] = []
-    for expr in exprs:
-        done_at: list[float] = []
-        fut = None if expr is None else _POOL.submit(_call, expr, delay_s, done_at)
-        pending.append((fut, done_at))
-    return [_collect(fut, done_at, start, timeout_s) for fut, done_at in pending]
-
-
-def _collect(fut: Future[str] | None, done_at: list[float], start: float, timeout_s: float) -> ToolResult:
-    if fut is None:
-        return ToolResult(result_text(None), 0.0, False)
-    remaining = max(0.0, start + timeout_s - time.monotonic())
-    try:
-        text = fut.result(timeout=remaining)
-    except FutureTimeout:
-        fut.cancel()
-        return ToolResult(result_text(None), time.monotonic() - start, True)
-    return ToolResult(text, done_at[0] - start, False)
+    env = Calculator(tool_delay_s=delay_s)
+    turns = [CALL_CLOSE if e is None else f"{CALL_OPEN}{e}{CALL_CLOSE}" for e in exprs]
+    replies = env.respond([(None, None, t, "stop") for t in turns], timeout_s)
+    return [ToolResult(r.text, r.latency_s, r.timed_out) for r in replies]
 
 
 def run_tool(expr: str, timeout_s: float, *, delay_s: float = 0.0) -> ToolResult:
@@ -256,13 +179,13 @@ def run_tool(expr: str, timeout_s: float, *, delay_s: float = 0.0) -> ToolResult
 def verify(problem: Problem, completion_text: str) -> float:
     """1.0 if the completion's last answer is the problem's answer, else 0.0.
 
-    Raises ``VerifierError`` when it cannot judge (bad inputs), never returns 0
+    Raises ``RewardError`` when it cannot judge (bad inputs), never returns 0
     for its own failure: a wrong zero would train the policy on a false signal.
     """
     if not isinstance(completion_text, str):
-        raise VerifierError(f"completion is {type(completion_text).__name__}, not str")
+        raise RewardError(f"completion is {type(completion_text).__name__}, not str")
     if not isinstance(problem.answer, int) or isinstance(problem.answer, bool):
-        raise VerifierError(f"problem {problem.prompt_id} has no integer answer")
+        raise RewardError(f"problem {problem.prompt_id} has no integer answer")
     answers = _ANSWER_RE.findall(completion_text)
     if not answers or _INT_RE.fullmatch(answers[-1]) is None:
         return 0.0
@@ -334,3 +257,58 @@ def demonstration(problem: Problem, rng: random.Random, noise: float) -> str:
     if kind == "answer":
         final = _typo(final, rng)
     return f"{first}{second}{ANSWER_OPEN}{final}{ANSWER_CLOSE}"
+
+
+_TURN_RE = re.compile(".*?(?:" + re.escape(CALL_CLOSE) + "|" + re.escape(ANSWER_CLOSE) + ")", re.DOTALL)
+
+
+def demonstration_turns(completion: str) -> list[str]:
+    """A demonstration's model turns: each ends at a stop string; the tool's results are left out."""
+    return _TURN_RE.findall(_RESULT_SPAN_RE.sub("", completion))
+
+
+# --- the environment ---------------------------------------------------------------
+
+
+class Calculator(Environment):
+    """The calculator task as an environment; ``tool_delay_s`` simulates a slow tool service."""
+
+    stop_strings = TOOL_STOPS
+    reply_role = "tool"
+
+    def __init__(self, tool_delay_s: float = 0.0):
+        self.tool_delay_s = float(tool_delay_s)
+
+    def parse_task(self, record) -> Task:
+        task = super().parse_task(record)
+        if "answer" not in record:
+            raise ValueError("missing field 'answer'")
+        # bool is an int subclass; true/false is not an answer.
+        if not isinstance(task.answer, int) or isinstance(task.answer, bool):
+            raise ValueError("field 'answer' must be int")
+        return task
+
+    def make_tasks(self, seed: int, n: int, split: str) -> list[Task]:
+        return make_problems(seed, n, split)
+
+    def step(self, state, task: Task, turn: str, finish: str) -> Reply:
+        if finish == "eos":
+            return Reply(done=True, finish="eos")
+        head, stop = cut_at_stop(turn, TOOL_STOPS)
+        if stop == ANSWER_CLOSE:
+            return Reply(done=True, finish="answer")
+        if stop is None:
+            return Reply(done=True, finish="no_call")
+        expr = parse_tool_call(head)
+        if expr is not None and self.tool_delay_s > 0:
+            time.sleep(self.tool_delay_s)
+        return Reply(text=result_text(None if expr is None else evaluate_binary(expr)), tool_call=True)
+
+    def timeout_reply(self, state, task: Task) -> Reply:
+        return Reply(text=result_text(None), tool_call=True, timed_out=True)
+
+    def reward(self, task: Task, transcript: str) -> float:
+        return verify(task, transcript)
+
+    def demonstration(self, task: Task, rng: random.Random, noise: float) -> list[str]:
+        return demonstration_turns(demonstration(task, rng, noise))

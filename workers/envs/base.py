@@ -1,0 +1,229 @@
+"""The environment interface: what a task is, how an episode runs, and how it is scored.
+
+An environment is a class, named in config by ``[env] entry =
+"package.module:ClassName"`` (or by the name of an entry point of the group
+``libra.envs``, e.g. ``"calc"``) and built with the ``[env] options`` table
+as keyword arguments. Every stage process builds its own (``load_env``):
+
+- the feeder reads prompt records through ``parse_task``;
+- the rollout worker plays episodes (``workers.episode``): ``start`` a state
+  per episode, then after every model turn ``step`` parses the turn and
+  answers (a tool result, or the reply of a stateful environment), which the
+  episode loop inserts as a span the learner never trains on, through the
+  model's chat template when it has one;
+- the reward worker scores each finished episode with ``reward`` (or a
+  ``[reward] entry`` function), on the episode's transcript;
+- the built-in warm start plays ``demonstration`` turns through ``step``.
+
+``docs/environments.md`` is the guide, with a complete example to copy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Environment steps run on worker threads so that a slow one can be abandoned at its deadline.
+# The pool is the environment service's concurrency: steps beyond it queue, and the queueing
+# counts in their latency and against their timeout, as it would against a real service.
+STEP_CONCURRENCY = 16
+_POOL = ThreadPoolExecutor(max_workers=STEP_CONCURRENCY, thread_name_prefix="env-step")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One prompt record: the text the model is shown and the ground truth it is judged on.
+
+    ``answer`` is any JSON value (a number, a string, a list, a map of whatever
+    the environment needs); the model never sees it.
+    """
+
+    prompt_id: str
+    prompt: str
+    answer: Any = None
+
+
+@dataclass(frozen=True)
+class BadLine:
+    """A prompt-file line that could not be read; the feeder reports and skips it."""
+
+    lineno: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The environment's answer to one model turn.
+
+    ``text`` is inserted after the turn as a span the learner never trains on
+    (None: nothing); ``done`` ends the episode, with ``finish`` as its reason
+    (and no text is inserted after the last turn).
+    ``tool_call`` counts the step as a tool call in the metrics.
+    """
+
+    text: str | None = None
+    done: bool = False
+    finish: str = ""
+    tool_call: bool = False
+    latency_s: float = 0.0
+    timed_out: bool = False
+
+
+class RewardError(RuntimeError):
+    """The reward could not be judged (bad input, a verifier down): retried, then dead-lettered, never a 0."""
+
+
+class Environment:
+    """Subclass this; every method has a working default except ``step`` and ``reward``.
+
+    Class attributes:
+      ``stop_strings``: a model turn ends at the first token that completes one
+        of these (decided on tokens: the turn's text always ends at a token
+        boundary, so it may run a few characters past the stop string);
+      ``reply_role``: the chat role the environment's replies take
+        (``"tool"`` or ``"user"``) when the model has a chat template;
+      ``max_turns``: model turns per episode; None takes ``rollout.max_turns``;
+      ``step_timeout_s``: the longest one ``step`` may take; None takes
+        ``rollout.tool_timeout_s``. A step past it is answered ``timeout_reply``.
+    """
+
+    stop_strings: tuple[str, ...] = ()
+    reply_role: str = "tool"
+    max_turns: int | None = None
+    step_timeout_s: float | None = None
+
+    def __init__(self, **options):
+        if options:
+            raise TypeError(f"{type(self).__name__} takes no options; got {', '.join(sorted(options))}")
+
+    # --- tasks -------------------------------------------------------------------------------------
+
+    def parse_task(self, record: Any) -> Task:
+        """A prompt record (one decoded JSONL line) as a Task; ValueError names what is wrong.
+
+        The default schema: ``{"prompt_id": str, "prompt": str, "answer": JSON}``.
+        """
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+        for key in ("prompt_id", "prompt"):
+            if not isinstance(record.get(key), str):
+                raise ValueError(f"missing field {key!r}" if key not in record else f"field {key!r} must be str")
+        if not record["prompt_id"]:
+            raise ValueError("empty prompt_id")
+        return Task(record["prompt_id"], record["prompt"], record.get("answer"))
+
+    def read_prompts(self, path: str | Path) -> Iterator[Task | BadLine]:
+        """Each line's task, or a ``BadLine`` saying why not; blank lines are skipped."""
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield self.parse_task(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    yield BadLine(lineno, f"bad JSON: {exc.msg}")
+                except ValueError as exc:
+                    yield BadLine(lineno, str(exc))
+
+    def make_tasks(self, seed: int, n: int, split: str) -> list[Task]:
+        """``n`` tasks of ``split`` ("train" | "eval"), for environments that generate their own."""
+        raise NotImplementedError(f"{type(self).__name__} does not generate tasks; give it a prompt file")
+
+    # --- episodes ----------------------------------------------------------------------------------
+
+    def start(self, task: Task) -> Any:
+        """The state of a new episode (any object; ``step`` receives it back). Default: None."""
+        return None
+
+    def step(self, state: Any, task: Task, turn: str, finish: str) -> Reply:
+        """Parse the model's turn and answer it, or end the episode.
+
+        ``turn`` is the turn's text; ``finish`` is why the model stopped:
+        ``"stop"`` (a stop string), ``"eos"`` (its end-of-turn token).
+        """
+        raise NotImplementedError
+
+    def timeout_reply(self, state: Any, task: Task) -> Reply:
+        """What a step that ran past its deadline answers."""
+        return Reply(text="timeout", tool_call=True, timed_out=True)
+
+    def respond(self, calls: Sequence[tuple[Any, Task, str, str]], timeout_s: float) -> list[Reply]:
+        """``step`` for several episodes at once, concurrently, each bounded by ``timeout_s``."""
+        start = time.monotonic()
+        pending: list[tuple[Future[Reply], list[float]]] = []
+        for call in calls:
+            done_at: list[float] = []
+            pending.append((_POOL.submit(_timed_step, self, call, done_at), done_at))
+        out = []
+        for (fut, done_at), (state, task, _turn, _finish) in zip(pending, calls):
+            remaining = max(0.0, start + timeout_s - time.monotonic())
+            try:
+                reply = fut.result(timeout=remaining)
+            except FutureTimeout:
+                fut.cancel()
+                timed = self.timeout_reply(state, task)
+                out.append(_with_latency(timed, time.monotonic() - start))
+                continue
+            out.append(_with_latency(reply, done_at[0] - start))
+        return out
+
+    # --- reward ------------------------------------------------------------------------------------
+
+    def reward(self, task: Task, transcript: str) -> float:
+        """The episode's reward from its transcript (the model's turns and the replies, as text).
+
+        Raise ``RewardError`` when it cannot judge; never return 0 for a failure of its own.
+        """
+        raise NotImplementedError
+
+    # --- warm start (optional) ---------------------------------------------------------------------
+
+    def demonstration(self, task: Task, rng: random.Random, noise: float) -> list[str]:
+        """The model turns of a good episode (or, with probability ``noise``, a plausibly bad one)."""
+        raise NotImplementedError(f"{type(self).__name__} has no demonstrations: warm-start your own model")
+
+
+def write_prompt_file(path: str | Path, tasks: Iterable[Task]) -> None:
+    """Tasks as JSONL prompt records (the default schema ``parse_task`` reads)."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"prompt_id": t.prompt_id, "prompt": t.prompt, "answer": t.answer}) + "\n"
+                     for t in tasks)
+
+
+def _timed_step(env: Environment, call: tuple[Any, Task, str, str], done_at: list[float]) -> Reply:
+    reply = env.step(*call)
+    done_at.append(time.monotonic())
+    return reply
+
+
+def _with_latency(reply: Reply, latency_s: float) -> Reply:
+    if not reply.tool_call:
+        return reply
+    return Reply(reply.text, reply.done, reply.finish, reply.tool_call, latency_s, reply.timed_out)
+
+
+def cut_at_stop(text: str, stops: Iterable[str]) -> tuple[str, str | None]:
+    """``text`` up to and including the first stop string in it, and that stop (None: no stop)."""
+    best, which = -1, None
+    for stop in stops:
+        i = text.find(stop)
+        if i >= 0 and (best < 0 or i + len(stop) < best):
+            best, which = i + len(stop), stop
+    return (text[:best], which) if which is not None else (text, None)
+
+
+def check_reward(value: Any) -> float:
+    """A reward as a finite float; RewardError otherwise (a None or a NaN is not a zero)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RewardError(f"reward is a {type(value).__name__}, not a number")
+    if not math.isfinite(value):
+        raise RewardError(f"reward is {value}")
+    return float(value)

@@ -1,0 +1,112 @@
+"""Warm start any Hugging Face policy on an environment's demonstrations, so that GRPO starts with signal.
+
+GRPO learns nothing from a group whose samples all fail (or all succeed): a
+policy has to solve some tasks before RL can help. This runs supervised steps
+on ``Environment.demonstration`` episodes, played through the environment
+and rendered exactly as the episode loop renders them (``workers.chat``: the
+chat template when the tokenizer has one), with the loss on the model's
+tokens only, and stops once greedy held-out success reaches ``target``.
+
+Called by ``scripts/build_standins.py --warm-start`` for the stand-in models;
+the tiny built-in policy has its own cached build (``workers.tiny_policy``).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workers.chat import ChatFormat
+from workers.envs.base import Environment, Task
+from workers.episode import evaluate
+from workers.tiny_policy import TorchGenerator, load_model, load_tokenizer, save_weights, sft_loss
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """The supervised run: steps, batch, learning rate, demonstration noise, when to stop."""
+
+    max_steps: int = 600
+    batch_size: int = 32
+    lr: float = 2e-3
+    warmup_steps: int = 20
+    noise: float = 0.5               # share of demonstration turns that go wrong (a weak teacher)
+    target: float | None = 0.4       # stop once greedy held-out success reaches this (None: run max_steps)
+    eval_every: int = 50
+    eval_size: int = 100
+    max_tokens_per_turn: int = 32
+    max_turns: int = 8
+    seed: int = 0
+
+
+def demonstration_sequence(env: Environment, fmt: ChatFormat, tokenizer, task: Task, rng: random.Random,
+                           noise: float) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, completion ids, mask) of one demonstration episode; mask 1 on the model's tokens."""
+    state, completion, mask = env.start(task), [], []
+    turns = env.demonstration(task, rng, noise)
+    for k, turn in enumerate(turns):
+        ids = tokenizer.encode(turn, add_special_tokens=False)
+        completion += ids
+        mask += [1] * len(ids)
+        reply = env.step(state, task, turn, "stop")
+        if reply.done or k == len(turns) - 1:
+            break
+        if reply.text is not None:
+            ids = fmt.reply_ids(tokenizer, reply.text, turn_ended_by_eos=False)
+            completion += ids
+            mask += [0] * len(ids)
+    return fmt.prompt_ids(tokenizer, task.prompt), completion, mask
+
+
+def batches(env, fmt, tokenizer, tasks: list[Task], ws: WarmStart) -> Iterator[tuple[list, list, list]]:
+    """Endless shuffled batches of demonstration sequences."""
+    rng = random.Random(ws.seed)
+    while True:
+        order = rng.sample(range(len(tasks)), len(tasks))
+        for start in range(0, len(order) - ws.batch_size + 1, ws.batch_size):
+            seqs = [demonstration_sequence(env, fmt, tokenizer, tasks[i], rng, ws.noise)
+                    for i in order[start:start + ws.batch_size]]
+            yield tuple(map(list, zip(*seqs)))
+
+
+def greedy_success(model, tokenizer, env: Environment, tasks: list[Task], ws: WarmStart) -> float:
+    model.eval()
+    with torch.no_grad():
+        rate, _ = evaluate(TorchGenerator(model, tokenizer), tokenizer, tasks, env=env, max_turns=ws.max_turns,
+                           max_tokens_per_turn=ws.max_tokens_per_turn, tool_timeout_s=5.0)
+    model.train()
+    return rate
+
+
+def warm_start(model_dir: str | Path, out_dir: str | Path, env: Environment, *, train: list[Task],
+               held_out: list[Task], ws: WarmStart = WarmStart(),
+               progress: Callable[[str], None] = lambda line: None) -> dict:
+    """Train ``model_dir``'s policy on ``env``'s demonstrations into ``out_dir``; returns what happened."""
+    torch.manual_seed(ws.seed)
+    model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+    fmt = ChatFormat.for_tokenizer(tokenizer, env.reply_role)
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
+    held = held_out[:ws.eval_size]
+    history = [(0, greedy_success(model, tokenizer, env, held, ws))]
+    progress(f"step 0: held-out success {history[-1][1]:.2f}")
+    t0, step, stream = time.monotonic(), 0, batches(env, fmt, tokenizer, train, ws)
+    while step < ws.max_steps and not (ws.target is not None and history[-1][1] >= ws.target):
+        for group in opt.param_groups:
+            group["lr"] = ws.lr * min(1.0, (step + 1) / ws.warmup_steps)
+        loss = sft_loss(model, *next(stream))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % ws.eval_every == 0 or step == ws.max_steps:
+            history.append((step, greedy_success(model, tokenizer, env, held, ws)))
+            progress(f"step {step}: loss {loss.item():.3f}, held-out success {history[-1][1]:.2f} "
+                     f"({time.monotonic() - t0:.0f}s)")
+    save_weights(model, out_dir, model_dir)
+    return {"steps": step, "success": history[-1][1], "history": history, "seconds": time.monotonic() - t0}
