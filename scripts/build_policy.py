@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workers import tiny_policy
-from workers.envs import calc
+from workers.envs import load_env
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = tiny_policy.ensure_policy(args.cache_dir, spec, progress=lambda msg: print(msg, flush=True))
     print(f"ready in {time.monotonic() - started:.1f}s", flush=True)
     if args.eval:
-        problems = calc.make_problems(args.seed + 1, args.eval, "eval")
+        problems = load_env(tiny_policy.WARM_ENV).make_tasks(args.seed + 1, args.eval, "eval")
         print(f"greedy success on {args.eval} eval problems: {tiny_policy.torch_success(model_dir, problems):.3f}", flush=True)
     print(model_dir)
     return 0

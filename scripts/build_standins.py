@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--arch", choices=[*standin.FAMILIES, "both"], default="both", help="which family to build")
     p.add_argument("--warm-start", action="store_true", help="also train a copy on the environment's demonstrations")
     p.add_argument("--target", type=float, default=WarmStart.target, help="warm start until this held-out success")
+    p.add_argument("--noise", type=float, default=WarmStart.noise, help="share of demonstration turns that go wrong")
     p.add_argument("--seed", type=int, default=0, help="seed of the corpus, the initial weights and the warm start")
     return p.parse_args(argv)
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         built.append(out)
         if args.warm_start:
             warm = args.out_dir / f"{arch}-{name}"
-            ws = WarmStart(seed=args.seed, target=args.target)
+            ws = WarmStart(seed=args.seed, target=args.target, noise=args.noise)
             result = warm_start(out, warm, env, train=env.make_tasks(args.seed, 4000, "train"),
                                 held_out=env.make_tasks(args.seed, ws.eval_size, "eval"), ws=ws,
                                 progress=lambda line, a=arch: print(f"{a} warm start: {line}", flush=True))

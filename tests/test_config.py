@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +44,9 @@ def test_malformed_config_file_exits_2_and_names_the_key(tmp_path):
     bad.write_text("[learner\n")
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(bad)], capture_output=True, text=True)
     assert proc.returncode == 2 and "not valid TOML" in proc.stderr
+
+
+def test_the_readme_lists_every_config_key_as_the_code_documents_it():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("```text", 1)[1].split("```", 1)[0]
+    assert block.strip() == c.reference().strip(), "README's config reference is stale: paste libra-ctl config --reference"

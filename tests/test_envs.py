@@ -287,3 +287,27 @@ def test_a_reward_model_directory_scores_episodes_through_the_reward_stage(tmp_p
     assert scored.rewards == [score(Task("p@0", "q", None), t) for t in ("<g>16</g>", "<g>3</g>")]
     with pytest.raises(config.ConfigError, match="not both"):
         config.load(None, [f"reward.model={tmp_path / 'rm'}", "reward.entry=m:f"])
+
+
+def test_a_turn_text_is_the_decoding_of_its_tokens_even_past_a_stop_string(tmp_path):
+    from types import SimpleNamespace
+
+    from workers import standin
+    from workers.engine_vllm import _turn_output
+
+    # "</g>\n" is one token of this BPE: the stop string ends inside it
+    model = standin.build_standin(tmp_path / "m", arch="llama", corpus=["<g>12</g>\n<f>up 13-32</f>\n"] * 200,
+                                  vocab_size=300)
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(str(model))
+    ids = tok.encode("<g>12</g>\n", add_special_tokens=False)
+    assert not tok.decode(ids[:-1]).endswith("</g>") and tok.decode(ids).endswith("</g>\n")
+    steps = [{i: SimpleNamespace(logprob=-0.1)} for i in ids]
+    # what vLLM reports: the text cut at the stop string, the ids including the whole last token
+    out = _turn_output(SimpleNamespace(token_ids=ids, logprobs=steps, finish_reason="stop", stop_reason="</g>",
+                                       text="<g>12</g>"), tok)
+    assert out.text == tok.decode(ids) and out.finish_reason == "stop"
+    assert cut_at_stop(out.text, ("</g>",)) == ("<g>12</g>", "</g>")
+    eos = ids + [tok.eos_token_id]
+    out = _turn_output(SimpleNamespace(token_ids=eos, logprobs=steps + [{tok.eos_token_id: SimpleNamespace(logprob=-1.0)}],
+                                       finish_reason="stop", stop_reason=tok.eos_token_id, text="x"), tok)
+    assert out.finish_reason == "eos" and out.text == tok.decode(ids) and out.token_ids == eos

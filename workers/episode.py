@@ -22,6 +22,7 @@ whatever else is in the batch.
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -223,3 +224,27 @@ def evaluate(
                             env=env, max_total_tokens=max_total_tokens, chat_template=chat_template)
     rewards = [min(1.0, max(0.0, env.reward(t, ep.text))) for t, ep in zip(tasks, episodes)]
     return (sum(rewards) / len(rewards) if rewards else 0.0), episodes
+
+
+def demonstration_episode(env: Environment, fmt: ChatFormat, tokenizer, task: Task, rng: random.Random,
+                           noise: float) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, completion ids, mask) of one demonstration, rendered as the loop renders an episode.
+
+    The turns come from ``env.demonstration`` and the replies from playing them
+    through ``env.step``; mask 1 on the model's tokens only. The warm starts
+    (``workers.warmstart``, ``workers.tiny_policy``) train on these.
+    """
+    state, completion, mask = env.start(task), [], []
+    turns = env.demonstration(task, rng, noise)
+    for k, turn in enumerate(turns):
+        ids = tokenizer.encode(turn, add_special_tokens=False)
+        completion += ids
+        mask += [1] * len(ids)
+        reply = env.step(state, task, turn, "stop")
+        if reply.done or k == len(turns) - 1:
+            break
+        if reply.text is not None:
+            ids = fmt.reply_ids(tokenizer, reply.text, turn_ended_by_eos=False)
+            completion += ids
+            mask += [0] * len(ids)
+    return fmt.prompt_ids(tokenizer, task.prompt), completion, mask

@@ -37,15 +37,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging as hf_logging
 
-from workers.episode import Episode, TurnOutput, evaluate
-from workers.envs import calc
-from workers.envs.calc import Problem
+from workers.episode import Episode, TurnOutput, demonstration_episode, evaluate
+from workers.chat import ChatFormat
+from workers.envs import load_env
+from workers.envs.base import Task
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIALS = (PAD, EOS, UNK)  # ids 0, 1, 2
 ALPHABET = "\n" + "".join(c for c in string.printable if c not in string.whitespace) + " "
 # Bump when the model or tokenizer layout changes, so cached policies rebuild.
 FORMAT_VERSION = 3
+
+# The warm start's environment: the built-in toy is calibrated on the calculator (reached by name).
+WARM_ENV = "calc"
 
 # Defaults of ensure_policy's spec, calibrated (see the test and the report)
 # so that the warm start succeeds sometimes and GRPO has room to improve.
@@ -372,7 +376,7 @@ class TorchGenerator:
 
 
 def greedy_episodes(
-    model, tokenizer, problems: list[Problem], max_turns: int, max_tokens_per_turn: int, *, tool_timeout_s: float = 5.0
+    model, tokenizer, problems: list[Task], max_turns: int, max_tokens_per_turn: int, *, tool_timeout_s: float = 5.0
 ) -> list[Episode]:
     """The rollout loop on the torch model, greedy: what vLLM must reproduce."""
     _rate, episodes = evaluate(TorchGenerator(model, tokenizer), tokenizer, problems, max_turns=max_turns,
@@ -383,16 +387,11 @@ def greedy_episodes(
 # --- warm start -----------------------------------------------------------
 
 
-def demonstration_batch(tokenizer, problems: list[Problem], rng: random.Random, noise: float):
-    """(prompt ids, completion ids, completion loss mask) of one demonstration each."""
-    prompts, completions, masks = [], [], []
-    for p in problems:
-        text = calc.demonstration(p, rng, noise)
-        prompts.append(tokenizer.encode(p.prompt, add_special_tokens=False))
-        completions.append(tokenizer.encode(text, add_special_tokens=False))
-        # One character is one token, so the per-character tool mask applies as is.
-        masks.append(calc.tool_span_mask(text))
-    return prompts, completions, masks
+def demonstration_batch(tokenizer, problems: list[Task], rng: random.Random, noise: float):
+    """(prompt ids, completion ids, completion loss mask) of one calculator demonstration each, as plain text."""
+    env = load_env(WARM_ENV)
+    seqs = [demonstration_episode(env, ChatFormat(), tokenizer, p, rng, noise) for p in problems]
+    return tuple(map(list, zip(*seqs)))
 
 
 def _lr_at(step: int, lr: float, warmup: int = 30) -> float:
@@ -407,7 +406,7 @@ def sft_loss(model, prompts, completions, masks) -> torch.Tensor:
     return -num / max(1, sum(sum(m) for m in masks))
 
 
-def _greedy_success(model, tokenizer, problems: list[Problem]) -> float:
+def _greedy_success(model, tokenizer, problems: list[Task]) -> float:
     model.eval()
     rate, _ = evaluate(
         TorchGenerator(model, tokenizer), tokenizer, problems, max_turns=4, max_tokens_per_turn=32, tool_timeout_s=5.0
@@ -431,7 +430,7 @@ def torch_threads(n: int | None):
 def warm_start(
     model_dir: str | Path,
     *,
-    problems: list[Problem],
+    problems: list[Task],
     steps: int,
     lr: float,
     noise: float,
@@ -517,7 +516,7 @@ def spec_hash(spec: dict) -> str:
 def _build_into(out_dir: Path, spec: dict, progress: Progress | None) -> None:
     arch = ("seed", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position_embeddings")
     build_policy(out_dir, **{k: spec[k] for k in arch})
-    problems = calc.make_problems(spec["seed"], spec["warm_problems"], "train")
+    problems = load_env(WARM_ENV).make_tasks(spec["seed"], spec["warm_problems"], "train")
     warm_start(
         out_dir,
         problems=problems,
@@ -566,7 +565,7 @@ def _publish(tmp: Path, final: Path) -> None:
             raise
 
 
-def torch_success(model_dir: str | Path, problems: list[Problem], *, max_turns: int = 4, max_tokens_per_turn: int = 32) -> float:
+def torch_success(model_dir: str | Path, problems: list[Task], *, max_turns: int = 4, max_tokens_per_turn: int = 32) -> float:
     """Greedy success rate of a model directory, on torch (no vLLM needed)."""
     tokenizer, model = load_tokenizer(model_dir), load_model(model_dir).eval()
     rate, _ = evaluate(

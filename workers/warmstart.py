@@ -23,7 +23,7 @@ import torch
 
 from workers.chat import ChatFormat
 from workers.envs.base import Environment, Task
-from workers.episode import evaluate
+from workers.episode import demonstration_episode, evaluate
 from workers.tiny_policy import TorchGenerator, load_model, load_tokenizer, save_weights, sft_loss
 
 
@@ -35,32 +35,13 @@ class WarmStart:
     batch_size: int = 32
     lr: float = 2e-3
     warmup_steps: int = 20
-    noise: float = 0.5               # share of demonstration turns that go wrong (a weak teacher)
-    target: float | None = 0.4       # stop once greedy held-out success reaches this (None: run max_steps)
+    noise: float = 0.2               # share of demonstration turns that go wrong (a weak teacher)
+    target: float | None = 0.3       # stop once greedy held-out success reaches this (None: run max_steps)
     eval_every: int = 50
     eval_size: int = 100
     max_tokens_per_turn: int = 32
     max_turns: int = 8
     seed: int = 0
-
-
-def demonstration_sequence(env: Environment, fmt: ChatFormat, tokenizer, task: Task, rng: random.Random,
-                           noise: float) -> tuple[list[int], list[int], list[int]]:
-    """(prompt ids, completion ids, mask) of one demonstration episode; mask 1 on the model's tokens."""
-    state, completion, mask = env.start(task), [], []
-    turns = env.demonstration(task, rng, noise)
-    for k, turn in enumerate(turns):
-        ids = tokenizer.encode(turn, add_special_tokens=False)
-        completion += ids
-        mask += [1] * len(ids)
-        reply = env.step(state, task, turn, "stop")
-        if reply.done or k == len(turns) - 1:
-            break
-        if reply.text is not None:
-            ids = fmt.reply_ids(tokenizer, reply.text, turn_ended_by_eos=False)
-            completion += ids
-            mask += [0] * len(ids)
-    return fmt.prompt_ids(tokenizer, task.prompt), completion, mask
 
 
 def batches(env, fmt, tokenizer, tasks: list[Task], ws: WarmStart) -> Iterator[tuple[list, list, list]]:
@@ -69,7 +50,7 @@ def batches(env, fmt, tokenizer, tasks: list[Task], ws: WarmStart) -> Iterator[t
     while True:
         order = rng.sample(range(len(tasks)), len(tasks))
         for start in range(0, len(order) - ws.batch_size + 1, ws.batch_size):
-            seqs = [demonstration_sequence(env, fmt, tokenizer, tasks[i], rng, ws.noise)
+            seqs = [demonstration_episode(env, fmt, tokenizer, tasks[i], rng, ws.noise)
                     for i in order[start:start + ws.batch_size]]
             yield tuple(map(list, zip(*seqs)))
 
