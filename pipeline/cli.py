@@ -8,11 +8,22 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import signal
+import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 from pipeline import config as config_mod
 from pipeline.dataplane.redisconn import ENV_URL, connect, find_redis_url
+
+SHARED_REDIS_DIR = "runs/redis"   # where ``libra-ctl redis`` keeps the embedded server of a Procfile
+REDIS_WAIT_S = 120.0
+# On SIGTERM the server waits this long for its clients to leave (the agent drains its workers through it);
+# honcho sends SIGKILL 5 s after SIGTERM.
+REDIS_LINGER_S = 4.0
 
 # Modules that add their own subcommands with ``add_commands(subparsers)``;
 # each imports its heavy dependencies inside its handlers, so --help stays fast.
@@ -33,7 +44,7 @@ def cmd_run(args) -> int:
     from pipeline.run import run_job
 
     cfg = config_mod.load(args.config, args.set or [])
-    return run_job(cfg, sys.argv)
+    return run_job(cfg, sys.argv, join_wait_s=args.join_wait)
 
 
 def cmd_resume(args) -> int:
@@ -100,6 +111,161 @@ def _serve_metrics(r, port: int, log):
     return server
 
 
+def _stop_on_signals() -> threading.Event:
+    """An event SIGTERM and SIGINT set (honcho stops a process with SIGTERM)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _signum, _frame: stop.set())
+    return stop
+
+
+def shared_redis_url(explicit: str | None, data_dir: str | Path) -> str | None:
+    """--redis, else $LIBRA_REDIS_URL, else the URL ``libra-ctl redis`` wrote into ``data_dir``; None if none yet."""
+    if explicit or os.environ.get(ENV_URL):
+        return explicit or os.environ[ENV_URL]
+    path = Path(data_dir) / "redis.url"
+    return path.read_text().strip() if path.exists() else None
+
+
+def wait_for_redis(explicit: str | None, data_dir: str | Path, timeout_s: float,
+                   stop: threading.Event | None = None) -> str | None:
+    """The URL of ``shared_redis_url`` once that server answers PING; None after ``timeout_s`` or a stop."""
+    import redis
+
+    stop = stop or threading.Event()
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set():
+        url = shared_redis_url(explicit, data_dir)
+        if url:
+            try:
+                if connect(url, socket_connect_timeout=2, socket_timeout=2).ping():
+                    return url
+            except redis.RedisError:
+                pass    # not up yet (the Procfile's redis line starts beside us)
+        if time.monotonic() >= deadline:
+            return None
+        stop.wait(0.2)
+    return None
+
+
+def cmd_redis(args) -> int:
+    """``libra-ctl redis``: the Redis of a Procfile, in the foreground; ``--wait [-- CMD]``: wait for it."""
+    if args.wait:
+        url = wait_for_redis(args.redis, args.dir, args.timeout)
+        if url is None:
+            where = shared_redis_url(args.redis, args.dir) or f"{args.dir}/redis.url (libra-ctl redis writes it)"
+            print(f"libra-ctl redis: no Redis answered at {where} within {args.timeout:g}s", file=sys.stderr)
+            return 1
+        then = args.then[1:] if args.then[:1] == ["--"] else args.then
+        if then:
+            os.execvpe(then[0], then, {**os.environ, ENV_URL: url})
+        print(url)
+        return 0
+    stop = _stop_on_signals()
+    given = args.redis or os.environ.get(ENV_URL)
+    if given:
+        # a Redis of the user's: nothing to serve; stay up, as honcho stops everything when a line exits
+        print(f"redis: using {given} ({ENV_URL}); not starting a server", flush=True)
+        stop.wait()
+        return 0
+    return _serve_redis(Path(args.dir), stop)
+
+
+def _serve_redis(data_dir: Path, stop: threading.Event) -> int:
+    """The embedded server (AOF, noeviction) on a unix socket under ``data_dir``, until SIGTERM or SIGINT."""
+    from pipeline.dataplane.redisconn import EmbeddedRedis
+
+    if wait_for_redis(None, data_dir, 0.0):
+        print(f"libra-ctl redis: a server already runs in {data_dir} ({(data_dir / 'redis.url').read_text().strip()})",
+              file=sys.stderr)
+        return 1
+    server = EmbeddedRedis(data_dir).start()
+    url_file = data_dir / "redis.url"
+    url_file.write_text(server.url + "\n")
+    print(f"redis: serving at {server.url} (data in {data_dir}); export {ENV_URL}={server.url}", flush=True)
+    try:
+        stop.wait()
+        _wait_for_clients_to_leave(server.url, REDIS_LINGER_S)
+    finally:
+        url_file.unlink(missing_ok=True)
+        server.stop()
+    print("redis: stopped", flush=True)
+    return 0
+
+
+def _wait_for_clients_to_leave(url: str, timeout_s: float) -> None:
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        client = connect(url, socket_timeout=2)
+        while len(client.client_list()) > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except redis.RedisError:
+        pass   # the server is gone already
+
+
+def cmd_worker(args) -> int:
+    """``libra-ctl worker ROLE --job J``: one stage worker outside the agents (a Procfile pool, or by hand).
+
+    Waits for Redis and for the job to run there, takes a stable id (see
+    ``dataplane.worker.claim_external_id``), then becomes the worker: it execs
+    the module the agents' command table names for the job's backend, with
+    ``--external``. No agent starts, restarts or kills it.
+    """
+    from pipeline.control.agent import worker_argv
+    from pipeline.control.job import load_job
+    from pipeline.dataplane.keys import JobKeys
+    from pipeline.dataplane.worker import NODE_ENV, IdTaken, live_run_dir
+
+    stop = _stop_on_signals()
+    node = args.node or os.environ.get(NODE_ENV) or socket.gethostname().split(".")[0]
+    url = wait_for_redis(args.redis, SHARED_REDIS_DIR, REDIS_WAIT_S, stop)
+    if url is None:
+        print(f"libra-ctl worker: no Redis answered within {REDIS_WAIT_S:g}s: pass --redis URL or set {ENV_URL}",
+              file=sys.stderr)
+        return 130 if stop.is_set() else 1
+    r, keys = connect(url), JobKeys(args.job)
+    print(f"worker: waiting for job {args.job} to run on {url}", flush=True)
+    while live_run_dir(r, keys) is None:
+        if stop.wait(0.2):
+            return 130
+    info = load_job(r, args.job)
+    if info is None:
+        print(f"libra-ctl worker: cannot read the manifest of job {args.job} in {live_run_dir(r, keys)}; a worker "
+              "needs the run directory (shared storage on another machine)", file=sys.stderr)
+        return 2
+    try:
+        wid = _claim_id(r, keys, args.role, node, args.worker_id, stop)
+    except IdTaken as exc:
+        print(f"libra-ctl worker: {exc}", file=sys.stderr)
+        return 2
+    if wid is None:
+        return 130
+    argv = worker_argv(info.backend, args.role, info.run_dir, wid) + ["--external"]
+    print(f"worker: {wid} ({info.backend} {args.role}) joins job {args.job}; log: {info.run_dir}/logs/{wid}.jsonl",
+          flush=True)
+    os.execve(argv[0], argv, {**os.environ, ENV_URL: url, NODE_ENV: node, "PYTHONUNBUFFERED": "1"})
+    return 0   # not reached: execve replaces this process
+
+
+def _claim_id(r, keys, role: str, node: str, want: str | None, stop: threading.Event) -> str | None:
+    """Our stable id; a learner queues (its record refreshed each second) while an agent's holds learner-0."""
+    from pipeline.dataplane.worker import claim_external_id
+
+    said = False
+    while (wid := claim_external_id(r, keys, role, node, want=want)) is None:
+        if not said:
+            print("worker: the job's learner runs under an agent; queued until the controller drains it", flush=True)
+            said = True
+        if stop.wait(1.0):
+            queued = [w for w, raw in r.hgetall(keys.workers).items() if json.loads(raw).get("pid") == os.getpid()]
+            if queued:
+                r.hdel(keys.workers, *queued)
+            return None
+    return wid
+
+
 def cmd_config(args) -> int:
     if args.reference:
         print(config_mod.reference())
@@ -116,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a job: Redis if needed, feeder, workers, progress, summary")
     run.add_argument("config", help="job TOML file, e.g. examples/quickstart.toml")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+    run.add_argument("--join-wait", type=float, default=0.0, metavar="S",
+                     help="wait up to S seconds for a controller and an agent starting beside this run on its Redis "
+                          "(a Procfile) before starting the missing ones (default: join only what is there)")
     run.set_defaults(func=cmd_run)
 
     rs = sub.add_parser("resume", help="continue a stopped or crashed run from its latest checkpoint")
@@ -141,6 +310,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus /metrics on this port (0: off; control.metrics_port)")
     c.add_argument("--redis", help=f"Redis URL (default: ${ENV_URL})")
     c.set_defaults(func=cmd_controller)
+
+    from pipeline.dataplane.keys import ROLES
+
+    w = sub.add_parser("worker", help="one stage worker outside the agents (a Procfile pool): joins a running job")
+    w.add_argument("role", choices=ROLES)
+    w.add_argument("--job", required=True, help="the job to join (job.name); waits until it runs")
+    w.add_argument("--node", help="node name in the worker's id (default: $LIBRA_NODE, else the short host name)")
+    w.add_argument("--worker-id", help="this id instead of <role>-<node>-ext<k> (the learner's is learner-0)")
+    w.add_argument("--redis", help=f"Redis URL (default: ${ENV_URL}, else the server of libra-ctl redis)")
+    w.set_defaults(func=cmd_worker)
+
+    rd = sub.add_parser("redis", help="the Redis of a Procfile: the embedded server in the foreground, or --wait")
+    rd.add_argument("--dir", default=SHARED_REDIS_DIR, help="data, socket and redis.url of the embedded server")
+    rd.add_argument("--wait", action="store_true",
+                    help="wait until the Redis answers, then print its URL, or exec the command after --")
+    rd.add_argument("--timeout", type=float, default=REDIS_WAIT_S, help="seconds --wait waits")
+    rd.add_argument("--redis", help=f"a Redis URL (default: ${ENV_URL}, else the embedded server's)")
+    rd.add_argument("then", nargs=argparse.REMAINDER, help="with --wait: -- CMD ... run with $LIBRA_REDIS_URL set")
+    rd.set_defaults(func=cmd_redis)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

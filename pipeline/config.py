@@ -94,7 +94,10 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class LearnerConfig:
-    workers: int = _f(1, "learner processes (world size); only 1 is supported so far")
+    workers: int = _f(1, "learner slots at the start; the learner runs one data-parallel rank per slot it holds "
+                      "(world size = slots held, one GPU each), and afterwards the controller's placement decides "
+                      "its slots (all on one node, between control.min_learner and control.max_learner); "
+                      "a change of world size happens at a drain, after a checkpoint")
     batch_size: int = _f(256, "trajectories per policy update; a multiple of rollout.group_size")
     lr: float = _f(5e-4, "AdamW learning rate after warmup")
     warmup_steps: int = _f(3, "steps of linear learning-rate warmup")
@@ -159,7 +162,7 @@ class ControlConfig:
     min_rollout: int = _f(1, "fewest rollout workers")
     max_rollout: int = _f(1 << 30, "most rollout workers")
     min_learner: int = _f(1, "fewest learner slots")
-    max_learner: int = _f(1 << 30, "most learner slots (the vllm backend's learner is one process: 1)")
+    max_learner: int = _f(1 << 30, "most learner slots (the learner runs one data-parallel rank per slot)")
     min_reward: int = _f(1, "fewest reward workers")
     max_reward: int = _f(1 << 30, "most reward workers")
     metrics_port: int = _f(9464, "the controller serves Prometheus /metrics here (0: off)")
@@ -287,7 +290,7 @@ def validate(cfg: Config) -> None:
     need(1 <= lr.publish_every <= lr.max_staleness, "learner.publish_every",
          f"{lr.publish_every} must be between 1 and learner.max_staleness ({lr.max_staleness})")
     need(lr.checkpoint_every >= 1, "learner.checkpoint_every", "must be >= 1")
-    need(lr.workers == 1, "learner.workers", "only a single learner process is supported so far; set 1")
+    need(lr.workers >= 1, "learner.workers", "the learner needs at least 1 slot; set 1 or more")
     need(lr.keep_published >= 2, "learner.keep_published", "keep at least 2 versions so a loading worker never loses its files")
     need(ro.engine == "vllm", "rollout.engine", f"unknown engine {ro.engine!r}; use \"vllm\"")
     need(0 < ro.temperature <= 2.0, "rollout.temperature",

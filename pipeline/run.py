@@ -5,6 +5,11 @@ policy, starts Redis when no URL is given, publishes policy version 0, starts
 the feeder and the stage workers as child processes, shows a live progress
 line, evaluates the policy on held-out prompts at the start and the end, and
 writes ``summary.json``. Ctrl-C stops the children, then Redis, in order.
+
+The stage workers come from the controller and the node agents on the job's
+Redis: a controller holding the lease and live agents already there (a
+Procfile's, a cluster's) are joined; only a missing one is started here, as
+a child process (``control.local``).
 """
 
 from __future__ import annotations
@@ -25,8 +30,11 @@ import redis
 
 from pipeline import manifest as manifest_mod
 from pipeline.config import Config
+from pipeline.control import actions
+from pipeline.control.actions import STATE_RUN
+from pipeline.control.allocation import live_agents
 from pipeline.control.local import start_local_control
-from pipeline.dataplane.keys import JOBS, JobKeys
+from pipeline.dataplane.keys import AGENTS, CONTROLLER_LEASE, JOBS, JobKeys, agent_desired
 from pipeline.observe.metrics import start_sampler
 from pipeline.observe.report import write_report
 from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect, resolve_url
@@ -105,8 +113,10 @@ def check_prompt_files(cfg: Config, out=sys.stderr) -> list[dict]:
 
 
 class Orchestrator:
-    def __init__(self, cfg: Config, run_dir: Path, r: redis.Redis, url: str, out=sys.stderr):
+    def __init__(self, cfg: Config, run_dir: Path, r: redis.Redis, url: str, out=sys.stderr,
+                 join_wait_s: float = 0.0):
         self.cfg, self.run_dir, self.r, self.url, self.out = cfg, run_dir, r, url, out
+        self.join_wait_s = join_wait_s
         self.keys = JobKeys(cfg.job.name)
         self.children: list[Child] = []
         self.control = None
@@ -126,9 +136,27 @@ class Orchestrator:
         self.children.append(Child(worker_id, role, proc))
 
     def start_workers(self) -> None:
-        """The feeder here; the stage workers through a local controller and node agent."""
+        """The feeder here; the stage workers through the controller and agents on this Redis, or our own."""
         self.spawn("feeder", "workers.feeder", "feeder-0")
-        self.control = start_local_control(self.cfg, self.run_dir, self.url)
+        controller, agents = self.find_control()
+        if not (controller and agents):
+            self.control = start_local_control(self.cfg, self.run_dir, self.url, controller=not controller,
+                                               agent=not agents)
+        joined = (["the controller"] if controller else []) + ([f"agents {', '.join(sorted(agents))}"] if agents else [])
+        said = ["joined " + " and ".join(joined) + " on this Redis"] if joined else []
+        if self.control:
+            said.append("started " + " and ".join(name for name, _p in self.control.procs))
+        print(f"{'; '.join(said)}; workers come up through the agents (logs in {self.run_dir / 'logs'})",
+              file=self.out, flush=True)
+
+    def find_control(self) -> tuple[bool, dict]:
+        """Whether a controller holds the lease, and the live agents; waits up to ``join_wait_s`` for both."""
+        deadline = time.monotonic() + self.join_wait_s
+        while True:
+            controller, agents = bool(self.r.exists(CONTROLLER_LEASE)), live_agents(self.r)
+            if (controller and agents) or time.monotonic() >= deadline:
+                return controller, agents
+            time.sleep(0.2)
 
     def check_children(self) -> None:
         """Fail the run when the feeder, the controller or the agent dies (the agent restarts workers)."""
@@ -239,8 +267,6 @@ class Orchestrator:
         if not resumed:
             self.request_eval("start", 0)
         self.start_workers()
-        print(f"controller and agent started; workers come up through the agent (logs in {self.run_dir / 'logs'})",
-              file=self.out, flush=True)
         start = self.wait_eval("start")
         print(f"held-out greedy success at start: {start['success_rate']:.1%} "
               f"(version {start['version']}, {start['n']} prompts)", file=self.out, flush=True)
@@ -289,8 +315,13 @@ def format_summary(summary: dict, run_dir: Path) -> str:
     return f"\n{body}\n\nrun directory: {run_dir}\n"
 
 
-def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | None = None) -> int:
-    """The whole of ``libra-ctl run`` (and ``libra-ctl resume``); returns the exit code."""
+def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | None = None,
+            join_wait_s: float = 0.0) -> int:
+    """The whole of ``libra-ctl run`` (and ``libra-ctl resume``); returns the exit code.
+
+    ``join_wait_s``: how long to wait for a controller and an agent starting
+    beside this run on its Redis (a Procfile) before starting the missing ones.
+    """
     # honcho and systemd stop us with SIGTERM: take it as Ctrl-C, so the controller, the agent,
     # the workers and the embedded Redis are stopped in order instead of being orphaned.
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -312,7 +343,8 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
         else:
             _start_new_job(r, cfg, run_dir, argv=argv, redis_url=url, embedded=bool(embedded),
                            policy_dir=policy_dir, bad_prompt_lines=bad_lines)
-        orch = Orchestrator(cfg, run_dir, r, url, out)
+        # nothing else can be on an embedded server we just started
+        orch = Orchestrator(cfg, run_dir, r, url, out, join_wait_s=0.0 if embedded else join_wait_s)
         _run_and_summarise(orch)
         return 0
     except RunFailed as exc:
@@ -355,9 +387,29 @@ def _start_new_job(r: redis.Redis, cfg: Config, run_dir: Path, **manifest_fields
         reset_job(r, keys)
     except JobRunning as exc:
         raise RunFailed(str(exc)) from None
+    drain_left_over_workers(r, cfg.job.name)
     manifest_mod.write_manifest(run_dir, cfg, **manifest_fields)
     r.hset(keys.policy, mapping={"version": 0, "path": manifest_fields["policy_dir"], "step": 0,
                                  "published_at": time.time()})
+
+
+def drain_left_over_workers(r: redis.Redis, job: str) -> list[tuple[str, str]]:
+    """Drain the workers an earlier run of ``job`` left desired on the agents; returns (node, worker) of each.
+
+    A run stopped with its controller (honcho stops every line at once) leaves
+    them ``run`` in a persistent Redis (the Procfile's keeps its AOF), and the
+    agents would start them, with that run's directory, as soon as this run's
+    phase is ``running``. The drain goes through the agents' queues like any
+    action, ahead of what this run's controller sends.
+    """
+    left = []
+    for node in sorted(n.decode() for n in r.hkeys(AGENTS)):
+        for raw in r.hvals(agent_desired(node)):
+            d = json.loads(raw)
+            if d["job"] == job and d["state"] == STATE_RUN:
+                actions.drain(r, node, job, d["worker"])
+                left.append((node, d["worker"]))
+    return left
 
 
 def _run_and_summarise(orch: Orchestrator) -> None:

@@ -3,8 +3,9 @@
 A real learner process trains on scored groups written straight into the
 scored stream (no rollout engine needed), is killed with SIGKILL between two
 checkpoints, restarted, and finishes; `libra-ctl audit` then accounts for every
-trajectory. With deduplication switched off on purpose, a duplicate group is
-trained twice and the audit fails.
+trajectory. A drain (SIGTERM) between two checkpoints checkpoints the steps
+trained, and the restart repeats none. With deduplication switched off on
+purpose, a duplicate group is trained twice and the audit fails.
 """
 
 from __future__ import annotations
@@ -64,11 +65,12 @@ def scored_groups(policy_dir: Path, n: int, seed: int = 1) -> list[messages.Grou
     return groups
 
 
-def setup_run(tmp_path: Path, r, redis_url: str, policy_dir: Path, dedup: bool) -> tuple[Path, config_mod.Config]:
+def setup_run(tmp_path: Path, r, redis_url: str, policy_dir: Path, dedup: bool,
+              extra: tuple[str, ...] = ()) -> tuple[Path, config_mod.Config]:
     cfg = config_mod.load(None, ["job.name=rec", "job.steps=6", f"rollout.group_size={G}",
                                  "learner.batch_size=16", "learner.checkpoint_every=2", "learner.max_staleness=8",
                                  "learner.publish_every=1", "streams.max_queue_size=64",
-                                 f"streams.dedup={'true' if dedup else 'false'}"])
+                                 f"streams.dedup={'true' if dedup else 'false'}", *extra])
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "manifest.json").write_text(json.dumps({"config": cfg.to_dict(),
@@ -81,8 +83,9 @@ def setup_run(tmp_path: Path, r, redis_url: str, policy_dir: Path, dedup: bool) 
     return run_dir, cfg
 
 
-def start_learner(run_dir: Path, redis_url: str) -> subprocess.Popen:
-    env = dict(os.environ, **{ENV_URL: redis_url})
+def start_learner(run_dir: Path, redis_url: str, slots: str = "") -> subprocess.Popen:
+    """The learner process, holding ``slots`` as the node agent would say them ("0,1": two ranks)."""
+    env = dict(os.environ, **{ENV_URL: redis_url, "LIBRA_SLOTS": slots})
     return subprocess.Popen([sys.executable, "-m", "workers.learner", "--run-dir", str(run_dir),
                              "--worker-id", "learner-0"], cwd=ROOT, env=env)
 
@@ -134,6 +137,39 @@ def test_crash_between_checkpoints_loses_nothing_and_trains_nothing_twice(tmp_pa
     cli = subprocess.run([sys.executable, "-m", "pipeline.cli", "audit", "--job", "rec", "--json",
                           "--redis", redis_url], cwd=ROOT, capture_output=True, text=True)
     assert cli.returncode == 0 and json.loads(cli.stdout)["trained"] == 96
+
+
+@pytest.mark.slow
+def test_drain_checkpoints_the_step_in_hand_and_a_restart_repeats_nothing(tmp_path, r, redis_url, policy_dir):
+    """SIGTERM between two checkpoints: the learner checkpoints what it trained, acknowledges it, exits 0."""
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True,
+                              extra=("learner.checkpoint_every=100", "streams.learner_min_idle_s=1e6"))
+    keys = JobKeys("rec")
+    groups = scored_groups(policy_dir, 24)
+    feed(r, groups[:14], issued=len(groups))  # 3 batches, and half a batch the learner then waits on
+    proc = start_learner(run_dir, redis_url)
+    wait_for(lambda: learner_step(r) == 3 and r.xpending(keys.scored, "learner")["pending"] == 14)
+    assert not list((run_dir / "checkpoints").glob("step-*"))  # checkpoint_every=100: none yet
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+    assert ckpts == ["step-000003"] and learner_step(r) == 3
+    state = json.loads((run_dir / "checkpoints" / "step-000003" / "state.json").read_text())
+    assert state["step"] == 3 and state["trained_total"] == 12 * G
+    # The 12 trained entries are acknowledged; the 2 of the half batch, never trained, stay pending.
+    pending = r.xpending_range(keys.scored, "learner", min="-", max="+", count=100)
+    assert len(pending) == 2
+    consumed = (run_dir / "checkpoints" / "step-000003" / "consumed.txt").read_text().split()
+    assert sorted(consumed) == sorted(f"{g.prompt_id}/{i}" for g in groups[:12] for i in range(G))
+
+    feed(r, groups[14:], issued=0)
+    proc = start_learner(run_dir, redis_url)
+    assert proc.wait(timeout=600) == 0
+    a = audit(r, "rec", str(run_dir))
+    assert a["ok"], a["problems"]
+    assert a["trained"] == 24 * G and a["duplicates_trained"] == 0 and a["in_flight"] == 0
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the restart trained steps 4-6 and nothing of 1-3 again
 
 
 @pytest.mark.slow

@@ -1,14 +1,18 @@
 """The learner's files: checkpoints it restores from and the weights it publishes.
 
-Called only by ``workers.learner`` (the learner process). A checkpoint is a
-directory ``step-NNNNNN`` holding ``model/``, ``optimizer.pt``,
-``consumed.txt`` and ``dropped.txt`` (trajectory ids, one a line) and
-``state.json``; published weights are directories ``vNNNNNN``. Both are
-written under a ``.tmp`` name and renamed, so a reader (a restart, a rollout
-worker loading weights) never sees half a directory. Both carry the tokenizer
-files of the directory the model was loaded from (``source_dir``), so either
-is a complete model directory, and both load on a CPU-only machine whatever
-device the learner trained on.
+Written by ``workers.learner`` (the learner process, rank 0); its other
+ranks (``workers.ranks``) read a restored checkpoint's optimizer. A
+checkpoint is a directory ``step-NNNNNN`` holding ``model/``,
+``optimizer.pt``, ``consumed.txt`` and ``dropped.txt`` (trajectory ids, one a
+line) and ``state.json``: the whole learner state whatever its world size
+(every rank holds the same weights and optimizer state, and rank 0 consumed
+every id), so a learner restores it on any number of slots. Published
+weights are directories ``vNNNNNN``. Both are written under a ``.tmp`` name
+and renamed, so a reader (a restart, a rollout worker loading weights) never
+sees half a directory. Both carry the tokenizer files of the directory the
+model was loaded from (``source_dir``), so either is a complete model
+directory, and both load on a CPU-only machine whatever device the learner
+trained on.
 """
 
 from __future__ import annotations

@@ -1,16 +1,28 @@
 """Learner: scored stream -> GRPO update -> published weights and checkpoints.
 
-One process (``python -m workers.learner``), started by ``libra-ctl run``.
+``python -m workers.learner``, started by ``libra-ctl run`` or a node agent.
 A step reads whole scored groups until ``batch_size`` trajectories are
 admitted, dropping (and counting) groups staler than ``max_staleness``. Every
 ``publish_every`` steps it publishes weights under a new version; every
 ``checkpoint_every`` steps it writes a checkpoint (weights, optimizer, step,
 version, the ids it consumed) and only then acknowledges the stream entries
 that checkpoint contains. A restart restores the latest checkpoint, publishes
-under a new version, and its unacknowledged entries are replayed.
+under a new version, and its unacknowledged entries are replayed. A drain
+(SIGTERM) finishes the step in hand, checkpoints it and exits 0, so the next
+learner repeats nothing.
 
-It trains on the slot's GPU when there is one (the node agent sets
-CUDA_VISIBLE_DEVICES per slot, so that GPU is cuda:0), else on the CPU;
+Data parallel: with N slots (``LIBRA_SLOTS``) this process is rank 0 of N
+(``workers.ranks`` starts the others). Rank 0 alone talks to Redis, as
+consumer ``learner-0``: it reads, deduplicates, dead-letters, and cuts each
+step's batch into shares of whole groups (``workers.update.plan_shares``);
+the ranks sum their gradients of the whole batch's token-level loss and take
+the same optimizer step, so N ranks make one rank's update and keep identical
+weights; rank 0 publishes and checkpoints. A checkpoint holds the whole state
+whatever the world size, so the next learner may have another; the world
+size changes only at a drain. One slot: no other process, no process group.
+
+It trains on the slots' GPUs when there are (rank i on the i-th visible
+device, the node agent showing only the slots' GPUs), else on the CPU;
 master weights and optimizer state are float32 on either, and the files it
 writes load on a CPU-only machine.
 """
@@ -25,7 +37,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.config import LearnerConfig
 from pipeline.dataplane import messages
 from pipeline.observe.diversity import diversity_metrics
 from pipeline.dataplane.keys import GROUP_LEARNER
@@ -33,11 +44,16 @@ from pipeline.observe.measures import tool_stats
 from pipeline.observe.trace import span
 from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
                               take_over_pending, transact, trim)
-from pipeline.dataplane.worker import WorkerContext, finish_worker, start_worker
+from pipeline.dataplane.worker import CostMeter, WorkerContext, finish_worker, start_worker
 from workers.checkpoint import (latest_checkpoint, prune_published, read_optimizer, read_state, trained_ids_after,
                                 write_checkpoint, write_published)
-from workers.grpo import clipped_loss, group_advantages
-from workers.tiny_policy import completion_logprobs, load_model
+from workers.ranks import RankGroup, pick_device, world_size
+# The step's compute lives in workers.update (shared by every rank); these names stay importable from here.
+from workers.update import accumulate_gradients as accumulate_gradients
+from workers.update import autocast as autocast
+from workers.update import micro_batches as micro_batches
+from workers.update import (StepSums, active_rows, group_rows, load_policy, lr_at, make_optimizer, plan_shares,
+                            row_tokens, set_lr, train_share)
 
 DEDUP_STEPS = 200  # steps a trained id is remembered (in memory and restored from checkpoints)
 
@@ -60,12 +76,17 @@ class Batch:
 class Learner:
     """The learner process's state (model, optimizer, version, entries held until the next checkpoint) and loop."""
 
-    def __init__(self, ctx: WorkerContext):
-        self.ctx, self.cfg = ctx, ctx.cfg.learner
+    def __init__(self, ctx: WorkerContext, world: int = 1):
+        self.ctx, self.cfg, self.world = ctx, ctx.cfg.learner, world
         torch.set_num_threads(self.cfg.threads)
         torch.manual_seed(ctx.cfg.job.seed)
-        self.device = pick_device()
+        self.device = pick_device(0)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        # busy_s: training slot-seconds; pause_s: loading, publishing and checkpointing weights.
+        self.meter = CostMeter(ctx.r, ctx.keys, ctx.worker_id, "learner")
         self.source_dir = Path()  # the directory the model was loaded from: its tokenizer files travel on
+        self.restored_from: Path | None = None  # the checkpoint restored, whose optimizer the other ranks load
         self.ckpt_dir = ctx.run_dir / "checkpoints"
         self.pub_dir = ctx.run_dir / "policy"
         self.step = 0
@@ -78,12 +99,18 @@ class Learner:
         self.replay_cursor: str | bytes | None = "0"  # our own pending entries come first
         self.trained_total = 0
         self.dropped_total = 0
+        t0 = time.monotonic()
         start = self.restore_or_init()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
-                                           weight_decay=self.cfg.weight_decay)
+        self.meter.add(pause_s=time.monotonic() - t0)
+        self.checkpointed_step = self.step  # the last step a durable checkpoint holds
+        self.optimizer = make_optimizer(self.model, self.cfg)
         if start is not None:
             self.optimizer.load_state_dict(start)
         self.set_lr()
+        self.ranks: RankGroup | None = None  # ranks 1..N-1, when there are any
+        if world > 1:
+            self.ranks = RankGroup.start(ctx.run_dir, ctx.worker_id, world, self.model, self.source_dir,
+                                         self.restored_from, ctx.log)
 
     # --- state ------------------------------------------------------------------------------
 
@@ -115,6 +142,7 @@ class Learner:
         self.version = max(published, state["version"]) + 1
         self.ctx.log.info("restored", checkpoint=str(latest), step=self.step, version=self.version)
         opt = read_optimizer(latest)
+        self.restored_from = latest
         self.trained_ids.update(trained_ids_after(self.ckpt_dir, self.step - DEDUP_STEPS))
         # Counters follow the checkpoint: steps after it will be trained again from the replay.
         self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={
@@ -124,18 +152,13 @@ class Learner:
 
     def load(self, model_dir) -> None:
         """Load float32 weights onto the learner's device; later saves copy ``model_dir``'s tokenizer files."""
-        self.model = load_model(model_dir).to(self.device)
+        self.model = load_policy(model_dir, self.device, self.cfg)
         self.source_dir = Path(model_dir)
-        if self.cfg.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ctx.log.info("model_loaded", path=str(model_dir), device=str(self.device), dtype=self.cfg.dtype,
                           parameters=sum(p.numel() for p in self.model.parameters()))
 
     def set_lr(self) -> None:
-        warm = self.cfg.warmup_steps
-        scale = min(1.0, (self.step + 1) / (warm + 1)) if warm else 1.0
-        for g in self.optimizer.param_groups:
-            g["lr"] = self.cfg.lr * scale
+        set_lr(self.optimizer, lr_at(self.cfg, self.step))
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -206,24 +229,20 @@ class Learner:
     # --- training ------------------------------------------------------------------------------
 
     def train(self, batch: Batch) -> dict:
-        """One GRPO update on the admitted groups; returns the step's metrics."""
-        rows = _rows(batch.groups, self.version)
-        active = [row for row in rows if row[2] != 0.0]  # zero advantage: no gradient
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, stats_all, fresh = self.backward(active)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
-        if active:
-            self.optimizer.step()
+        """One GRPO update on the admitted groups, over every rank; returns the step's metrics."""
+        rows = group_rows(batch.groups, self.version)
+        shares = plan_shares(batch.groups, self.version, self.step, self.world)
+        if self.ranks is not None:
+            self.ranks.send(shares[1:])
+        sums = train_share(self.model, self.optimizer, shares[0], self.cfg, self.ctx.cfg.rollout.temperature,
+                           distributed=self.ranks is not None)
+        if sums.weight_spread:  # the ranks' weights should never part: a fault of the hardware or the collectives
+            self.ctx.log.warning("ranks_diverged", step=self.step + 1, weight_spread=sums.weight_spread)
         self.step += 1
         self.version += 1
         self.set_lr()
-        return step_metrics(batch, rows, active, loss_sum, stats_all, fresh, grad_norm,
-                            step=self.step, version=self.version, lr=self.optimizer.param_groups[0]["lr"])
-
-    def backward(self, active: list) -> tuple[float, list, list[float]]:
-        """Accumulate the loss's gradient over micro-batches; returns its sum, the chunks' stats, fresh |log ratio|s."""
-        return accumulate_gradients(self.model, active, self.cfg, self.ctx.cfg.rollout.temperature)
+        return step_metrics(batch, rows, active_rows(rows), sums, step=self.step, version=self.version,
+                            lr=self.optimizer.param_groups[0]["lr"], gpus=self.world)
 
     # --- publishing and checkpoints ---------------------------------------------------------------
 
@@ -237,15 +256,24 @@ class Learner:
         prune_published(self.pub_dir, self.cfg.keep_published)
 
     def checkpoint(self) -> None:
-        """Make the step durable, then acknowledge what it consumed (offsets ride on checkpoints)."""
+        """Make the step durable, then acknowledge what it consumed (offsets ride on checkpoints).
+
+        Rank 0's model and optimizer are every rank's (the ranks keep identical
+        weights), and rank 0 consumed every id: the checkpoint restores at any
+        world size; ``world_size`` is recorded for the record only.
+        """
+        t0 = time.monotonic()
         write_checkpoint(self.ckpt_dir, self.model, self.optimizer, self.consumed, self.dropped, {
             "step": self.step, "version": self.version, "trained_total": self.trained_total,
-            "dropped_total": self.dropped_total, "written_at": time.time()}, self.source_dir)
+            "dropped_total": self.dropped_total, "world_size": self.world, "written_at": time.time()},
+            self.source_dir)
         if self.unacked:
             self.ctx.r.xack(self.ctx.keys.scored, GROUP_LEARNER, *self.unacked)
         trim(self.ctx.r, self.ctx.keys.scored)
+        self.meter.add(pause_s=time.monotonic() - t0)
         self.ctx.log.info("checkpointed", step=self.step, acked=len(self.unacked))
         self.unacked, self.consumed, self.dropped = [], [], []
+        self.checkpointed_step = self.step
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -259,6 +287,8 @@ class Learner:
         self.trained_ids = {k: v for k, v in self.trained_ids.items() if v > self.step - DEDUP_STEPS}
         self.trained_total += metrics["trajectories"]
         self.dropped_total += batch.dropped_trajectories
+        self.meter.add(busy_s=metrics["train_s"] * self.world, items=metrics["trajectories"],
+                       tokens=metrics["tokens"])
         metrics.update(trained_total=self.trained_total, dropped_stale_total=self.dropped_total,
                        duplicates_skipped=batch.duplicates, at=time.time())
         execute_with_backpressure(lambda: _step_writes(self.ctx.r, self.ctx.keys, batch, metrics),
@@ -278,16 +308,20 @@ class Learner:
             with span(self.ctx.log, "learner_wait"):
                 batch = self.collect()
             if self.ctx.stopping():
-                break
+                break  # a batch not trained: its entries stay pending, and the next learner-0 replays them
             self.ctx.state = "running"
             t0 = time.monotonic()
-            with span(self.ctx.log, "train", trajectories=batch.trajectories):
+            with span(self.ctx.log, "train", trajectories=batch.trajectories, world=self.world):
                 metrics = self.train(batch)
             metrics["train_s"] = time.monotonic() - t0
             metrics.update(batch_metrics(batch, self.step, self.ctx.cfg.metrics.diversity_every))
+            metrics["publish_s"] = 0.0
             if self.step % self.cfg.publish_every == 0 or self.step == steps:
+                t0 = time.monotonic()
                 with span(self.ctx.log, "publish", version=self.version):
                     self.publish()
+                metrics["publish_s"] = time.monotonic() - t0
+                self.meter.add(pause_s=metrics["publish_s"])
             self.record(batch, metrics)
             self.ctx.log.info("trained", step=self.step, reward_mean=round(metrics["reward_mean"], 3),
                               staleness_max=metrics["staleness_max"], dropped=batch.dropped_trajectories,
@@ -295,65 +329,18 @@ class Learner:
             if self.step % self.cfg.checkpoint_every == 0 or self.step == steps:
                 with span(self.ctx.log, "checkpoint", step=self.step):
                     self.checkpoint()
+        if self.step > self.checkpointed_step:  # drained between checkpoints: make what was trained durable
+            with span(self.ctx.log, "checkpoint", step=self.step, reason="drain"):
+                self.checkpoint()
         if self.step >= steps:
             self.ctx.r.hset(self.ctx.keys.state, "phase", "trained")
             self.ctx.log.info("training_done", step=self.step, version=self.version)
 
-
-def pick_device() -> torch.device:
-    """The slot's GPU when there is one (CUDA_VISIBLE_DEVICES shows it as cuda:0), else the CPU."""
-    return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-
-
-def autocast(device: torch.device, dtype: str):
-    """The forward pass's precision: bf16 autocast for learner.dtype "bf16", else a no-op (fp32)."""
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
-
-
-def row_tokens(row) -> int:
-    """Tokens of a (prompt tokens, trajectory, advantage, staleness) row: prompt + completion."""
-    return len(row[0]) + len(row[1].completion)
-
-
-def micro_batches(rows: list, max_tokens: int) -> list[list]:
-    """Rows by length, cut so that each micro-batch's padded size (rows x longest) fits in ``max_tokens``.
-
-    Sorting keeps rows of similar length together, so little of a micro-batch
-    is padding; a row longer than ``max_tokens`` goes alone.
-    """
-    out: list[list] = []
-    for row in sorted(rows, key=row_tokens):
-        # Sorted ascending: the new row is the longest of its micro-batch.
-        if out and (len(out[-1]) + 1) * row_tokens(row) <= max_tokens:
-            out[-1].append(row)
-        else:
-            out.append([row])
-    return out
-
-
-def accumulate_gradients(model, active: list, cfg: LearnerConfig, temperature: float) -> tuple[float, list, list[float]]:
-    """Add the batch loss's gradient to ``model``'s grads, micro-batch by micro-batch.
-
-    The loss is token-level over the whole batch (each micro-batch's sum is
-    divided by the batch's policy-token count), so however the rows are cut
-    the accumulated gradient is the full batch's. Returns the loss, the
-    micro-batches' stats and the fresh samples' |log ratio|s.
-    """
-    device = next(model.parameters()).device
-    total_tokens = int(sum(int(r[1].mask.sum()) for r in active))
-    loss_sum, stats_all, fresh = 0.0, [], []
-    for chunk in micro_batches(active, cfg.micro_batch_tokens):
-        with autocast(device, cfg.dtype):
-            new = completion_logprobs(model, [r[0].tolist() for r in chunk], [r[1].completion.tolist() for r in chunk],
-                                      temperature=temperature, chunk_tokens=cfg.logprob_chunk)
-        old = [torch.from_numpy(r[1].logprobs.astype(np.float32)).to(device) for r in chunk]
-        masks = [torch.from_numpy(r[1].mask.astype(np.float32)).to(device) for r in chunk]
-        loss, st = clipped_loss(new, old, masks, [r[2] for r in chunk], cfg.clip_eps, total_tokens)
-        loss.backward()
-        loss_sum += float(loss.detach())
-        stats_all.append(st)
-        fresh += fresh_ratio_devs(new, old, masks, chunk)
-    return loss_sum, stats_all, fresh
+    def close(self) -> None:
+        """Stop the other ranks (after the last checkpoint, or on the way out of an error)."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
 
 def _ids(group: messages.Group) -> list[str]:
@@ -361,37 +348,22 @@ def _ids(group: messages.Group) -> list[str]:
     return [f"{group.prompt_id}/{t.sample_idx}" for t in group.trajectories]
 
 
-def _rows(groups: list[messages.Group], version: int) -> list[tuple]:
-    """(prompt tokens, trajectory, advantage, staleness) for every trajectory of the groups."""
-    rows = []
-    for g in groups:
-        adv = group_advantages(g.rewards)
-        for t, a in zip(g.trajectories, adv):
-            rows.append((g.prompt_tokens, t, a, version - g.version))
-    return rows
+def step_metrics(batch: Batch, rows, active, sums: StepSums, *, step: int, version: int, lr: float,
+                 gpus: int) -> dict:
+    """The step's figures: reward, staleness, clipping, the fresh-sample ratio check, size and timing.
 
-
-def fresh_ratio_devs(new, old, masks, chunk) -> list[float]:
-    """|log ratio| per policy token of samples generated by these very weights (staleness 0)."""
-    out = []
-    for n, o, m, row in zip(new, old, masks, chunk):
-        if row[3] == 0:
-            sel = m.bool()
-            out += (n.detach()[sel] - o[sel]).abs().tolist()
-    return out
-
-
-def step_metrics(batch: Batch, rows, active, loss_sum, stats_all, fresh, grad_norm, *,
-                 step: int, version: int, lr: float) -> dict:
-    """The step's figures: reward, staleness, clipping, the fresh-sample ratio check, timing."""
+    ``sums`` are the ranks' figures summed (``workers.update.train_share``);
+    ``tokens`` (prompt + completion of every trajectory trained) and ``gpus``
+    (the world size) are what the controller's observer measures the
+    learner's speed with, together with ``train_s``.
+    """
     rewards = np.array([r[1].reward for r in rows], dtype=np.float64)
     stale = np.array([r[3] for r in rows])
     masks_all = [r[1].mask.astype(bool) for r in rows]
     behaviour = np.concatenate([r[1].logprobs[m] for r, m in zip(rows, masks_all)]) if rows else np.zeros(1)
     equal_groups = sum(1 for g in batch.groups if len(set(g.rewards)) == 1)
-    n_tok = sum(s.tokens for s in stats_all)
     return {
-        "step": step, "policy_version": version, "loss": loss_sum,
+        "step": step, "policy_version": version, "loss": sums.loss,
         "reward_mean": float(rewards.mean()) if rows else 0.0,
         "reward_std": float(rewards.std()) if rows else 0.0,
         "success_rate": float((rewards >= 1.0).mean()) if rows else 0.0,
@@ -401,13 +373,13 @@ def step_metrics(batch: Batch, rows, active, loss_sum, stats_all, fresh, grad_no
         "staleness_hist": {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))},
         "trajectories": len(rows), "active_trajectories": len(active),
         "zero_signal_groups": equal_groups, "groups": len(batch.groups),
-        "dropped_stale": batch.dropped_trajectories, "grad_norm": grad_norm,
-        "clip_frac": float(np.average([s.clip_frac for s in stats_all],
-                                      weights=[max(s.tokens, 1) for s in stats_all])) if stats_all else 0.0,
-        "ratio_fresh_tokens": len(fresh),
-        "ratio_fresh_max_abs_log": float(max(fresh)) if fresh else None,
-        "ratio_fresh_mean_abs_log": float(np.mean(fresh)) if fresh else None,
-        "policy_tokens": n_tok, "wait_s": batch.wait_s, "lr": lr,
+        "dropped_stale": batch.dropped_trajectories, "grad_norm": sums.grad_norm,
+        "clip_frac": sums.clip_weighted / sums.clip_weight if sums.clip_weight else 0.0,
+        "ratio_fresh_tokens": sums.fresh_n,
+        "ratio_fresh_max_abs_log": sums.fresh_max if sums.fresh_n else None,
+        "ratio_fresh_mean_abs_log": sums.fresh_sum / sums.fresh_n if sums.fresh_n else None,
+        "policy_tokens": sums.tokens, "tokens": sum(row_tokens(r) for r in rows), "gpus": gpus,
+        "wait_s": batch.wait_s, "lr": lr, "rank_weight_spread": sums.weight_spread,
     }
 
 
@@ -440,7 +412,11 @@ def main() -> None:
         taken = take_over_pending(ctx.r, ctx.keys.scored, GROUP_LEARNER, ctx.worker_id)
         if taken:
             ctx.log.info("took_over_pending", entries=taken)
-        Learner(ctx).run()
+        learner = Learner(ctx, world=world_size())
+        try:
+            learner.run()
+        finally:
+            learner.close()
     finally:
         finish_worker(ctx)
 

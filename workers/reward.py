@@ -20,7 +20,7 @@ from typing import Callable
 from pipeline.dataplane import messages
 from pipeline.dataplane.keys import GROUP_REWARD
 from pipeline.dataplane.streams import Reject, ensure_groups, run_stage
-from pipeline.dataplane.worker import WorkerContext, claim_policy, dedup_for, finish_worker, start_worker
+from pipeline.dataplane.worker import CostMeter, WorkerContext, claim_policy, dedup_for, finish_worker, start_worker
 from pipeline.observe.trace import span
 from workers.envs import env_from_config
 from workers.envs.base import Task, check_reward
@@ -68,9 +68,22 @@ def score_group(group: messages.Group, retries: int, reward: RewardFn) -> messag
     return group.with_rewards(rewards, scored_at=time.time())
 
 
-def handle(ctx: WorkerContext, reward: RewardFn, groups: list[messages.Group]) -> list:
+def handle(ctx: WorkerContext, reward: RewardFn, groups: list[messages.Group], meter: CostMeter | None = None) -> list:
+    if meter is not None:
+        meter.got_input()
+    t0 = time.monotonic()
     with span(ctx.log, "reward", groups=len(groups)):
-        return _score_all(ctx, reward, groups)
+        out = _score_all(ctx, reward, groups)
+    if meter is not None:
+        meter.add(busy_s=time.monotonic() - t0, items=sum(len(g.trajectories) for g in out
+                                                           if isinstance(g, messages.Group)))
+    return out
+
+
+def before_read(meter: CostMeter) -> bool:
+    meter.got_input()      # a read that came back empty was all waiting
+    meter.reading()
+    return True
 
 
 def _score_all(ctx: WorkerContext, reward: RewardFn, groups: list[messages.Group]) -> list:
@@ -88,11 +101,13 @@ def main() -> None:
     ctx = start_worker("reward")
     try:
         reward = reward_function(ctx.cfg)
+        meter = CostMeter(ctx.r, ctx.keys, ctx.worker_id, "reward")
         ensure_groups(ctx.r, ctx.keys)
         ctx.publish_state("running")
         run_stage(ctx.r, ctx.keys, source=ctx.keys.rollouts, group=GROUP_REWARD,
                   consumer=ctx.worker_id, sink=ctx.keys.scored,
-                  handle=lambda groups: handle(ctx, reward, groups), count=16,
+                  handle=lambda groups: handle(ctx, reward, groups, meter), count=16,
+                  before_read=lambda: before_read(meter),
                   block_ms=ctx.cfg.streams.block_ms, max_bytes=ctx.cfg.streams.max_message_bytes,
                   claims=claim_policy(ctx.cfg, "reward"), dedup=dedup_for(ctx.cfg, "reward"),
                   stop=ctx.stopping, counter="scored", log=ctx.log)

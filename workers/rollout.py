@@ -19,7 +19,8 @@ from pipeline.dataplane import messages
 from pipeline.dataplane.keys import GROUP_ROLLOUT
 from pipeline.observe.trace import span
 from pipeline.dataplane.streams import ensure_groups, run_stage, transact
-from pipeline.dataplane.worker import WorkerContext, claim_policy, dedup_for, finish_worker, room_downstream, start_worker
+from pipeline.dataplane.worker import (CostMeter, WorkerContext, claim_policy, dedup_for, finish_worker,
+                                       room_downstream, start_worker)
 from workers.envs import chat_template_setting, env_from_config
 from workers.envs.base import Task
 from workers.episode import evaluate, run_episodes
@@ -42,6 +43,9 @@ class Rollout:
 
         self.ctx = ctx
         self.cfg = ctx.cfg.rollout
+        # What the controller plans from: engine time, weight loads (the first included), waits for
+        # input and for room downstream.
+        self.meter = CostMeter(ctx.r, ctx.keys, ctx.worker_id, "rollout")
         version, path = published_policy(ctx)
         t0 = time.monotonic()
         self.engine = VLLMEngine(path, gpu_memory_utilization=self.cfg.gpu_memory_utilization,
@@ -52,6 +56,7 @@ class Rollout:
                                  temperature=self.cfg.temperature)
         self.tokenizer = load_tokenizer(path)
         ctx.set_version(version)
+        self.meter.add(pause_s=time.monotonic() - t0)
         ctx.log.info("engine_loaded", path=path, load_s=round(time.monotonic() - t0, 1))
         self.env = env_from_config(ctx.cfg)
         self.chat_template = chat_template_setting(ctx.cfg)
@@ -64,10 +69,16 @@ class Rollout:
 
     def between(self) -> bool:
         """Reload, evaluate, then say whether there is room downstream to generate more."""
+        self.meter.got_input()          # a read that came back empty was all waiting
         self.maybe_reload()
         self.serve_eval_requests()
         self.maybe_periodic_eval()
-        return room_downstream(self.ctx, self.cfg.group_size, pause_s=0.1)
+        t0 = time.monotonic()
+        if not room_downstream(self.ctx, self.cfg.group_size, pause_s=0.1):
+            self.meter.add(blocked_s=time.monotonic() - t0)
+            return False
+        self.meter.reading()
+        return True
 
     def maybe_reload(self, min_version: int = 0) -> None:
         version, path = published_policy(self.ctx)
@@ -76,6 +87,7 @@ class Rollout:
         t0 = time.monotonic()
         with span(self.ctx.log, "weight_sync", version=version):
             self.engine.reload(path)
+        self.meter.add(pause_s=time.monotonic() - t0)
         self.ctx.set_version(version)
         self.ctx.log.info("weights_reloaded", version=version, reload_s=round(time.monotonic() - t0, 2))
 
@@ -128,6 +140,7 @@ class Rollout:
 
     def generate(self, prompts: list[messages.Prompt]) -> list[messages.Group]:
         """Run group_size episodes per prompt in one batched multi-turn loop."""
+        self.meter.got_input()
         g = self.cfg.group_size
         tasks = [Task(p.prompt_id, p.prompt, p.answer) for p in prompts]
         items = [(task, i) for task in tasks for i in range(g)]
@@ -140,6 +153,8 @@ class Rollout:
                                     seed=self.ctx.cfg.job.seed)
         gen_s = time.monotonic() - t0
         gen_tokens = sum(int(sum(e.completion_mask)) for e in episodes)
+        self.meter.add(busy_s=gen_s, items=len(episodes),
+                       tokens=sum(len(e.prompt_tokens) + len(e.completion_tokens) for e in episodes))
         # Counted when generated, not when written: a duplicate's tokens were spent all the same.
         self.write(lambda pipe: pipe.hincrby(self.ctx.keys.counters, "rollout_tokens", gen_tokens))
         self.ctx.count(len(episodes))

@@ -2,7 +2,9 @@
 
 Written by ``libra-ctl scale`` (``pin``/``unpin``) and the reconcile loop;
 read by the loop, ``libra-ctl status`` (``allocation_status``) and the live
-benchmark. ``live_agents`` is the inventory: the agents whose heartbeat is fresh.
+benchmark. ``live_agents`` is the inventory: the agents whose heartbeat is fresh;
+``external_workers`` are the workers started outside the agents (``libra-ctl
+worker``), which the loop counts but never starts or stops.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import redis
 
 from pipeline.dataplane.keys import AGENTS, CONTROLLER_WAKE, JobKeys, agent_procs
 from pipeline.dataplane.keys import ROLES
+from pipeline.dataplane.worker import EXTERNAL, HOLDS_PLACE, record_alive
 
 AGENT_DEAD_S = 10.0      # an agent silent this long is gone: its slots leave the inventory
 
@@ -58,6 +61,35 @@ def live_agents(r: redis.Redis, now: float | None = None) -> dict[str, dict]:
     return out
 
 
+def external_workers(r: redis.Redis, job: str, now: float | None = None) -> dict[str, dict]:
+    """The job's live workers started outside the agents: id -> their record in the worker table.
+
+    ``draining``: asked to drain (``JobKeys.external_drain``) and not yet
+    stopped; ``counted``: holding its place in the allocation (at work, about
+    to be, a learner queued for ``learner-0``, or one done with its steps),
+    neither drained nor asked to.
+    """
+    now = time.time() if now is None else now
+    keys = JobKeys(job)
+    asked = {w.decode() for w in r.smembers(keys.external_drain)}
+    out = {}
+    for wid, raw in r.hgetall(keys.workers).items():
+        rec = json.loads(raw)
+        if rec.get("managed") != EXTERNAL or not record_alive(rec, now):
+            continue
+        draining = wid.decode() in asked and rec["state"] in HOLDS_PLACE
+        out[wid.decode()] = {**rec, "draining": draining, "counted": rec["state"] in HOLDS_PLACE and not draining}
+    return out
+
+
+def external_counts(workers: dict[str, dict]) -> dict[str, int]:
+    """Counted external workers per role (what the agents need not run)."""
+    out: dict[str, int] = {}
+    for rec in workers.values():
+        if rec["counted"] and rec["role"] in ROLES:
+            out[rec["role"]] = out.get(rec["role"], 0) + 1
+    return out
+
 
 def allocation_status(r: redis.Redis, job: str) -> dict:
     """The job's allocation for ``libra-ctl status``: mode, counts per role, and every node's slots.
@@ -65,9 +97,11 @@ def allocation_status(r: redis.Redis, job: str) -> dict:
     ``{"mode": "auto"|"pinned", "roles": {role: workers running}, "target": {role: count},
     "pinned": {role: count}, "nodes": [{"node", "host", "alive", "heartbeat_age_s",
     "slots": [{"index", "device", "job", "worker", "role", "pid", "state"}]}],
-    "workers": {worker: {"node", "slots", "pid", "state"}}}``; a slot without a
+    "workers": {worker: {"node", "slots", "pid", "state"}},
+    "external": {worker: {"node", "role", "pid", "state"}}}``; a slot without a
     worker has ``worker: None``, a worker without slots (reward on CPU) appears
-    under ``workers`` only.
+    under ``workers`` only. ``roles`` counts the agents' running workers and the
+    counted external ones (``external``: started by ``libra-ctl worker``, on no slot).
     """
     alloc = get_allocation(r, job)
     now = time.time()
@@ -90,18 +124,25 @@ def allocation_status(r: redis.Redis, job: str) -> dict:
                     roles[p["role"]] = roles.get(p["role"], 0) + 1
         nodes.append({"node": node, "host": rec["host"], "alive": now - rec["heartbeat"] <= AGENT_DEAD_S,
                       "heartbeat_age_s": round(now - rec["heartbeat"], 1), "slots": slots})
+    ext = external_workers(r, job, now)
+    for role, n in external_counts(ext).items():
+        roles[role] = roles.get(role, 0) + n
+    external = {w: {"node": rec["node"], "role": rec["role"], "pid": rec["pid"],
+                    "state": "draining" if rec["draining"] else rec["state"]} for w, rec in sorted(ext.items())}
     return {"mode": alloc["mode"] or "auto", "roles": roles, "target": alloc["target"], "pinned": alloc["pinned"],
-            "nodes": nodes, "workers": workers}
+            "nodes": nodes, "workers": workers, "external": external}
 
 
 def format_allocation(a: dict) -> str:
-    """Lines for a terminal: one per node, each slot as index:worker."""
+    """Lines for a terminal: one per node, each slot as index:worker; then the external workers."""
     pinned = " ".join(f"{k}={v}" for k, v in sorted(a["pinned"].items())) if a["mode"] == "pinned" else ""
     lines = [f"allocation {a['mode']}{' ' + pinned if pinned else ''}  running "
              + " ".join(f"{k}={v}" for k, v in sorted(a["roles"].items()))]
     for n in a["nodes"]:
         slots = "  ".join(f"{s['index']}:{s['worker'] or '-'}" for s in n["slots"])
         lines.append(f"  node {n['node']}{'' if n['alive'] else ' (lost)'}  {slots}")
+    if a.get("external"):
+        lines.append("  external  " + "  ".join(f"{w} ({e['state']})" for w, e in a["external"].items()))
     return "\n".join(lines)
 
 

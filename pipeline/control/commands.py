@@ -2,7 +2,9 @@
 
 Each handler connects to the job's Redis and talks to the controller through
 it (the allocation record, ``CONTROLLER_WAKE``, the drain requests); with no
-controller running, ``drain`` asks the agent directly.
+controller running, ``drain`` asks the agent directly. A worker started
+outside the agents (``libra-ctl worker``) is asked directly, through
+``JobKeys.external_drain``, which it watches.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import time
 import redis
 
 from pipeline.control import actions
-from pipeline.control.allocation import allocation_status, get_allocation, pin, read_placement, unpin
+from pipeline.control.allocation import (allocation_status, external_workers, get_allocation, pin, read_placement,
+                                         unpin)
 from pipeline.control.events import read_events
 from pipeline.dataplane.keys import CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, JobKeys
 from pipeline.dataplane.redisconn import connect, find_redis_url
@@ -83,8 +86,14 @@ def cmd_drain(args) -> int:
     r = connect(find_redis_url(args.redis))
     job = pick_job(r, args.job)
     rec = read_placement(r, job).get(args.worker)
+    if rec is None and args.worker in external_workers(r, job):
+        r.sadd(JobKeys(job).external_drain, args.worker)
+        print(f"{job}: asked the external worker {args.worker} to drain (it finishes the batch in hand, then "
+              "waits for the job's end; the agents replace it if the allocation still needs it)")
+        return 0
     if rec is None:
-        print(f"libra-ctl drain: {job} has no worker {args.worker!r} in its placement", file=sys.stderr)
+        print(f"libra-ctl drain: {job} has no worker {args.worker!r} in its placement or among its external "
+              "workers", file=sys.stderr)
         return 2
     if r.exists(CONTROLLER_LEASE):
         r.sadd(JobKeys(job).drain_requests, args.worker)

@@ -34,10 +34,12 @@ def plan_config(ctl: ControlConfig) -> allocator.PlanConfig:
 
 
 def role_bounds(ctl: ControlConfig, backend: str) -> dict[str, allocator.RoleBounds]:
-    """Fewest and most slots per role for a job on ``backend`` (vllm | sim)."""
+    """Fewest and most slots per role for a job on ``backend`` (vllm | sim).
+
+    Either backend's learner runs one rank per slot it holds, so its bounds
+    are ``control.min_learner`` / ``max_learner`` on both.
+    """
     out = {r: allocator.RoleBounds(getattr(ctl, f"min_{r}"), getattr(ctl, f"max_{r}")) for r in ROLES}
-    if backend != "sim":
-        out["learner"] = allocator.RoleBounds(1, 1)   # workers.learner runs one process (world size 1)
     if not ctl.reward_on_slots:
         out["reward"] = allocator.RoleBounds(0, 0)
     return out

@@ -1,7 +1,8 @@
 """A controller and a node agent as child processes of one command (``libra-ctl run``, the live bench).
 
 ``start_local_control`` starts ``libra-ctl controller`` and ``libra-ctl agent``
-as subprocesses; the returned ``LocalControl`` checks and stops them.
+(or only the one of them that is missing on the Redis) as subprocesses; the
+returned ``LocalControl`` checks and stops them.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class LocalControl:
 
 
 def start_local_control(cfg, run_dir: Path, redis_url: str, *, slots: int | None = None,
-                        node: str | None = None, interval_s: float | None = None) -> LocalControl:
+                        node: str | None = None, interval_s: float | None = None, controller: bool = True,
+                        agent: bool = True) -> LocalControl:
     """Start ``libra-ctl controller`` and ``libra-ctl agent`` for a local run; returns their handle.
 
     ``slots``: CPU slots for the agent; None: the GPUs it finds (``LIBRA_GPUS``
@@ -48,6 +50,7 @@ def start_local_control(cfg, run_dir: Path, redis_url: str, *, slots: int | None
     ``cfg``. The job's state hash must already name ``run_dir`` (the
     controller reads the manifest from there); the controller then starts the
     stage workers through the agent, from the config's counts.
+    ``controller`` / ``agent``: False leaves that one out (one already runs on the Redis).
     """
     if interval_s is None:
         interval_s = cfg.control.interval_s
@@ -63,7 +66,8 @@ def start_local_control(cfg, run_dir: Path, redis_url: str, *, slots: int | None
     procs = []
     port = getattr(getattr(cfg, "control", None), "metrics_port", 0)
     controller_argv = ["controller", "--interval", str(interval_s), "--metrics-port", str(port)]
-    for name, argv in (("controller", controller_argv), ("agent", agent_argv)):
+    wanted = ([("controller", controller_argv)] if controller else []) + ([("agent", agent_argv)] if agent else [])
+    for name, argv in wanted:
         with open(logs / f"{name}.out", "ab") as out:
             procs.append((name, subprocess.Popen([sys.executable, "-m", "pipeline.cli", *argv], env=env,
                                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)))

@@ -18,6 +18,10 @@ which fences the actions of a controller that lost it). Every
 4. act: the difference between that placement and the agents' desired state
    goes out as control jobs (``control.actions``); an action that did
    not take is sent again after ``RESEND_S``, so a lost one is repaired;
+   workers started outside the agents (``libra-ctl worker``) count toward
+   the target, so the agents run the rest; the loop never starts or stops
+   one, but asks those a pinned count leaves over, or a finished job's, to
+   drain (``JobKeys.external_drain``);
 5. record: an event with the inputs, the decision, its expected gain and the
    actions, in ``control_events`` (``libra-ctl events``) and
    ``runs/<id>/events.jsonl``.
@@ -31,21 +35,21 @@ import json
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import redis
 import structlog
 
 from pipeline.control import actions, allocator
 from pipeline.control.actions import STATE_RUN, worker_key
-from pipeline.control.allocation import (counts_of, get_allocation, live_agents, read_placement,
-                                         take_drain_requests)
+from pipeline.control.allocation import (counts_of, external_counts, external_workers, get_allocation, live_agents,
+                                         read_placement, take_drain_requests)
 from pipeline.control.allocator import Allocation
 from pipeline.control.events import record_event
 from pipeline.control.job import JobInfo, load_job, plan_config, role_bounds
 from pipeline.control.lease import Lease
 from pipeline.control.observer import Observer
-from pipeline.control.placement import fit, place
+from pipeline.control.placement import agents_share, external_floor, fit, place
 from pipeline.dataplane.keys import (CONTROLLER_EPOCH, CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, LEARNER, JobKeys,
                                      agent_desired)
 from pipeline.dataplane.keys import ROLES
@@ -136,21 +140,26 @@ class Controller:
         taken = {(rec["node"], s) for j, p in placements.items() if j != name for rec in p.values()
                  for s in rec["slots"]}
         free = sum(1 for n, ss in slot_map.items() for s in ss if (n, s) not in taken)
-        alloc = self.ensure_allocation(jc, free)
+        ext = external_workers(self.r, name, now)
+        ext_n = external_counts(ext)
+        # an external worker of a slot role stands for one slot beside the agents' (it holds none of theirs)
+        slots = free + sum(counts_of(ext_n, jc.info.control.reward_on_slots).values())
+        alloc = self.ensure_allocation(jc, slots)
         cur = placements.get(name, {})
         drained = take_drain_requests(self.r, name)
         # a drained worker leaves its slot empty for this tick, so a replacement goes elsewhere if it can
         taken |= {(cur[w]["node"], s) for w in drained if w in cur for s in cur[w]["slots"]}
         cur = {w: rec for w, rec in cur.items() if w not in drained}
         jc.observer.tick(self.r, now)
-        target, event = self.decide(jc, alloc, cur, free, now)
-        new = place(target, cur, slot_map, taken, jc.info.control.reward_on_slots)
-        orders = self.act(jc, new, nodes)
+        target, event = self.decide(jc, alloc, cur, slots, ext_n, now)
+        new = place(agents_share(target, ext_n), cur, slot_map, taken, jc.info.control.reward_on_slots)
+        orders = self.act(jc, new, nodes) + self.drain_external(jc, ext, target)
         placements[name] = new
         self.commit(jc, alloc, cur, new, target, now)
         if event is not None or orders or drained:
             record_event(self.r, jc.info, {**(event or {"kind": "drain" if drained else "repair"}),
-                                           "epoch": self.lease.epoch, "actions": orders, "drained": drained})
+                                           "epoch": self.lease.epoch, "actions": orders, "drained": drained,
+                                           **({"external": ext_n} if ext_n else {})})
 
     def ensure_allocation(self, jc: JobControl, slots: int) -> dict:
         """The job's allocation record, created from its config on first sight.
@@ -170,8 +179,14 @@ class Controller:
             alloc = get_allocation(self.r, jc.info.name)
         return alloc
 
-    def decide(self, jc: JobControl, alloc: dict, cur: dict, slots: int, now: float) -> tuple[dict, dict | None]:
-        """The target counts, and the event to record (None when nothing new was decided)."""
+    def decide(self, jc: JobControl, alloc: dict, cur: dict, slots: int, ext: dict[str, int],
+               now: float) -> tuple[dict, dict | None]:
+        """The target counts (external workers included), and the event to record (None when nothing new).
+
+        ``ext``: counted external workers per role. A pinned count is the
+        total, so it may leave external workers over (``drain_external``); the
+        allocator never goes below them, since their slots cannot change role.
+        """
         info, ctl = jc.info, jc.info.control
         bounds = role_bounds(ctl, info.backend)
         base = {**info.initial, **alloc["target"]}
@@ -180,19 +195,22 @@ class Controller:
             reason = "pinned"
             event = {"kind": "pinned", "mode": "pinned", "reason": reason, "from": alloc["target"], "to": target}
         else:
+            bounds = external_floor(bounds, counts_of(ext, ctl.reward_on_slots))
             now_alloc = Allocation(**counts_of(base, ctl.reward_on_slots))
             since = now - alloc["changed_at"]
             before = Allocation(**alloc["changed_from"]) if alloc["changed_from"] else None
             learner = cur.get(LEARNER)
             m = jc.observer.metrics(now_alloc, since, before,
                                     learner_slots=len(learner["slots"]) if learner else max(base["learner"], 1))
-            d = allocator.plan(m, allocator.Inventory(gpus=slots, switch_cost_s=ctl.switch_cost_s), [info.spec()],
-                            plan_config(ctl))
-            target = fit({**base, **{r: d.allocation.get(r) for r in ROLES if r != "reward" or ctl.reward_on_slots}},
-                         slots, bounds, ctl.reward_on_slots)
+            d = allocator.plan(m, allocator.Inventory(gpus=slots, switch_cost_s=ctl.switch_cost_s),
+                               [replace(info.spec(), bounds=bounds)], plan_config(ctl))
+            planned = {**base, **{r: d.allocation.get(r) for r in ROLES if r != "reward" or ctl.reward_on_slots}}
+            target = fit({r: max(n, ext.get(r, 0)) for r, n in planned.items()}, slots, bounds, ctl.reward_on_slots)
             reason = d.reason
             event = {"kind": "decision", "mode": "auto", **d.event(m), "from": base, "to": target,
-                     "summary": allocator.explain(d)}
+                     "costs": jc.observer.costs, "summary": allocator.explain(d)}
+        if ext.get("learner"):
+            target["learner"] = ext["learner"]   # the job's one learner process is an external one
         changed = target != alloc["target"]
         if not changed and reason == jc.last_reason:
             return target, None
@@ -222,6 +240,28 @@ class Controller:
                 if self._send(jc, node, "drain", d["worker"], now):
                     orders.append({"action": "drain", "node": node, "worker": d["worker"], "role": d["role"]})
         return orders
+
+    def drain_external(self, jc: JobControl, ext: dict[str, dict], target: dict) -> list[dict]:
+        """Ask the external workers a role has beyond its target to drain (highest ids first).
+
+        Only a pinned count can leave some over. The request is a member of
+        ``JobKeys.external_drain``, which the worker watches; it finishes the
+        batch in hand and stops working (it is never signalled).
+        """
+        orders = []
+        for role in ROLES:
+            mine = sorted((w for w, rec in ext.items() if rec["counted"] and rec["role"] == role), reverse=True)
+            over = mine[:max(0, len(mine) - target.get(role, 0))]
+            if over:
+                self._ask_to_drain(jc.info.name, over)
+                orders += [{"action": "drain_external", "node": ext[w]["node"], "worker": w, "role": role}
+                           for w in over]
+        return orders
+
+    def _ask_to_drain(self, job: str, workers: list[str]) -> None:
+        if not self.lease.renew():
+            raise ValueError("lost the controller lease while acting")
+        self.r.sadd(JobKeys(job).external_drain, *workers)
 
     def _send(self, jc: JobControl, node: str, action: str, what, now: float) -> bool:
         """Enqueue one action unless the same was sent less than RESEND_S ago."""
@@ -258,6 +298,11 @@ class Controller:
                 if d["job"] == jc.info.name and d["state"] == STATE_RUN:
                     actions.drain(self.r, node, jc.info.name, d["worker"], epoch=self.lease.epoch)
                     sent.append({"action": "drain", "node": node, "worker": d["worker"], "role": d["role"]})
+        ext = {w: rec for w, rec in external_workers(self.r, jc.info.name).items() if rec["counted"]}
+        if ext:
+            self._ask_to_drain(jc.info.name, sorted(ext))
+            sent += [{"action": "drain_external", "node": rec["node"], "worker": w, "role": rec["role"]}
+                     for w, rec in sorted(ext.items())]
         self.r.delete(JobKeys(jc.info.name).placement)
         if sent:   # a restarted controller finds finished jobs with nothing left to drain: no event
             record_event(self.r, jc.info, {"kind": "job_done", "epoch": self.lease.epoch, "actions": sent})

@@ -46,6 +46,7 @@ class Observer:
         self.keys = JobKeys(job.name)
         self.ticks: deque[Snapshot] = deque()
         self.steps_cursor = "0-0"
+        self.costs: dict = {}
 
     def tick(self, r: redis.Redis, now: float) -> Snapshot:
         k, gs = self.keys, self.job.group_size
@@ -86,6 +87,9 @@ class Observer:
         span = max(last.t - first.t, 1e-9)
         ro = self._role_costs("rollout", first, last)
         rw = self._role_costs("reward", first, last)
+        # what the workers measured over the window, for the decision's event (libra-ctl events)
+        self.costs = {"rollout": _rounded(ro), "reward": _rounded(rw),
+                      "learner": _rounded(self._role_costs("learner", first, last))}
         steps = [s for snap in list(self.ticks)[1:] for s in snap.steps]
         by_tokens = bool(steps) and ro["tokens"] > 0 and all("tokens" in s for s in steps)
         unit = (lambda s: s["tokens"]) if by_tokens else (lambda s: s["trajectories"])
@@ -114,7 +118,8 @@ class Observer:
     @staticmethod
     def _role_costs(role: str, first: Snapshot, last: Snapshot) -> dict:
         """Summed busy/pause/time alive/items/tokens of a role's workers over the window."""
-        out = {"busy": 0.0, "pause": 0.0, "elapsed": 0.0, "items": 0, "tokens": 0.0, "lanes": 0}
+        out = {"busy": 0.0, "pause": 0.0, "wait": 0.0, "blocked": 0.0, "elapsed": 0.0, "items": 0, "tokens": 0.0,
+               "lanes": 0}
         for w, now in last.costs.items():
             if now["role"] != role:
                 continue
@@ -123,6 +128,8 @@ class Observer:
                 before = {"busy_s": 0.0, "pause_s": 0.0, "items": 0, "tokens": 0.0, "since": now["since"]}
             out["busy"] += now["busy_s"] - before["busy_s"]
             out["pause"] += now["pause_s"] - before["pause_s"]
+            out["wait"] += now.get("wait_s", 0.0) - before.get("wait_s", 0.0)
+            out["blocked"] += now.get("blocked_s", 0.0) - before.get("blocked_s", 0.0)
             out["items"] += now["items"] - before["items"]
             out["tokens"] += now["tokens"] - before["tokens"]
             # time alive in the window, up to its last report (a worker that stopped before it has none)
@@ -147,3 +154,7 @@ def staleness_median(steps: list) -> float:
         for v, c in (s.get("staleness_hist") or {}).items():
             hist[int(v)] = hist.get(int(v), 0) + int(c)
     return median_of_counts(hist)
+
+
+def _rounded(costs: dict) -> dict:
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in costs.items()}

@@ -103,6 +103,25 @@ def counts(placement: dict[str, dict], reward_on_slots: bool) -> Allocation:
     return Allocation(**n)
 
 
+def agents_share(target: dict[str, int], external: dict[str, int]) -> dict[str, int]:
+    """What the agents run of a target when external workers (``libra-ctl worker``) run some of it."""
+    return {r: max(0, n - external.get(r, 0)) for r, n in target.items()}
+
+
+def external_floor(bounds: dict[str, RoleBounds], external: dict[str, int]) -> dict[str, RoleBounds]:
+    """Bounds that keep what external workers hold: the controller cannot give their slots to another role.
+
+    ``external``: slots per role held by external workers. An external learner
+    is the job's one learner process, so it fixes the learner's slots.
+    """
+    out = dict(bounds)
+    for role, n in external.items():
+        if n:
+            b = bounds[role]
+            out[role] = RoleBounds(n, n) if role == "learner" else RoleBounds(max(b.min, n), max(b.max, n))
+    return out
+
+
 def fit(target: dict[str, int], slots: int, bounds: dict[str, RoleBounds],
         reward_on_slots: bool) -> dict[str, int]:
     """Trim a target that needs more slots than there are: the role most above its minimum gives first."""

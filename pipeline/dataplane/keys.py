@@ -131,6 +131,10 @@ class JobKeys:
         return self._k("control:drain")
 
     @property
+    def external_drain(self) -> str:  # set of external worker ids asked to drain (controller, drain -> the worker)
+        return self._k("control:drain:external")
+
+    @property
     def worker_costs(self) -> str:  # hash: worker id -> JSON cumulative busy/pause/idle seconds, items, tokens
         return self._k("costs")
 

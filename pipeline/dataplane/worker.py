@@ -6,6 +6,14 @@ connects to Redis, registers itself in the job's worker table and binds its
 logger. SIGTERM and SIGINT ask it to stop after the batch in hand.
 ``CostMeter`` is how a worker reports what its time went to (busy, weight
 loads, items, tokens); the controller reads those records.
+
+A worker started outside the node agents (``libra-ctl worker``: a Procfile
+pool, or by hand) runs with ``--external``: its record says
+``"managed": "external"``, it picks a stable id with ``claim_external_id``,
+and it watches ``JobKeys.external_drain``, where the controller (or
+``libra-ctl drain``) asks it to stop after the batch in hand. No agent starts,
+restarts or signals it; once drained it waits for its job's end instead of
+exiting, because under honcho one process that exits stops them all.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,10 +33,26 @@ import redis
 import structlog
 
 from pipeline import config as config_mod, logs
-from pipeline.dataplane.keys import JobKeys
+from pipeline.dataplane.keys import LEARNER, JobKeys
 from pipeline.dataplane.redisconn import ENV_URL, connect
 
 HEARTBEAT_S = 2.0
+STALE_S = 10.0           # a record without a heartbeat for this long belongs to a gone (or stuck) process
+START_GRACE_S = 120.0    # ... except while "starting": torch and vLLM load before the first heartbeat
+NODE_ENV = "LIBRA_NODE"  # the node a worker runs on (set by its agent, or by libra-ctl worker)
+EXTERNAL = "external"    # the ``managed`` field of a worker started outside the agents
+CLAIM_TRIES = 50         # WATCH retries when registering: every heartbeat of the job's workers changes the table
+# States in which a worker holds its place in the job's allocation: at work, about to be (a learner queued for
+# learner-0), or done with its work (a learner after its last step: not to be replaced).
+HOLDS_PLACE = ("starting", "running", "waiting", "queued", "done")
+
+
+def record_alive(rec: dict, now: float) -> bool:
+    """Whether a worker record's process still holds its id: not exited, and heartbeating."""
+    if rec.get("state") == "exited":
+        return False
+    age = now - rec.get("heartbeat", 0)
+    return age < STALE_S or (rec.get("state") == "starting" and age < START_GRACE_S)
 
 
 @dataclass
@@ -42,6 +67,10 @@ class WorkerContext:
     role: str
     log: structlog.stdlib.BoundLogger
     stop_event: threading.Event = field(default_factory=threading.Event)
+    signalled: threading.Event = field(default_factory=threading.Event)   # SIGTERM/SIGINT, not a drain request
+    external: bool = False   # started by libra-ctl worker, not by an agent
+    drain_requested: bool = False   # an external worker asked to drain (JobKeys.external_drain)
+    node: str = field(default_factory=lambda: os.environ.get(NODE_ENV) or socket.gethostname())
     state: str = "starting"
     done: int = 0  # trajectories handled, for the rate
     rate_per_s: float = 0.0
@@ -59,14 +88,27 @@ class WorkerContext:
 
     def record(self) -> dict:
         return {"id": self.worker_id, "role": self.role, "pid": os.getpid(),
-                "node": socket.gethostname(), "slots": [], "state": self.state,
+                "node": self.node, "slots": [], "state": self.state,
                 "heartbeat": time.time(), "done": self.done, "rate_per_s": round(self.rate_per_s, 3),
-                "policy_version": self.policy_version}
+                "policy_version": self.policy_version, **({"managed": EXTERNAL} if self.external else {})}
 
     def publish_state(self, state: str | None = None) -> None:
         if state:
             self.state = state
         self.r.hset(self.keys.workers, self.worker_id, json.dumps(self.record()))
+
+    def still_ours(self) -> bool:
+        """Whether the worker table's record of our id is still this process's.
+
+        A drained external learner waits for the job's end under ``learner-0``
+        while an agent may start the job's next ``learner-0``: the waiting one
+        must not overwrite the live one's record.
+        """
+        raw = self.r.hget(self.keys.workers, self.worker_id)
+        if raw is None:
+            return True
+        rec = json.loads(raw)
+        return rec.get("pid") == os.getpid() and rec.get("node") == self.node
 
 
 def room_downstream(ctx: WorkerContext, group_size: int, pause_s: float) -> bool:
@@ -114,6 +156,8 @@ def worker_args(role: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"workers.{role}")
     p.add_argument("--run-dir", required=True, type=Path)
     p.add_argument("--worker-id", required=True)
+    p.add_argument("--external", action="store_true",
+                   help="started outside the agents (libra-ctl worker): watch for drain requests, wait once drained")
     return p.parse_args()
 
 
@@ -128,23 +172,56 @@ def start_worker(role: str) -> WorkerContext:
     cfg = load_run_config(args.run_dir)
     url = os.environ.get(ENV_URL)
     if not url:
-        raise SystemExit(f"{role}: {ENV_URL} is not set; workers are started by libra-ctl run")
+        raise SystemExit(f"{role}: {ENV_URL} is not set; workers are started by libra-ctl run, a node agent "
+                         f"or libra-ctl worker {role} --job JOB")
     structlog.contextvars.bind_contextvars(job=cfg.job.name, role=role, worker=args.worker_id,
                                            policy_version=0)
     log = logs.configure(args.run_dir / "logs", args.worker_id, console=False)
     ctx = WorkerContext(cfg=cfg, run_dir=args.run_dir, keys=JobKeys(cfg.job.name), r=connect(url),
-                        worker_id=args.worker_id, role=role, log=log)
+                        worker_id=args.worker_id, role=role, log=log, external=args.external)
 
     def on_signal(signum, _frame):
         log.info("stop_requested", signal=signal.Signals(signum).name)
+        ctx.signalled.set()
         ctx.stop_event.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    ctx.publish_state("starting")
+    register(ctx)
     threading.Thread(target=_heartbeat, args=(ctx,), daemon=True, name="heartbeat").start()
     log.info("worker_started", pid=os.getpid())
     return ctx
+
+
+def register(ctx: WorkerContext) -> None:
+    """The worker's first record, as ``starting``; SystemExit if a live external worker holds its id.
+
+    Two processes under one id would be one consumer twice. An agent can
+    start the job's ``learner-0`` just after a pool learner took the id (the
+    controller placed it before the pool registered); this one then exits,
+    non-zero, and the controller drains it. A drained external worker gives
+    its id way (it stops heartbeating once the record is another's). Check
+    and write are one transaction, as in ``claim_external_id``.
+    """
+    ctx.state = "starting"
+    for _ in range(CLAIM_TRIES):
+        with ctx.r.pipeline() as pipe:
+            try:
+                pipe.watch(ctx.keys.workers)
+                raw = pipe.hget(ctx.keys.workers, ctx.worker_id)
+                held = json.loads(raw) if raw else None
+                if (held and held.get("managed") == EXTERNAL and held.get("state") in HOLDS_PLACE
+                        and record_alive(held, time.time())
+                        and (held.get("pid"), held.get("node")) != (os.getpid(), ctx.node)):
+                    raise SystemExit(f"{ctx.worker_id} is held by the external worker pid {held.get('pid')} on "
+                                     f"{held.get('node')}; not starting a second process under that id")
+                pipe.multi()
+                pipe.hset(ctx.keys.workers, ctx.worker_id, json.dumps(ctx.record()))
+                pipe.execute()
+                return
+            except redis.WatchError:
+                time.sleep(0.01)
+    raise RuntimeError(f"could not register in {ctx.keys.workers}: it changed {CLAIM_TRIES} times in a row")
 
 
 def _heartbeat(ctx: WorkerContext) -> None:
@@ -157,34 +234,155 @@ def _heartbeat(ctx: WorkerContext) -> None:
         last_done, last_t = ctx.done, now
         try:
             ctx.publish_state()
+            if ctx.external and ctx.r.sismember(ctx.keys.external_drain, ctx.worker_id):
+                ctx.log.info("drain_requested")
+                ctx.drain_requested = True
+                ctx.stop_event.set()   # as SIGTERM: the stage finishes the batch in hand
         except redis.RedisError as exc:
             ctx.log.warning("heartbeat_failed", error=str(exc))
 
 
 def finish_worker(ctx: WorkerContext) -> None:
+    """Mark the worker exited; an external one that stopped by itself first waits for its job's end."""
     ctx.stop_event.set()
+    # called from the stage's ``finally``: an exception on its way out means a crash (exit non-zero, no wait)
+    crashed = sys.exc_info()[1] is not None
     try:
-        ctx.publish_state("exited")
+        if ctx.external and not crashed and not ctx.signalled.is_set():
+            _wait_for_job_end(ctx)
+        if ctx.external:
+            ctx.r.srem(ctx.keys.external_drain, ctx.worker_id)
+        if ctx.still_ours():
+            ctx.publish_state("exited")
     except redis.RedisError:
         pass
     ctx.log.info("worker_exited", done=ctx.done)
+
+
+def _wait_for_job_end(ctx: WorkerContext) -> None:
+    """Stay, heartbeating, until the job is over, its run replaced, or a signal.
+
+    An external worker stops by itself when drained (state ``drained``: the
+    controller may replace it) or, the learner, when its steps are done
+    (``done``: it keeps its place). Under honcho one process that exits stops
+    every other one, so it does not exit until its job has ended.
+    """
+    mine = "drained" if ctx.drain_requested else "done"
+    ctx.log.info("waiting_for_job_end", state=mine)
+    run_dir = ctx.run_dir.resolve()
+    while True:
+        if ctx.still_ours():
+            ctx.publish_state(mine)
+        job = ctx.r.hgetall(ctx.keys.state)
+        if (job.get(b"phase") not in (b"running", b"trained")
+                or Path(job.get(b"run_dir", b"").decode()).resolve() != run_dir):
+            return
+        if ctx.signalled.wait(HEARTBEAT_S):
+            return
+
+
+def live_run_dir(r: redis.Redis, keys: JobKeys) -> str | None:
+    """The run directory of the job's live run on this Redis; None while none runs (or its owner is gone)."""
+    from pipeline.dataplane.jobs import live_owner
+
+    state = r.hgetall(keys.state)
+    if state.get(b"phase") not in (b"running", b"trained") or not state.get(b"run_dir") or not live_owner(state):
+        return None
+    return state[b"run_dir"].decode()
+
+
+class IdTaken(RuntimeError):
+    """The id an external worker asked for is held by another live worker."""
+
+
+def claim_external_id(r: redis.Redis, keys: JobKeys, role: str, node: str, *, pid: int | None = None,
+                      want: str | None = None) -> str | None:
+    """Register a worker started outside the agents under a stable id; the id, or None while it must wait.
+
+    Ids are ``<role>-<node>-ext<k>``, the lowest ``k`` no live worker of the
+    job holds, so a pool worker started again on its node gets its old id
+    (and its consumer's pending entries) back; ``want`` asks for one id. The
+    learner is one process under the consumer name ``learner-0``: while an
+    agent's learner holds it, the claim records this worker as ``queued``
+    (the controller counts it, and drains its own learner) and returns None;
+    call again. IdTaken when another external worker holds the id. Check and
+    write are one transaction (WATCH), so pool workers started together never
+    share an id.
+    """
+    pid = os.getpid() if pid is None else pid
+    for _ in range(CLAIM_TRIES):
+        with r.pipeline() as pipe:
+            try:
+                pipe.watch(keys.workers)
+                now = time.time()
+                recs = {w.decode(): json.loads(v) for w, v in pipe.hgetall(keys.workers).items()}
+                wid, state = _pick_id(recs, role, node, pid, want, now)
+                mine = [w for w, rec in recs.items() if (rec.get("pid"), rec.get("node")) == (pid, node) and w != wid]
+                pipe.multi()
+                pipe.hset(keys.workers, wid, json.dumps({
+                    "id": wid, "role": role, "pid": pid, "node": node, "slots": [], "state": state,
+                    "heartbeat": now, "managed": EXTERNAL}))
+                if mine:
+                    pipe.hdel(keys.workers, *mine)   # our queued record, once we hold the learner's id
+                pipe.srem(keys.external_drain, wid)
+                pipe.execute()
+                return wid if state == "starting" else None
+            except redis.WatchError:
+                time.sleep(0.01)
+    raise RuntimeError(f"could not register in {keys.workers}: it changed {CLAIM_TRIES} times in a row")
+
+
+def _pick_id(recs: dict[str, dict], role: str, node: str, pid: int, want: str | None,
+             now: float) -> tuple[str, str]:
+    """(id, state) of a claim: ``starting`` under a free id, or ``queued`` while the learner's is held."""
+    def free(wid: str) -> bool:
+        rec = recs.get(wid)
+        return (rec is None or not record_alive(rec, now) or (rec.get("pid"), rec.get("node")) == (pid, node)
+                or (wid == LEARNER and rec.get("state") == "drained"))   # a drained learner gives way
+
+    if want or role == "learner":
+        wid = want or LEARNER
+        if free(wid):
+            return wid, "starting"
+        held = recs[wid]
+        if held.get("managed") == EXTERNAL or want:
+            raise IdTaken(f"{wid} is held by the live worker pid {held.get('pid')} on {held.get('node')}")
+    k = 0
+    while not free(f"{role}-{node}-ext{k}"):
+        k += 1
+    return f"{role}-{node}-ext{k}", "starting" if role != "learner" else "queued"
 
 
 class CostMeter:
     """A worker's cumulative costs, in wall seconds, in ``JobKeys.worker_costs``; read by the controller.
 
     ``busy_s``: seconds of slot time spent on work (for a reward process of
-    several scorers, scorer-seconds); ``pause_s``: weight loads; ``items``:
-    trajectories done; ``tokens``: their prompt + response tokens; ``lanes``:
-    scorers in the process; ``since``: when the meter started. Idle time is
-    what is left of the time alive.
+    several scorers, scorer-seconds); ``pause_s``: weight loads; ``wait_s``:
+    waiting for input (an empty stream); ``blocked_s``: held back by
+    backpressure (no room downstream); ``items``: trajectories done;
+    ``tokens``: their prompt + response tokens; ``lanes``: scorers in the
+    process; ``since``: when the meter started. Idle time is what is left of
+    the time alive.
+
+    A stage brackets its reads with ``reading()`` (about to wait for input)
+    and ``got_input()`` (input arrived, or the read came back empty), and the
+    meter adds the time between to ``wait_s``.
     """
 
     def __init__(self, r: redis.Redis, keys: JobKeys, worker: str, role: str):
         self.r, self.keys, self.worker = r, keys, worker
         self.rec = {"role": role, "since": time.time(), "at": time.time(), "busy_s": 0.0, "pause_s": 0.0,
-                    "items": 0, "tokens": 0.0, "lanes": 1}
+                    "wait_s": 0.0, "blocked_s": 0.0, "items": 0, "tokens": 0.0, "lanes": 1}
+        self._read_at: float | None = None
         self.publish()
+
+    def reading(self) -> None:
+        self._read_at = time.monotonic()
+
+    def got_input(self) -> None:
+        if self._read_at is not None:
+            self.rec["wait_s"] += time.monotonic() - self._read_at
+            self._read_at = None
 
     def add(self, **deltas) -> None:
         for k, v in deltas.items():

@@ -2,6 +2,10 @@
 
 Called by the CLI in any process that can reach the job's Redis. The JSON
 shape is the one in the design's "Shared interfaces"; documented in the README.
+Each worker also says who manages it (``managed``): ``agent`` (a node agent
+started it), ``external`` (``libra-ctl worker``: a Procfile pool or by hand;
+never started or stopped by Libra) or ``run`` (a child of ``libra-ctl run``,
+the feeder, or a process started directly).
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ import redis
 from pipeline.control.allocation import allocation_status, format_allocation
 from pipeline.dataplane.keys import JOBS, JobKeys
 from pipeline.dataplane.streams import group_pending, stream_lag
+from pipeline.dataplane.worker import EXTERNAL, record_alive
 
 ROLE_OF_STAGE = {"rollout": "rollout", "reward": "reward", "learner": "learner"}
-STALE_HEARTBEAT_S = 10.0
 
 
 def job_status(r: redis.Redis, job: str) -> dict:
@@ -27,11 +31,14 @@ def job_status(r: redis.Redis, job: str) -> dict:
         rec = json.loads(raw)
         placed = alloc["workers"].get(rec["id"], {})
         state = rec["state"]
-        if state not in ("exited",) and time.time() - rec.get("heartbeat", 0) > STALE_HEARTBEAT_S:
+        if state != "exited" and not record_alive(rec, time.time()):
             state = "lost"  # no heartbeat: the process is gone or stuck
+        managed = EXTERNAL if rec.get("managed") == EXTERNAL else "agent" if placed else "run"
+        if managed == EXTERNAL and rec["id"] in alloc["external"]:
+            state = alloc["external"][rec["id"]]["state"]   # "draining" once asked to
         workers.append({"id": rec["id"], "role": rec["role"], "pid": rec["pid"],
                         "node": placed.get("node", rec["node"]), "slots": placed.get("slots", rec.get("slots", [])),
-                        "state": state,
+                        "state": state, "managed": managed,
                         "rate_per_s": rec.get("rate_per_s", 0.0), "policy_version": rec.get("policy_version")})
     stages = []
     for stage, stream, group in keys.stages:
@@ -54,7 +61,7 @@ def job_status(r: redis.Redis, job: str) -> dict:
     return {
         "name": job, "phase": phase.decode() if phase else None,
         "policy_version": int(version) if version is not None else None,
-        "allocation": {k: alloc[k] for k in ("mode", "roles", "target", "pinned", "nodes")},
+        "allocation": {k: alloc[k] for k in ("mode", "roles", "target", "pinned", "nodes", "external")},
         "stages": stages, "workers": workers,
         "counters": {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()},
     }
@@ -78,7 +85,7 @@ def format_status(st: dict) -> str:
         for s in j["stages"]:
             out.append(f"  {s['name']:<8} {s['stream']:<28} {s['length']:>7} {s['pending']:>8} "
                        f"{s['lag']:>6} {s['rate_per_s']:>8.2f}")
-        out.append(f"  {'worker':<22} {'role':<8} {'pid':>7} {'state':<9} {'node'}")
+        out.append(f"  {'worker':<22} {'role':<8} {'pid':>7} {'state':<9} {'managed':<9} {'node'}")
         for w in j["workers"]:
-            out.append(f"  {w['id']:<22} {w['role']:<8} {w['pid']:>7} {w['state']:<9} {w['node']}")
+            out.append(f"  {w['id']:<22} {w['role']:<8} {w['pid']:>7} {w['state']:<9} {w['managed']:<9} {w['node']}")
     return "\n".join(out)
