@@ -172,6 +172,8 @@ class ControlConfig:
 class RunConfig:
     runs_dir: str = _f("runs", "where run directories are created")
     progress_s: float = _f(1.0, "seconds between progress line updates")
+    slots: int = _f(0, "CPU slots the run's own node agent offers when it finds no GPU "
+                    "(0: rollout.workers + learner.workers)")
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ def start_local_control(cfg, run_dir: Path, redis_url: str, *, slots: int | None
         try:
             detect_slots(None)
         except SlotError:
-            slots = cfg.rollout.workers + cfg.learner.workers
+            slots = getattr(cfg.run, "slots", 0) or cfg.rollout.workers + cfg.learner.workers
     env = dict(os.environ, **{ENV_URL: redis_url, "PYTHONUNBUFFERED": "1"})
     logs = Path(run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)

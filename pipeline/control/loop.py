@@ -144,6 +144,10 @@ class Controller:
         ext_n = external_counts(ext)
         # an external worker of a slot role stands for one slot beside the agents' (it holds none of theirs)
         slots = free + sum(counts_of(ext_n, jc.info.control.reward_on_slots).values())
+        if not slots:
+            # No agent has registered a slot yet (a controller that starts before its agents): deciding now
+            # would trim the job's target to the minimums and keep it there. Wait for an inventory.
+            return
         alloc = self.ensure_allocation(jc, slots)
         cur = placements.get(name, {})
         drained = take_drain_requests(self.r, name)
