@@ -100,7 +100,8 @@ def allocation_status(r: redis.Redis, job: str) -> dict:
     "workers": {worker: {"node", "slots", "pid", "state"}},
     "external": {worker: {"node", "role", "pid", "state"}}}``; a slot without a
     worker has ``worker: None``, a worker without slots (reward on CPU) appears
-    under ``workers`` only. ``roles`` counts the agents' running workers and the
+    under ``workers`` only; a lost node (heartbeat older than ``AGENT_DEAD_S``) keeps its last slots
+    but adds nothing to ``workers`` or ``roles``. ``roles`` counts the live agents' running workers and the
     counted external ones (``external``: started by ``libra-ctl worker``, on no slot).
     """
     alloc = get_allocation(r, job)
@@ -116,13 +117,16 @@ def allocation_status(r: redis.Redis, job: str) -> dict:
             slots.append({"index": s["index"], "device": s["device"], "job": p["job"] if p else None,
                           "worker": p["worker"] if p else None, "role": p["role"] if p else None,
                           "pid": p["pid"] if p else None, "state": p["state"] if p else "free"})
+        alive = now - rec["heartbeat"] <= AGENT_DEAD_S
         for p in procs.values():
-            if p["job"] == job:
+            # a lost node's table is what its agent last wrote: its workers are not the job's (the
+            # controller has placed them elsewhere, perhaps under the same name, as learner-0)
+            if p["job"] == job and alive:
                 workers[p["worker"]] = {"node": node, "slots": p["slots"], "pid": p["pid"], "state": p["state"],
                                         "role": p["role"]}
                 if p["state"] == "running" and p["role"] in ROLES:
                     roles[p["role"]] = roles.get(p["role"], 0) + 1
-        nodes.append({"node": node, "host": rec["host"], "alive": now - rec["heartbeat"] <= AGENT_DEAD_S,
+        nodes.append({"node": node, "host": rec["host"], "alive": alive,
                       "heartbeat_age_s": round(now - rec["heartbeat"], 1), "slots": slots})
     ext = external_workers(r, job, now)
     for role, n in external_counts(ext).items():
