@@ -24,6 +24,8 @@ import io
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -139,8 +141,22 @@ def test_frames_carry_a_share_and_stop(groups):
 # --- two real ranks -------------------------------------------------------------------------------
 
 
-def test_two_ranks_make_the_one_rank_update(tmp_path, policy_dir, groups):
-    """This process is rank 0, a ``workers.ranks`` child rank 1 (gloo); 2 steps against one rank."""
+def test_two_ranks_make_the_one_rank_update(tmp_path, policy_dir):
+    """Rank 0 in a fresh interpreter, a ``workers.ranks`` child rank 1 (gloo); 2 steps against one rank.
+
+    Not in this process: an in-process vLLM engine (tests/test_engine_vllm.py, test_standin.py) leaves
+    torch.distributed's default group behind, and a test that owns the group would break theirs.
+    """
+    code = (f"import sys, pathlib; sys.path.insert(0, {str(ROOT)!r}); "
+            f"from tests.test_learner_ranks import two_ranks_vs_one; "
+            f"two_ranks_vs_one(pathlib.Path({str(tmp_path)!r}), pathlib.Path({str(policy_dir)!r}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    print(out.stdout)
+
+
+def two_ranks_vs_one(tmp_path: Path, policy_dir: Path) -> None:
+    groups = scored_groups(policy_dir, 8, seed=3)
     cfg = _cfg()
     lr = cfg.learner.lr
     run_dir = tmp_path / "run"

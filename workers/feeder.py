@@ -33,10 +33,16 @@ def load_prompts(env: Environment, path: str, log=None) -> tuple[list[Task], lis
 
 
 def in_flight(ctx: WorkerContext) -> int:
-    """Trajectories issued and not yet accounted for downstream."""
+    """Trajectories issued and not yet accounted for downstream.
+
+    A dead letter counts what its entry stood for (a prompt or an undecodable
+    entry: one group of ``group_size``; a group: its trajectories, see
+    ``streams.trajectories_of``); one replayed onto its stream
+    (``libra-ctl dlq replay``) is in flight again.
+    """
     c = {k.decode(): int(v) for k, v in ctx.r.hgetall(ctx.keys.counters).items()}
-    done = c.get("trained", 0) + c.get("dropped_stale", 0) + c.get("dead_lettered", 0)
-    return c.get("issued", 0) - done
+    dead = c.get("dead_lettered", 0) - c.get("dead_lettered_replayed", 0)
+    return c.get("issued", 0) - (c.get("trained", 0) + c.get("dropped_stale", 0) + dead)
 
 
 def admission_limit(cfg) -> int:
@@ -83,7 +89,8 @@ def issue_one(ctx: WorkerContext, problems: list[Task], group: int) -> None:
     def build():
         pipe = ctx.r.pipeline(transaction=True)
         pipe.xadd(ctx.keys.prompts, {messages.FIELD: messages.encode(msg)})
-        pipe.hset(ctx.keys.feeder, mapping={"cursor": cursor + 1, "epoch": epoch})
+        # group_size: the unit of "issued", which a stage's dead letter of this prompt gives back
+        pipe.hset(ctx.keys.feeder, mapping={"cursor": cursor + 1, "epoch": epoch, "group_size": group})
         pipe.hincrby(ctx.keys.counters, "issued", group)
         pipe.hincrby(ctx.keys.counters, "issued_prompts", 1)
         return pipe

@@ -43,7 +43,7 @@ from pipeline.dataplane.keys import GROUP_LEARNER
 from pipeline.observe.measures import tool_stats
 from pipeline.observe.trace import span
 from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
-                              take_over_pending, transact, trim)
+                                        take_over_pending, trajectories_of, transact, trim)
 from pipeline.dataplane.worker import CostMeter, WorkerContext, finish_worker, start_worker
 from workers.checkpoint import (latest_checkpoint, prune_published, read_optimizer, read_state, trained_ids_after,
                                 write_checkpoint, write_published)
@@ -56,6 +56,7 @@ from workers.update import (StepSums, active_rows, group_rows, load_policy, lr_a
                             row_tokens, set_lr, train_share)
 
 DEDUP_STEPS = 200  # steps a trained id is remembered (in memory and restored from checkpoints)
+PENDING_PAGE = 500  # ids per XPENDING call when the learner looks over its own pending list
 
 
 @dataclass
@@ -96,7 +97,9 @@ class Learner:
         # Trajectory id -> step that trained it, for the last DEDUP_STEPS steps: a
         # redelivered or regenerated group arrives within that window.
         self.trained_ids: dict[str, int] = {}
-        self.replay_cursor: str | bytes | None = "0"  # our own pending entries come first
+        # Where the next look over our own pending list starts (XPENDING range), None while reading new
+        # entries; "-" at the start, at every step and after a read that found nothing (see read_entries).
+        self.replay_from: str | None = "-"
         self.trained_total = 0
         self.dropped_total = 0
         t0 = time.monotonic()
@@ -165,19 +168,23 @@ class Learner:
     def collect(self) -> Batch:
         """Read scored groups until a batch is admitted; stale groups are dropped whole."""
         batch, need = Batch(), self.cfg.batch_size
-        streams = self.ctx.cfg.streams
+        streams, gs = self.ctx.cfg.streams, self.ctx.cfg.rollout.group_size
+        held = set(self.unacked)  # pending at us for the next checkpoint, and below, this batch's
+        self.replay_from = "-"
         while batch.trajectories < need and not self.ctx.stopping():
             t0 = time.monotonic()
-            want = max(1, (need - batch.trajectories) // self.ctx.cfg.rollout.group_size)
-            entries = self.read_entries(want, streams.block_ms)
+            want = max(1, (need - batch.trajectories) // gs)
+            entries = self.read_entries(want, streams.block_ms, held)
+            held.update(entry_id for entry_id, _p in entries)
             batch.wait_s += time.monotonic() - t0
             good, bad = decode_entries(entries, streams.max_message_bytes)
-            if bad:
-                self.dead_letter_bad(bad)
+            if bad:  # each stood for one group (streams.trajectories_of)
+                self.dead_letter_bad([(i, payload, reason, gs) for i, payload, reason in bad])
             for entry_id, group in good:
                 batch.entry_ids.append(entry_id)
                 if not isinstance(group, messages.Group) or any(t.reward is None for t in group.trajectories):
-                    self.dead_letter_bad([(entry_id, messages.encode(group), "learner expects a scored group")])
+                    self.dead_letter_bad([(entry_id, messages.encode(group), "learner expects a scored group",
+                                           trajectories_of(group, gs))])
                     continue
                 if self.dedup and self.already_trained(group, batch):
                     batch.duplicates += len(group.trajectories)
@@ -200,30 +207,73 @@ class Learner:
         in_batch = {tid for g in batch.groups for tid in _ids(g)}
         return any(tid in self.trained_ids or tid in in_batch for tid in ids)
 
-    def read_entries(self, count: int, block_ms: int) -> list:
-        # Replay our own pending entries first (after a restart), then read new ones.
-        if self.replay_cursor is not None:
-            reply = self.ctx.r.xreadgroup(GROUP_LEARNER, self.ctx.worker_id,
-                                          {self.ctx.keys.scored: self.replay_cursor}, count=count)
-            entries = [(i, f.get(messages.FIELD, b"")) for _s, es in reply or () for i, f in es]
+    def read_entries(self, count: int, block_ms: int, held: set[bytes]) -> list:
+        """Entries pending at us that we do not hold (``held``) while there are any, then new ones.
+
+        An entry can be pending at ``learner-0`` without this process holding
+        it: the steps after the last checkpoint, after a restart; entries taken
+        over from other ranks; a read whose reply was lost (a dropped
+        connection, and redis-py retries the command). Nothing delivers those
+        again, and unacknowledged they pin the scored stream's trim point, so
+        the learner looks over its pending list at every step and after every
+        read that finds nothing new, and replays what it does not hold: trained
+        if new, skipped as a duplicate if its ids were trained, acknowledged
+        with the next checkpoint either way.
+        """
+        if self.replay_from is not None:
+            entries = self.replay_unheld(count, held)
             if entries:
-                self.replay_cursor = entries[-1][0]
                 return entries
-            self.replay_cursor = None
-        return read(self.ctx.r, self.ctx.keys.scored, GROUP_LEARNER, self.ctx.worker_id, count, block_ms)
+            self.replay_from = None
+        entries = read(self.ctx.r, self.ctx.keys.scored, GROUP_LEARNER, self.ctx.worker_id, count, block_ms)
+        if not entries:
+            self.replay_from = "-"
+        return entries
+
+    def pending_unheld(self, count: int, held: set[bytes]) -> list[bytes]:
+        """Up to ``count`` ids pending at us and not ``held``, oldest first, from ``replay_from`` on."""
+        r, stream, me = self.ctx.r, self.ctx.keys.scored, self.ctx.worker_id
+        out: list[bytes] = []
+        while len(out) < count:
+            page = [_as_bytes(p["message_id"]) for p in r.xpending_range(
+                stream, GROUP_LEARNER, min=self.replay_from, max="+", count=PENDING_PAGE, consumername=me)]
+            out += [i for i in page if i not in held][:count - len(out)]
+            if len(page) < PENDING_PAGE:
+                break
+            self.replay_from = "(" + page[-1].decode()
+        if out:
+            self.replay_from = "(" + out[-1].decode()
+        return out
+
+    def replay_unheld(self, count: int, held: set[bytes]) -> list:
+        """Deliver to ourselves again (XCLAIM, min idle 0) the pending entries we do not hold."""
+        ids = self.pending_unheld(count, held)
+        if not ids:
+            return []
+        claimed = self.ctx.r.xclaim(self.ctx.keys.scored, GROUP_LEARNER, self.ctx.worker_id, 0, ids)
+        entries = [(i, f.get(messages.FIELD, b"")) for i, f in claimed if i is not None and f is not None]
+        self.ctx.log.info("replayed_pending", entries=len(entries))
+        # Pending, but deleted from the stream (XDEL): Redis 6.2 answers nil, 7 drops it from the pending list.
+        gone = set(ids) - {i for i, _p in entries}
+        if gone:
+            self.dead_letter_bad([(i, b"", "deleted from the stream while pending", self.ctx.cfg.rollout.group_size)
+                                  for i in sorted(gone)])
+        return entries
 
     def write(self, queue) -> None:
         """A transaction of small writes, waiting while Redis is full (backpressure, never a crash)."""
         transact(self.ctx.r, queue, self.ctx.log, self.ctx.stopping)
 
     def dead_letter_bad(self, bad) -> None:
+        """Dead-letter and acknowledge ``(entry id, payload, reason, trajectories it stood for)``."""
         def queue(pipe):
-            for entry_id, payload, reason in bad:
-                dead_letter(pipe, self.ctx.keys, self.ctx.keys.scored, entry_id, reason, payload)
+            for entry_id, payload, reason, trajectories in bad:
+                dead_letter(pipe, self.ctx.keys, self.ctx.keys.scored, entry_id, reason, payload,
+                            trajectories=trajectories)
                 pipe.xack(self.ctx.keys.scored, GROUP_LEARNER, entry_id)
 
         self.write(queue)
-        for _id, _payload, reason in bad:
+        for _id, _payload, reason, _n in bad:
             self.ctx.log.warning("dead_lettered", reason=reason)
 
     # --- training ------------------------------------------------------------------------------
@@ -341,6 +391,10 @@ class Learner:
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None
+
+
+def _as_bytes(entry_id) -> bytes:
+    return entry_id if isinstance(entry_id, bytes) else entry_id.encode()
 
 
 def _ids(group: messages.Group) -> list[str]:

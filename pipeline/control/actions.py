@@ -126,8 +126,11 @@ def _node_slots(r: redis.Redis, node: str) -> set[int]:
 def ensure_worker(node: str, spec: dict, seq: int, epoch: int) -> str:
     """Desired: worker ``spec["worker"]`` of ``spec["role"]`` for ``spec["job"]`` runs on ``spec["slots"]``.
 
-    ``spec`` also names ``run_dir`` and ``backend``. Unknown slots raise (rq
-    retries, then fails the job; the controller plans again on the next tick).
+    ``spec`` also names ``run_dir`` and ``backend``; the run directory is part
+    of the worker's identity (every run of a job reuses its worker ids), so the
+    agent drains a process of another run under the same key. Unknown slots
+    raise (rq retries, then fails the job; the controller plans again on the
+    next tick).
     """
     r = _connection()
     missing = set(spec["slots"]) - _node_slots(r, node)
@@ -136,7 +139,8 @@ def ensure_worker(node: str, spec: dict, seq: int, epoch: int) -> str:
     fields = ("job", "worker", "role", "slots", "run_dir", "backend")
 
     def change(cur):
-        gen = cur.get("generation", 0) if cur else 0
+        # the same id in another run directory is another worker: its generations start afresh
+        gen = cur.get("generation", 0) if cur and cur.get("run_dir") == spec["run_dir"] else 0
         return {**{f: spec[f] for f in fields}, "state": STATE_RUN, "generation": gen}
 
     return _apply(r, node, worker_key(spec["job"], spec["worker"]), seq, epoch, change)

@@ -187,10 +187,26 @@ class Proc:
                 "state": "draining" if self.term_at else "running"}
 
 
+def same_worker(d: dict, spec: dict) -> bool:
+    """Whether the desired record ``d`` still describes the process started from ``spec``.
+
+    A worker id is unique within a job, and every run of a job reuses its name:
+    a record of another run directory is another worker (the process is
+    drained and a fresh one started for the new run, never kept).
+    """
+    return (d.get("run_dir") == spec.get("run_dir") and d["role"] == spec["role"]
+            and list(d["slots"]) == list(spec["slots"]) and d.get("generation", 0) == spec.get("generation", 0))
+
+
+def same_dir(a: str, b: str) -> bool:
+    return a == b or os.path.realpath(a) == os.path.realpath(b)
+
+
 @dataclass
 class Backoff:
     restarts: int = 0
     next_at: float = 0.0
+    run_dir: str = ""     # the run whose worker crashed: a later run's worker of the same id starts afresh
 
 
 class ControlJobRunner:
@@ -337,18 +353,19 @@ class Agent:
             ran = time.time() - p.started_at
             self.event("exited", p, code=code, ran_s=round(ran, 2))
             d = desired.get(key)
-            if p.term_at is None and d and d["state"] == STATE_RUN:
+            if p.term_at is None and d and d["state"] == STATE_RUN and same_worker(d, p.spec):
                 if code == 0:
                     self.completed[key] = d["seq"]     # finished its work (the learner's last step)
                 else:
-                    self.book_restart(key, ran)
+                    self.book_restart(key, ran, d["run_dir"])
             if p.spec["role"] in ("rollout", "reward"):
                 hand_over_pending(self.r, p.spec["job"], p.spec["role"], p.spec["worker"], self.log)
 
-    def book_restart(self, key: str, ran_s: float) -> None:
+    def book_restart(self, key: str, ran_s: float, run_dir: str) -> None:
         b = self.backoff.setdefault(key, Backoff())
-        if ran_s > STABLE_S:
+        if ran_s > STABLE_S or b.run_dir != run_dir:
             b.restarts = 0
+        b.run_dir = run_dir
         first, longest = self.backoff_s
         wait = min(first * 2 ** b.restarts, longest)
         b.restarts += 1
@@ -357,16 +374,18 @@ class Agent:
 
     def drive(self, desired: dict[str, dict]) -> None:
         now = time.monotonic()
+        runs: dict[str, tuple[str, str]] = {}   # job -> (phase, run_dir), read once a pass
         for key, p in self.procs.items():
             d = desired.get(key)
-            keep = (d is not None and d["state"] == STATE_RUN and d["slots"] == p.slots
-                    and d.get("generation", 0) == p.spec.get("generation", 0) and d["role"] == p.spec["role"])
+            keep = d is not None and d["state"] == STATE_RUN and same_worker(d, p.spec)
+            if keep:
+                current = self.job_run(p.spec["job"], runs)[1]
+                keep = not current or same_dir(current, p.spec["run_dir"])   # not an earlier run's worker
             if not keep:
                 self.terminate(p)
             if p.term_at is not None and not p.killed and time.time() - p.term_at > self.grace_s:
                 self.kill(p)
         busy = self.busy_slots()
-        phases: dict[str, str] = {}
         for key, d in sorted(desired.items()):
             if d["state"] == STATE_DRAIN and key not in self.procs:
                 self.set_desired(key, {**d, "state": STATE_GONE})
@@ -376,14 +395,23 @@ class Agent:
                 continue
             if d["state"] != STATE_RUN or key in self.procs or self.completed.get(key) == d["seq"]:
                 continue
-            if self.backoff.get(key, Backoff()).next_at > now or busy & set(d["slots"]):
+            b = self.backoff.get(key)
+            if (b is not None and b.run_dir == d["run_dir"] and b.next_at > now) or busy & set(d["slots"]):
                 continue   # back-off, or a slot still held by a process that has not exited
-            if d["job"] not in phases:
-                phases[d["job"]] = (self.r.hget(JobKeys(d["job"]).state, "phase") or b"").decode()
-            if phases[d["job"]] not in ("running", "trained"):
+            phase, run_dir = self.job_run(d["job"], runs)
+            if phase not in ("running", "trained"):
                 continue   # the job is over (or gone): desired state left behind is not revived
+            if run_dir and not same_dir(run_dir, d["run_dir"]):
+                continue   # an earlier run's record (an action of it retried after the reset): never started
             self.spawn(key, d)
             busy |= set(d["slots"])
+
+    def job_run(self, job: str, runs: dict[str, tuple[str, str]]) -> tuple[str, str]:
+        """The job's phase and the run directory of its current run ("" when unknown), cached in ``runs``."""
+        if job not in runs:
+            phase, run_dir = self.r.hmget(JobKeys(job).state, ["phase", "run_dir"])
+            runs[job] = ((phase or b"").decode(), (run_dir or b"").decode())
+        return runs[job]
 
     def set_desired(self, key: str, rec: dict) -> None:
         rec["updated_at"] = time.time()

@@ -1,4 +1,5 @@
-"""A job's Redis state as a whole: reset before a new run, so a run starts from empty streams.
+"""A job's Redis state as a whole: reset before a new run, so a run starts from empty streams
+and with none of an earlier run's workers desired on the agents.
 
 Called by ``libra-ctl run`` (``pipeline.run``) and by the sim backend's
 ``prepare_sim_run`` before a run's first write; ``clear_job`` also by the
@@ -7,12 +8,13 @@ streams benchmark, which runs throwaway jobs.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 
 import redis
 
-from pipeline.dataplane.keys import JobKeys
+from pipeline.dataplane.keys import AGENTS, JobKeys, agent_desired
 
 
 class JobRunning(RuntimeError):
@@ -26,6 +28,27 @@ def reset_job(r: redis.Redis, keys: JobKeys) -> None:
         raise JobRunning(f"job {keys.job!r} is already running (pid {state[b'pid'].decode()} on "
                          f"{state[b'host'].decode()}); stop it or choose another job.name")
     clear_job(r, keys.pattern)
+    forget_desired_workers(r, keys.job)
+
+
+def forget_desired_workers(r: redis.Redis, job: str) -> int:
+    """Delete ``job``'s records from every agent's desired hash; returns how many went.
+
+    Those records are the agents', not the job's, so ``clear_job`` leaves
+    them. Left there, an earlier run's worker would come back with the new
+    run: the agent starts a record in state run (with the earlier run's
+    directory) once the job is running again. With its record gone, the agent
+    drains a process of it that still runs. The hashes of agents that are down
+    go too (SCAN finds them), so none brings the record back when it returns.
+    """
+    hashes = {agent_desired(n.decode()) for n in r.hkeys(AGENTS)}
+    hashes |= {k.decode() for k in r.scan_iter(match=agent_desired("*"), count=1000)}
+    gone = 0
+    for name in sorted(hashes):
+        fields = [f for f, raw in r.hgetall(name).items() if json.loads(raw).get("job") == job]
+        if fields:
+            gone += r.hdel(name, *fields)
+    return gone
 
 
 def clear_job(r: redis.Redis, pattern: str) -> None:

@@ -96,7 +96,12 @@ def decode_entries(entries: Iterable[Entry], max_bytes: int):
 
 def dead_letter(pipe, keys: JobKeys, source: str, entry_id: bytes, reason: str,
                 payload: bytes = b"", deliveries: int = 1, trajectories: int = 0) -> None:
-    """Queue a dead-letter record on ``pipe`` (a transaction the caller executes)."""
+    """Queue a dead-letter record on ``pipe`` (a transaction the caller executes).
+
+    ``trajectories`` is what the entry stood for (``trajectories_of``): the
+    feeder's in-flight count falls by it, and the audit counts it, so a
+    dead letter that says 0 leaks admission room for good.
+    """
     pipe.xadd(keys.dead_letters, {
         "reason": reason, "stream": source, "id": entry_id, "deliveries": deliveries,
         "trajectories": trajectories, "payload": payload[:65536], "at": time.time(),
@@ -291,11 +296,14 @@ def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: st
         n = counts.get(entry_id, 1)
         (over if n > policy.max_deliveries else keep).append((entry_id, payload, n))
     if over:
+        group_size = job_group_size(r, keys)
+
         def build():
             pipe = r.pipeline(transaction=True)
             for entry_id, payload, n in over:
                 dead_letter(pipe, keys, source, entry_id, f"exceeded max_deliveries ({policy.max_deliveries}): "
-                            f"delivered {n} times", payload, deliveries=n, trajectories=_payload_size(payload))
+                            f"delivered {n} times", payload, deliveries=n,
+                            trajectories=payload_trajectories(payload, group_size))
                 pipe.xack(source, group, entry_id)
             return pipe
 
@@ -463,6 +471,8 @@ def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log
     """
     marks = [keys.seen(dedup.stage, out.prompt_id) if dedup and not isinstance(out, Reject) else None
              for out in outputs]
+    # Only a dead letter needs the group size (a round trip): bad entries and rejects are rare.
+    group_size = job_group_size(r, keys) if bad or any(isinstance(o, Reject) for o in outputs) else 0
     wait = FullRedisWait(log, stop)
     while True:
         with r.pipeline(transaction=True) as pipe:
@@ -475,7 +485,7 @@ def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log
                 else:
                     already = set()
                 _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already,
-                              dedup)
+                              dedup, group_size)
                 pipe.execute()
                 break
             except redis.WatchError:
@@ -487,10 +497,11 @@ def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log
             log.warning("dead_lettered", reason=reason)
 
 
-def _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already, dedup) -> None:
+def _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already, dedup,
+                  group_size) -> None:
     acked = []
     for entry_id, payload, reason in bad:
-        dead_letter(pipe, keys, source, entry_id, reason, payload)
+        dead_letter(pipe, keys, source, entry_id, reason, payload, trajectories=group_size)
         acked.append(entry_id)
     written = duplicates = 0
     # Only inputs with an output are acknowledged: were a handler to return fewer outputs than
@@ -499,7 +510,7 @@ def _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, 
         acked.append(entry_id)
         if isinstance(out, Reject):
             dead_letter(pipe, keys, source, entry_id, out.reason, messages.encode(msg),
-                        trajectories=_size(msg))
+                        trajectories=trajectories_of(msg, group_size))
         elif mark in already:
             duplicates += _size(out)
         else:
@@ -516,13 +527,34 @@ def _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, 
         pipe.hincrby(keys.counters, f"duplicates_dropped_{dedup.stage}", duplicates)
 
 
-def _payload_size(payload: bytes) -> int:
+def job_group_size(r: redis.Redis, keys: JobKeys) -> int:
+    """The job's group size as the feeder records it with every prompt it issues (0 before the first).
+
+    A stage does not know the job's config; the feeder's record is the unit
+    its ``issued`` counter is in, which is what a dead letter must give back.
+    """
+    return int(r.hget(keys.feeder, "group_size") or 0)
+
+
+def trajectories_of(msg, group_size: int) -> int:
+    """Trajectories a stream entry stands for: a decoded group's own count, else one group's worth.
+
+    Every entry of the prompts, rollouts and scored streams is one issued
+    GRPO group: a prompt is the group it is to become, and an entry that does
+    not decode (or decodes to the wrong kind) stood for a group too. The
+    audit measures entries in flight the same way (entries x group size).
+    """
+    return len(msg.trajectories) if isinstance(msg, messages.Group) else group_size
+
+
+def payload_trajectories(payload: bytes, group_size: int) -> int:
+    """``trajectories_of`` a raw payload, which may not decode."""
     try:
-        return _size(messages.decode(payload, 1 << 30))
+        return trajectories_of(messages.decode(payload, 1 << 30), group_size)
     except messages.BadMessage:
-        return 0
+        return group_size
 
 
 def _size(msg) -> int:
-    """Trajectories a message stands for (a prompt stands for none yet)."""
+    """Trajectories a stage wrote (or skipped as a duplicate): a group's."""
     return len(msg.trajectories) if isinstance(msg, messages.Group) else 0

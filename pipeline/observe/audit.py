@@ -6,7 +6,8 @@ checkpoint writes beside itself (``consumed.txt``, ``dropped.txt``), not from
 Redis deduplication state; in-flight work is measured from the streams
 (entries not yet delivered plus entries pending), never computed as a
 remainder. Every stream entry stands for one GRPO group of ``group_size``
-trajectories.
+trajectories; a dead letter for what its record says it carried, the
+number the dead-lettering stage gave back to the feeder's in-flight count.
 """
 
 from __future__ import annotations
@@ -42,14 +43,22 @@ def checkpoint_records(run_dir: Path, name: str) -> Counter:
 
 
 def dead_letter_counts(r: redis.Redis, keys: JobKeys, group_size: int) -> tuple[int, int]:
-    """(trajectories of pipeline messages dead-lettered, entries that never decoded)."""
+    """(trajectories of the dead-lettered entries, entries that never decoded).
+
+    Each record's ``trajectories`` is what the stage added to the
+    ``dead_lettered`` counter: a group's trajectories, else one group
+    (``streams.trajectories_of``), undecodable entries included. A record
+    that says 0 was written without a known group size (before the feeder
+    issued, or by an older build): an undecodable entry then counts none,
+    anything else one group.
+    """
     carried = malformed = 0
     for _id, f in r.xrange(keys.dead_letters):
         reason = f.get(b"reason", b"").decode()
-        if reason.startswith(("malformed", "unknown schema", "oversized")):
-            malformed += 1
-        else:
-            carried += group_size
+        undecodable = reason.startswith(("malformed", "unknown schema", "oversized"))
+        malformed += undecodable
+        recorded = int(f.get(b"trajectories", 0))
+        carried += recorded or (0 if undecodable else group_size)
     return carried, malformed
 
 
@@ -133,7 +142,11 @@ def dlq_show(r: redis.Redis, keys: JobKeys, entry_id: str) -> dict:
 
 
 def dlq_replay(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
-    """Put dead letters back on their source stream (and out of the dead-letter stream)."""
+    """Put dead letters back on their source stream (and out of the dead-letter stream).
+
+    Their trajectories are in flight again: ``dead_lettered_replayed`` (the
+    counters stay monotonic) puts them back into the feeder's in-flight count.
+    """
     n = 0
     for entry_id in ids:
         found = r.xrange(keys.dead_letters, min=entry_id, max=entry_id)
@@ -143,6 +156,7 @@ def dlq_replay(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
         pipe = r.pipeline(transaction=True)
         pipe.xadd(f[b"stream"].decode(), {messages.FIELD: f.get(b"payload", b"")})
         pipe.xdel(keys.dead_letters, entry_id)
+        pipe.hincrby(keys.counters, "dead_lettered_replayed", int(f.get(b"trajectories", 0)))
         pipe.execute()
         n += 1
     return n
