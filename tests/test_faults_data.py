@@ -32,6 +32,7 @@ from pipeline.dataplane.redisconn import ENV_URL
 from pipeline.dataplane.streams import ClaimPolicy, Reject, ensure_groups, read, reclaim, run_stage
 from pipeline.observe.audit import audit, dlq_entries, dlq_replay
 from pipeline.run import policy_spec
+from tests.test_dataplane import wait_for
 from tests.test_learner_recovery import feed, learner_step, scored_groups, setup_run, start_learner
 from workers import feeder
 from workers.tiny_policy import ensure_policy
@@ -46,15 +47,6 @@ TRUNCATED = b"\x93\x01"  # msgpack: an array of three, cut after the first eleme
 def policy_dir():
     cfg = config_mod.load(None)
     return ensure_policy(ROOT / cfg.policy.cache_dir, policy_spec(cfg))
-
-
-def wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def unscored_group(pid: str) -> m.Group:
