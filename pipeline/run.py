@@ -30,11 +30,9 @@ import redis
 
 from pipeline import manifest as manifest_mod
 from pipeline.config import Config
-from pipeline.control import actions
-from pipeline.control.actions import STATE_RUN
 from pipeline.control.allocation import live_agents
 from pipeline.control.local import start_local_control
-from pipeline.dataplane.keys import AGENTS, CONTROLLER_LEASE, JOBS, JobKeys, agent_desired
+from pipeline.dataplane.keys import CONTROLLER_LEASE, JOBS, JobKeys
 from pipeline.observe.metrics import start_sampler
 from pipeline.observe.report import write_report
 from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect, resolve_url
@@ -387,29 +385,9 @@ def _start_new_job(r: redis.Redis, cfg: Config, run_dir: Path, **manifest_fields
         reset_job(r, keys)
     except JobRunning as exc:
         raise RunFailed(str(exc)) from None
-    drain_left_over_workers(r, cfg.job.name)
     manifest_mod.write_manifest(run_dir, cfg, **manifest_fields)
     r.hset(keys.policy, mapping={"version": 0, "path": manifest_fields["policy_dir"], "step": 0,
                                  "published_at": time.time()})
-
-
-def drain_left_over_workers(r: redis.Redis, job: str) -> list[tuple[str, str]]:
-    """Drain the workers an earlier run of ``job`` left desired on the agents; returns (node, worker) of each.
-
-    A run stopped with its controller (honcho stops every line at once) leaves
-    them ``run`` in a persistent Redis (the Procfile's keeps its AOF), and the
-    agents would start them, with that run's directory, as soon as this run's
-    phase is ``running``. The drain goes through the agents' queues like any
-    action, ahead of what this run's controller sends.
-    """
-    left = []
-    for node in sorted(n.decode() for n in r.hkeys(AGENTS)):
-        for raw in r.hvals(agent_desired(node)):
-            d = json.loads(raw)
-            if d["job"] == job and d["state"] == STATE_RUN:
-                actions.drain(r, node, job, d["worker"])
-                left.append((node, d["worker"]))
-    return left
 
 
 def _run_and_summarise(orch: Orchestrator) -> None:

@@ -313,18 +313,17 @@ def test_run_waits_for_a_controller_starting_beside_it(r, redis_url, tmp_path):
     assert "joined the controller and agents n1" in out.getvalue()
 
 
-def test_a_new_run_drains_the_workers_an_earlier_run_left_desired(r, redis_url, tmp_path):
-    from pipeline.run import drain_left_over_workers
+def test_a_new_run_forgets_the_workers_an_earlier_run_left_desired(r, redis_url, tmp_path):
+    from pipeline.dataplane.jobs import reset_job
 
     sim_job(r, redis_url, tmp_path, control={"mode": "pinned"})
     jobs = fake_agent(r, "n1", 2)
     Controller(r, interval_s=1.0).tick()
     jobs.run_pending()
     assert desired_roles(r, "n1")      # the run stopped with its controller: its workers are still desired
-    assert sorted(drain_left_over_workers(r, JOB)) == [("n1", LEARNER), ("n1", "reward-n1-c0"),
-                                                       ("n1", "rollout-n1-1")]
-    jobs.run_pending()
-    assert desired_roles(r, "n1") == {} and drain_left_over_workers(r, JOB) == []
+    r.hset(JobKeys(JOB).state, "phase", "stopped")
+    reset_job(r, JobKeys(JOB))         # what the next run of the job does first; the agent drains what is gone
+    assert desired_roles(r, "n1") == {}
 
 
 @pytest.mark.slow
