@@ -342,16 +342,17 @@ def scored_ids_of(r, keys: JobKeys) -> list[str]:
 # --- the feeder's admission bound ---------------------------------------------------------------------
 
 
-def feeder_run(tmp_path: Path, r, redis_url: str) -> tuple[Path, config_mod.Config]:
-    cfg = config_mod.load(None, [f"job.name={JOB}", "rollout.group_size=4", "learner.batch_size=8",
+def feeder_run(tmp_path: Path, r, redis_url: str, job: str = JOB) -> tuple[Path, config_mod.Config]:
+    """A job's run directory and Redis state, ready for a feeder process (no other worker)."""
+    cfg = config_mod.load(None, [f"job.name={job}", "rollout.group_size=4", "learner.batch_size=8",
                                  "learner.max_staleness=1", "learner.publish_every=1",
                                  "streams.max_queue_size=64"])
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "manifest.json").write_text(json.dumps({"config": cfg.to_dict(),
                                                        "redis": {"url": redis_url, "embedded": False}}))
-    r.sadd(JOBS, JOB)
-    r.hset(JobKeys(JOB).state, mapping={"phase": "running", "run_dir": str(run_dir)})
+    r.sadd(JOBS, job)
+    r.hset(JobKeys(job).state, mapping={"phase": "running", "run_dir": str(run_dir)})
     return run_dir, cfg
 
 

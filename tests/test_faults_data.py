@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -27,12 +26,12 @@ import pytest
 
 from pipeline import config as config_mod
 from pipeline.dataplane import messages as m
-from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT, JOBS, JobKeys
+from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT, JobKeys
 from pipeline.dataplane.redisconn import ENV_URL
 from pipeline.dataplane.streams import ClaimPolicy, Reject, ensure_groups, read, reclaim, run_stage
 from pipeline.observe.audit import audit, dlq_entries, dlq_replay
 from pipeline.run import policy_spec
-from tests.test_dataplane import wait_for
+from tests.test_dataplane import feeder_run, wait_for
 from tests.test_learner_recovery import feed, learner_step, scored_groups, setup_run, start_learner
 from workers import feeder
 from workers.tiny_policy import ensure_policy
@@ -77,14 +76,8 @@ def take_prompt(r, keys: JobKeys, consumer: str) -> tuple[bytes, m.Prompt]:
 
 
 def start_feeder(tmp_path: Path, r, redis_url: str) -> tuple[subprocess.Popen, int]:
-    cfg = config_mod.load(None, [f"job.name={JOB}", f"rollout.group_size={G}", "learner.batch_size=8",
-                                 "learner.max_staleness=1", "streams.max_queue_size=64"])
-    run_dir = tmp_path / "run"
-    (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "manifest.json").write_text(json.dumps({"config": cfg.to_dict(),
-                                                       "redis": {"url": redis_url, "embedded": False}}))
-    r.sadd(JOBS, JOB)
-    r.hset(JobKeys(JOB).state, mapping={"phase": "running", "run_dir": str(run_dir)})
+    run_dir, cfg = feeder_run(tmp_path, r, redis_url, job=JOB)
+    assert cfg.rollout.group_size == G
     proc = subprocess.Popen([sys.executable, "-m", "workers.feeder", "--run-dir", str(run_dir),
                              "--worker-id", "feeder-0"], cwd=ROOT, env=dict(os.environ, **{ENV_URL: redis_url}))
     return proc, feeder.admission_limit(cfg)
