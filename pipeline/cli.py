@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pipeline import config as config_mod
 from pipeline.dataplane.redisconn import ENV_URL, connect, find_redis_url
+from pipeline.redaction import redact
 
 SHARED_REDIS_DIR = "runs/redis"   # where ``libra-ctl redis`` keeps the embedded server of a Procfile
 REDIS_WAIT_S = 120.0
@@ -154,7 +155,7 @@ def cmd_redis(args) -> int:
         url = wait_for_redis(args.redis, args.dir, args.timeout)
         if url is None:
             where = shared_redis_url(args.redis, args.dir) or f"{args.dir}/redis.url (libra-ctl redis writes it)"
-            print(f"libra-ctl redis: no Redis answered at {where} within {args.timeout:g}s", file=sys.stderr)
+            print(f"libra-ctl redis: no Redis answered at {redact(where)} within {args.timeout:g}s", file=sys.stderr)
             return 1
         then = args.then[1:] if args.then[:1] == ["--"] else args.then
         if then:
@@ -165,7 +166,7 @@ def cmd_redis(args) -> int:
     given = args.redis or os.environ.get(ENV_URL)
     if given:
         # a Redis of the user's: nothing to serve; stay up, as honcho stops everything when a line exits
-        print(f"redis: using {given} ({ENV_URL}); not starting a server", flush=True)
+        print(f"redis: using {redact(given)} ({ENV_URL}); not starting a server", flush=True)
         stop.wait()
         return 0
     return _serve_redis(Path(args.dir), stop)
@@ -226,7 +227,7 @@ def cmd_worker(args) -> int:
               file=sys.stderr)
         return 130 if stop.is_set() else 1
     r, keys = connect(url), JobKeys(args.job)
-    print(f"worker: waiting for job {args.job} to run on {url}", flush=True)
+    print(f"worker: waiting for job {args.job} to run on {redact(url)}", flush=True)
     while live_run_dir(r, keys) is None:
         if stop.wait(0.2):
             return 130

@@ -38,6 +38,7 @@ from pipeline.observe.report import write_report
 from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect, resolve_url
 from pipeline.dataplane.jobs import JobRunning, live_owner, reset_job
 from pipeline.dataplane.streams import ensure_groups
+from pipeline.redaction import is_redacted, open_private, redact, write_private
 
 STOP_GRACE_S = 20.0
 RATE_WINDOW_S = 30.0
@@ -125,8 +126,8 @@ class Orchestrator:
     # --- processes ---------------------------------------------------------------------------
 
     def spawn(self, role: str, module: str, worker_id: str) -> None:
-        env = dict(os.environ, **{ENV_URL: self.url, "PYTHONUNBUFFERED": "1"})
-        log = open(self.run_dir / "logs" / f"{worker_id}.out", "ab")
+        env = dict(os.environ, **{ENV_URL: self.url, "PYTHONUNBUFFERED": "1"})   # the URL never goes on argv
+        log = open_private(self.run_dir / "logs" / f"{worker_id}.out")
         proc = subprocess.Popen([sys.executable, "-m", module, "--run-dir", str(self.run_dir),
                                  "--worker-id", worker_id], env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -331,9 +332,9 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
     except RunFailed as exc:   # bad input (prompt files, environment, policy directory): nothing started
         print(f"libra-ctl run: {exc}", file=out)
         return 2
-    url, embedded = _choose_redis(cfg, run_dir, resume_dir)
-    orch = None
+    orch, embedded = None, None
     try:
+        url, embedded = _choose_redis(cfg, run_dir, resume_dir)
         url = _start_redis(embedded, url, run_dir, out)
         r = connect(url)
         if resume_dir:
@@ -361,6 +362,12 @@ def _choose_redis(cfg: Config, run_dir: Path, resume_dir: Path | None) -> tuple[
     if resume_dir and url is None:
         recorded = json.loads((run_dir / "manifest.json").read_text())["redis"]
         url = None if recorded["embedded"] else recorded["url"]
+    if url and is_redacted(url):
+        # the manifest keeps no password: the full URL comes from the environment
+        if not os.environ.get(ENV_URL):
+            raise RunFailed(f"the run's Redis {url} needs its password, which the run directory does not keep: "
+                            f"set {ENV_URL} to the full URL")
+        url = os.environ[ENV_URL]
     # Resuming on the embedded server restarts it from the run's AOF: streams, pending entries,
     # counters and the feeder's cursor are as they were.
     embedded = EmbeddedRedis(run_dir / "redis", maxmemory=cfg.redis.maxmemory,
@@ -369,12 +376,12 @@ def _choose_redis(cfg: Config, run_dir: Path, resume_dir: Path | None) -> tuple[
 
 
 def _start_redis(embedded: EmbeddedRedis | None, url: str | None, run_dir: Path, out) -> str:
-    """Start the embedded server if there is one; record the URL in the run directory."""
+    """Start the embedded server if there is one; record the URL (its password redacted) in the run directory."""
     if embedded:
         embedded.start()
         url = embedded.url
         print(f"redis: embedded server at {url}", file=out, flush=True)
-    (run_dir / "redis.url").write_text(url + "\n")
+    write_private(run_dir / "redis.url", redact(url) + "\n")
     return url
 
 

@@ -49,6 +49,7 @@ from pipeline.control import actions
 from pipeline.control.actions import STATE_DRAIN, STATE_GONE, STATE_RUN
 from pipeline.dataplane.keys import AGENTS, ROLES, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
 from pipeline.dataplane.redisconn import ENV_URL, connect
+from pipeline.redaction import open_private
 
 TICK_S = 0.2
 HEARTBEAT_S = 1.0
@@ -420,6 +421,7 @@ class Agent:
     def spawn(self, key: str, d: dict) -> None:
         by_index = {s.index: s for s in self.slots}
         devices = [by_index[i].device for i in d["slots"] if by_index[i].device is not None]
+        # the URL (it may hold a password) travels in the environment: argv is visible to every user
         env = dict(os.environ, **{ENV_URL: self.url, "PYTHONUNBUFFERED": "1", NODE_ENV: self.node,
                                   SLOTS_ENV: ",".join(str(i) for i in d["slots"]),
                                   # a CPU slot hides every GPU; a GPU slot shows only its own
@@ -501,7 +503,7 @@ def _log_file(run_dir: str, worker: str):
     try:
         path = Path(run_dir) / "logs"
         path.mkdir(parents=True, exist_ok=True)
-        return open(path / f"{worker}.out", "ab")
+        return open_private(path / f"{worker}.out")
     except OSError:
         return subprocess.DEVNULL
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pipeline.control.agent import SlotError, detect_slots
 from pipeline.dataplane.redisconn import ENV_URL
+from pipeline.redaction import open_private
 
 class LocalControl:
     """The controller and one agent as child processes of ``libra-ctl run``; ``stop()`` ends both."""
@@ -59,7 +60,7 @@ def start_local_control(cfg, run_dir: Path, redis_url: str, *, slots: int | None
             detect_slots(None)
         except SlotError:
             slots = getattr(cfg.run, "slots", 0) or cfg.rollout.workers + cfg.learner.workers
-    env = dict(os.environ, **{ENV_URL: redis_url, "PYTHONUNBUFFERED": "1"})
+    env = dict(os.environ, **{ENV_URL: redis_url, "PYTHONUNBUFFERED": "1"})   # never on argv: ps shows it
     logs = Path(run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     agent_argv = ["agent"] + (["--slots", str(slots)] if slots else []) + (["--node", node] if node else [])
@@ -68,7 +69,7 @@ def start_local_control(cfg, run_dir: Path, redis_url: str, *, slots: int | None
     controller_argv = ["controller", "--interval", str(interval_s), "--metrics-port", str(port)]
     wanted = ([("controller", controller_argv)] if controller else []) + ([("agent", agent_argv)] if agent else [])
     for name, argv in wanted:
-        with open(logs / f"{name}.out", "ab") as out:
+        with open_private(logs / f"{name}.out") as out:
             procs.append((name, subprocess.Popen([sys.executable, "-m", "pipeline.cli", *argv], env=env,
                                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)))
     return LocalControl(procs, Path(run_dir))

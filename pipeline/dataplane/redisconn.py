@@ -17,6 +17,8 @@ from pathlib import Path
 
 import redis
 
+from pipeline.redaction import is_redacted, redact
+
 ENV_URL = "LIBRA_REDIS_URL"
 
 
@@ -134,6 +136,9 @@ def find_redis_url(explicit: str | None) -> str:
         url = p.read_text().strip()
         if url.startswith("unix://") and not Path(url[len("unix://"):]).exists():
             continue
+        if is_redacted(url):
+            raise SystemExit(f"the newest run ({p.parent}) uses {redact(url)}, whose password is not stored: "
+                             f"pass --redis URL or set {ENV_URL}")
         return url
     raise SystemExit(f"no Redis to talk to: pass --redis URL or set {ENV_URL} "
                      "(or start a job with libra-ctl run in this directory)")
