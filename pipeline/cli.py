@@ -87,7 +87,7 @@ def cmd_controller(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     if args.once:
         return 0 if ctl.tick() else 1
-    metrics = _serve_metrics(ctl.r, args.metrics_port, log)
+    metrics = _serve_metrics(ctl.r, args.metrics_port, args.metrics_host, log)
     log.info("controller_started", interval_s=args.interval, metrics_port=args.metrics_port)
     try:
         ctl.run()
@@ -97,18 +97,18 @@ def cmd_controller(args) -> int:
     return 0
 
 
-def _serve_metrics(r, port: int, log):
-    """Prometheus /metrics for every job on this Redis; a taken port is logged, not fatal."""
+def _serve_metrics(r, port: int, host: str, log):
+    """Prometheus /metrics for every job on this Redis, on ``host`` only; a taken port is logged, not fatal."""
     if not port:
         return None
     from pipeline.observe.prometheus import serve
 
     try:
-        server = serve(r, port, host="0.0.0.0")
+        server = serve(r, port, host=host)
     except OSError as exc:
-        log.warning("metrics_port_unavailable", port=port, error=str(exc))
+        log.warning("metrics_port_unavailable", port=port, host=host, error=str(exc))
         return None
-    log.info("metrics_serving", url=f"http://0.0.0.0:{port}/metrics")
+    log.info("metrics_serving", url=server.url)
     return server
 
 
@@ -309,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--once", action="store_true", help="one reconcile, then exit")
     c.add_argument("--metrics-port", type=int, default=9464,
                    help="serve Prometheus /metrics on this port (0: off; control.metrics_port)")
+    c.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address /metrics binds (0.0.0.0: every interface; control.metrics_host)")
     c.add_argument("--redis", help=f"Redis URL (default: ${ENV_URL})")
     c.set_defaults(func=cmd_controller)
 

@@ -166,6 +166,7 @@ class ControlConfig:
     min_reward: int = _f(1, "fewest reward workers")
     max_reward: int = _f(1 << 30, "most reward workers")
     metrics_port: int = _f(9464, "the controller serves Prometheus /metrics here (0: off)")
+    metrics_host: str = _f("127.0.0.1", "address /metrics binds (0.0.0.0: every interface, for a remote Prometheus)")
 
 
 @dataclass(frozen=True)

@@ -65,8 +65,9 @@ def start_local_control(cfg, run_dir: Path, redis_url: str, *, slots: int | None
     logs.mkdir(parents=True, exist_ok=True)
     agent_argv = ["agent"] + (["--slots", str(slots)] if slots else []) + (["--node", node] if node else [])
     procs = []
-    port = getattr(getattr(cfg, "control", None), "metrics_port", 0)
-    controller_argv = ["controller", "--interval", str(interval_s), "--metrics-port", str(port)]
+    control = getattr(cfg, "control", None)
+    port, host = getattr(control, "metrics_port", 0), getattr(control, "metrics_host", "127.0.0.1")
+    controller_argv = ["controller", "--interval", str(interval_s), "--metrics-port", str(port), "--metrics-host", host]
     wanted = ([("controller", controller_argv)] if controller else []) + ([("agent", agent_argv)] if agent else [])
     for name, argv in wanted:
         with open_private(logs / f"{name}.out") as out:
