@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pipeline import config as config_mod
 from pipeline.dataplane.redisconn import ENV_URL, connect, find_redis_url
-from pipeline.redaction import redact
+from pipeline.redaction import redact, write_private
 
 SHARED_REDIS_DIR = "runs/redis"   # where ``libra-ctl redis`` keeps the embedded server of a Procfile
 REDIS_WAIT_S = 120.0
@@ -182,7 +182,7 @@ def _serve_redis(data_dir: Path, stop: threading.Event) -> int:
         return 1
     server = EmbeddedRedis(data_dir).start()
     url_file = data_dir / "redis.url"
-    url_file.write_text(server.url + "\n")
+    write_private(url_file, server.url + "\n")   # a unix socket: no secret, but the socket's place is ours
     print(f"redis: serving at {server.url} (data in {data_dir}); export {ENV_URL}={server.url}", flush=True)
     try:
         stop.wait()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from pipeline.redaction import is_redacted, redact
+from pipeline.redaction import is_redacted, redact, write_private
 
 ENV_URL = "LIBRA_REDIS_URL"
 
@@ -52,6 +52,10 @@ def redis_server_binary() -> str:
 class EmbeddedRedis:
     """A private redis-server on a unix socket under ``data_dir``; stopped on exit (also on Ctrl-C).
 
+    It opens no TCP port (``port 0``); ``bind 127.0.0.1`` and ``protected-mode
+    yes`` keep it local should a port ever be set. The socket is 0700 and the
+    config file 0600: only the user who started it can reach it.
+
     AOF is on so a crash of our own process loses at most ``appendfsync``'s
     window, and ``noeviction`` makes a full server refuse writes (producers
     treat that as backpressure) instead of silently dropping stream entries.
@@ -74,8 +78,8 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 15.0) -> "EmbeddedRedis":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         conf = self.data_dir / "redis.conf"
-        conf.write_text("\n".join([
-            "port 0", f"unixsocket {self.socket}", "unixsocketperm 700",
+        write_private(conf, "\n".join([
+            "port 0", "bind 127.0.0.1", "protected-mode yes", f"unixsocket {self.socket}", "unixsocketperm 700",
             f"dir {self.data_dir}", "appendonly yes", f"appendfsync {self.appendfsync}",
             # Trajectories pass through at tens of MB/s while trimming keeps the data set small:
             # the default 64 MB threshold would rewrite the AOF every few seconds.
