@@ -140,6 +140,12 @@ def test_agent_refuses_every_job_that_is_not_a_control_action(r, agent, tmp_path
         "keyword arguments": q.enqueue(actions.drain_worker, NODE, JOB, "w", 10**9, epoch=0),
         "a bool as seq": q.enqueue(actions.drain_worker, NODE, JOB, "w", True, 0),
     }
+    unhashable = q.enqueue("os.system", "true")
+    r.hset(unhashable.key, "data", json.dumps([["os", "system"], None, ["true"], {}]))
+    hostile["a list as function"] = unhashable
+    # a job hash rq cannot even load: dropped and logged, and the agent goes on
+    r.hset("rq:job:unreadable", mapping={"data": "{}", "created_at": "not-a-date"})
+    r.rpush(q.key, "unreadable")
     legit = [actions.ensure(r, NODE, spec), actions.drain(r, NODE, JOB, "feeder-9")]
     wanted = [*hostile.values(), *legit]
     wait_for(lambda: agent.step() or all(Job.fetch(j.id, connection=r).get_status() in ("finished", "failed")
@@ -151,6 +157,7 @@ def test_agent_refuses_every_job_that_is_not_a_control_action(r, agent, tmp_path
         assert j.get_status() == "failed", what
         assert "refused by the agent" in (j.latest_result().exc_string or ""), what
     assert not marker.exists() and not (tmp_path / "imported").exists()
+    assert not r.lrange(q.key, 0, -1)   # the unreadable job too was taken off the queue, and the agent went on
     assert EVIL_MODULE not in sys.modules
     assert [Job.fetch(j.id, connection=r).get_status() for j in legit] == ["finished", "finished"]
     desired = {k.decode(): json.loads(v) for k, v in r.hgetall(agent_desired(NODE)).items()}

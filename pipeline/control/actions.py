@@ -192,34 +192,34 @@ MAX_SLOTS = 4096
 
 def _name(what: str, value) -> None:
     if not (isinstance(value, str) and NAME.fullmatch(value)):
-        raise Refused(f"{what} {value!r} is not a name ({NAME.pattern})")
+        raise Refused(f"{what} {value!r:.200} is not a name ({NAME.pattern})")
 
 
 def _int(what: str, value, least: int) -> None:
     if not (isinstance(value, int) and not isinstance(value, bool) and least <= value < 1 << 63):
-        raise Refused(f"{what} {value!r} is not an integer >= {least}")
+        raise Refused(f"{what} {value!r:.100} is not an integer >= {least}")
 
 
 def _spec(spec) -> None:
     if not (isinstance(spec, dict) and set(spec) == SPEC_FIELDS):
-        got = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
-        raise Refused(f"spec must have exactly the fields {sorted(SPEC_FIELDS)}, not {got}")
+        got = sorted(map(str, spec)) if isinstance(spec, dict) else type(spec).__name__
+        raise Refused(f"spec must have exactly the fields {sorted(SPEC_FIELDS)}, not {got!s:.200}")
     _name("job", spec["job"])
     _name("worker", spec["worker"])
     if spec["role"] not in (*ROLES, "feeder"):
-        raise Refused(f"role {spec['role']!r} is not one of {[*ROLES, 'feeder']}")
+        raise Refused(f"role {spec['role']!r:.100} is not one of {[*ROLES, 'feeder']}")
     if spec["backend"] not in BACKENDS:
-        raise Refused(f"backend {spec['backend']!r} is not one of {list(BACKENDS)}")
+        raise Refused(f"backend {spec['backend']!r:.100} is not one of {list(BACKENDS)}")
     slots = spec["slots"]
     if not (isinstance(slots, list) and len(slots) <= MAX_SLOTS):
-        raise Refused(f"slots {slots!r} is not a list of slot indexes")
+        raise Refused(f"slots {slots!r:.200} is not a list of slot indexes")
     for s in slots:
         _int("slot", s, 0)
     if len(set(slots)) != len(slots):
-        raise Refused(f"slots {slots!r} names a slot twice")
+        raise Refused(f"slots {slots!r:.200} names a slot twice")
     run_dir = spec["run_dir"]
     if not (isinstance(run_dir, str) and 0 < len(run_dir) <= 4096 and "\0" not in run_dir):
-        raise Refused(f"run_dir {run_dir!r} is not a path")
+        raise Refused(f"run_dir {run_dir!r:.200} is not a path")
 
 
 # function path -> the shape check of its arguments after ``node`` (the trailing seq and epoch included)
@@ -242,8 +242,8 @@ def check_job(job, node: str) -> str:
         func, instance, args, kwargs = job.func_name, job.instance, job.args, job.kwargs
     except DeserializationError:
         raise Refused("its data is not JSON (never unpickled)") from None
-    if func not in ACTIONS:
-        raise Refused(f"{func!r} is not a control action (only {sorted(ACTIONS)})")
+    if not isinstance(func, str) or func not in ACTIONS:
+        raise Refused(f"{func!r:.200} is not a control action (only {sorted(ACTIONS)})")
     callbacks = [getattr(job, f"_{k}_callback_name", None) for k in ("success", "failure", "stopped")]
     if instance is not None or kwargs or any(callbacks) or getattr(job, "webhooks", None):
         raise Refused(f"{func}: an action takes no instance, keyword arguments, callbacks or webhooks")
@@ -251,7 +251,7 @@ def check_job(job, node: str) -> str:
     if not (isinstance(args, (list, tuple)) and len(args) == len(shape) + 3):
         raise Refused(f"{func}: takes {len(shape) + 3} arguments (node, ..., seq, epoch)")
     if args[0] != node:
-        raise Refused(f"{func}: addressed to node {args[0]!r}, this agent is {node!r}")
+        raise Refused(f"{func}: addressed to node {args[0]!r:.100}, this agent is {node!r}")
     for check, value in zip(shape, args[1:-2]):
         check(value)
     _int("seq", args[-2], 1)

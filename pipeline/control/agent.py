@@ -230,7 +230,7 @@ class ControlJobRunner:
             @property
             def func(self):
                 # a second lock behind check_job: whatever path leads rq to the function, only an action resolves
-                if self.func_name not in actions.ACTIONS:
+                if not isinstance(self.func_name, str) or self.func_name not in actions.ACTIONS:
                     raise actions.Refused(f"{self.func_name!r} is not a control action")
                 return super().func
 
@@ -254,7 +254,7 @@ class ControlJobRunner:
         self.scheduler.enqueue_scheduled_jobs()
         done = 0
         while done < limit:
-            got = self.worker.dequeue_job_and_maintain_ttl(None)
+            got = self.dequeue()
             if got is None:
                 break
             job, queue = got
@@ -266,6 +266,18 @@ class ControlJobRunner:
                 self.worker.execute_job(job, queue)
             done += 1
         return done
+
+    def dequeue(self):
+        """The next (job, queue), or None; a job hash rq cannot read is dropped and logged, never run."""
+        while True:
+            try:
+                return self.worker.dequeue_job_and_maintain_ttl(None)
+            except (ValueError, TypeError, KeyError) as exc:
+                job_id = getattr(exc, "job_id", None)   # rq names the job whose hash failed to load
+                if job_id is None:
+                    raise
+                self.queue.connection.lrem(self.queue.intermediate_queue_key, 0, job_id)
+                self.log.warning("control_job_refused", job_id=str(job_id)[:100], reason=f"unreadable: {exc}"[:300])
 
     def refuse(self, job, queue, reason: str) -> None:
         """Fail ``job`` without running it: no retry, no callback, no webhook."""
