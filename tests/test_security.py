@@ -260,7 +260,7 @@ def tls_redis(tmp_path):
         "port 0", f"tls-port {port}", "bind 127.0.0.1", f"dir {tls}", "save \"\"", "appendonly no",
         f"tls-cert-file {tls / 'server.pem'}", f"tls-key-file {tls / 'server.key'}",
         f"tls-ca-cert-file {tls / 'ca.pem'}", "tls-auth-clients yes",
-        "user default off", f"user libra on >{PASSWORD} ~* &* +@all",
+        "user default off", f"user libra on >{PASSWORD} ~* &* +@all -@admin",
     ]) + "\n")
     os.chmod(conf, 0o600)
     proc = subprocess.Popen([binary, str(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
