@@ -36,6 +36,7 @@ from pipeline.dataplane.keys import AGENTS, JobKeys, agent_desired, agent_procs,
 from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect, find_redis_url
 from pipeline.dataplane.worker import load_run_config
 from pipeline.observe.audit import audit
+from pipeline.observe.metrics import start_sampler
 from pipeline.redaction import MASK, is_redacted, redact
 from pipeline.run import _choose_redis, _start_redis
 
@@ -306,6 +307,7 @@ def test_a_job_over_tls_with_an_acl_user_leaks_no_secret(tls_redis, tmp_path):
     run_dir = sim_job(r, url, tmp_path, time_scale=20.0, control={"mode": "pinned"}, job={"steps": 3})
     env = {**{k: v for k, v in os.environ.items() if k != ENV_URL}, ENV_URL: url}
     handle = start_local_control(load_run_config(run_dir), run_dir, url, slots=2, node=NODE, interval_s=1.0)
+    sampler = start_sampler(r, JOB, run_dir, 0.5)   # metrics.jsonl, as libra-ctl run keeps it
     argvs: dict[int, bytes] = {}
     try:
         wait_for(lambda: r.hexists(AGENTS, NODE), 60, "the agent over TLS")
@@ -328,7 +330,10 @@ def test_a_job_over_tls_with_an_acl_user_leaks_no_secret(tls_redis, tmp_path):
                                  capture_output=True, timeout=60) for flag in ([], ["--json"])]
         handle.check()
     finally:
+        sampler.stop()
         handle.stop()
+    status += [subprocess.run([sys.executable, "-m", "pipeline.cli", *argv], cwd=ROOT, env=env, capture_output=True,
+                              timeout=120) for argv in (["audit", "--job", JOB, "--json"],)]
     assert all(s.returncode == 0 for s in status), [s.stderr for s in status]
     assert json.loads(status[1].stdout)["jobs"][0]["name"] == JOB
     a = audit(r, JOB, str(run_dir))
@@ -339,6 +344,7 @@ def test_a_job_over_tls_with_an_acl_user_leaks_no_secret(tls_redis, tmp_path):
     assert not [pid for pid, argv in argvs.items() if secret_hits(argv)]
     assert not [s for s in status if secret_hits(s.stdout + s.stderr)]
     files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {"manifest.json", "metrics.jsonl", "events.jsonl"} <= {p.name for p in files}
     assert not [str(p) for p in files if secret_hits(p.read_bytes())]
     private = [run_dir / "manifest.json", *(run_dir / "logs").iterdir()]
     assert not [str(p) for p in private if mode(p) != 0o600]
