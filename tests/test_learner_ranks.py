@@ -255,7 +255,7 @@ def test_learner_drains_with_a_checkpoint_and_resumes_at_another_world_size(tmp_
                            extra=("learner.checkpoint_every=100", "streams.learner_min_idle_s=1e6"))
     keys = JobKeys("rec")
     groups = scored_groups(policy_dir, 24)  # 6 steps x 4 groups
-    feed(r, groups[:14], issued=len(groups))  # 3 steps, and half a batch the learner then waits on
+    feed(r, groups[:14], issued=14)  # 3 steps, and half a batch the learner then waits on
     proc = start_learner(run_dir, redis_url, slots="0,1")
     wait_for(lambda: learner_step(r) >= 1, timeout_s=120)
     children = _rank_children(proc.pid)
@@ -277,12 +277,12 @@ def test_learner_drains_with_a_checkpoint_and_resumes_at_another_world_size(tmp_
     assert any((run_dir / "policy").glob("v*"))
 
     # One rank restores the two ranks' checkpoint, trains a step and drains in turn.
-    feed(r, groups[14:18], issued=0)
+    feed(r, groups[14:18], issued=4)
     _drain_when_waiting(r, start_learner(run_dir, redis_url, slots=""), step=4, pending=6)
     assert read_state(latest_checkpoint(run_dir / "checkpoints"))["world_size"] == 1
 
     # Two ranks restore that checkpoint (rank 1 loads its model and optimizer) and finish.
-    feed(r, groups[18:], issued=0)
+    feed(r, groups[18:], issued=6)
     assert start_learner(run_dir, redis_url, slots="0,1").wait(timeout=300) == 0
     a = audit(r, "rec", str(run_dir))
     assert a["ok"], a["problems"]

@@ -116,8 +116,8 @@ def feed(r, groups, issued: int) -> None:
         r.xadd(keys.scored, {messages.FIELD: messages.encode(g)})
     r.hincrby(keys.counters, "issued_prompts", issued)
     r.hincrby(keys.counters, "issued", issued * G)
-    if issued:
-        r.sadd(keys.issued, *[g.prompt_id for g in groups[:issued]])
+    if issued:  # the feeder's record: the first ``issued`` prompts among these groups
+        r.sadd(keys.issued, *list(dict.fromkeys(g.prompt_id for g in groups))[:issued])
 
 
 def published(r) -> int:
@@ -232,7 +232,7 @@ def test_drain_checkpoints_the_step_in_hand_and_a_restart_repeats_nothing(tmp_pa
                               extra=("learner.checkpoint_every=100", "streams.learner_min_idle_s=1e6"))
     keys = JobKeys("rec")
     groups = scored_groups(policy_dir, 24)
-    feed(r, groups[:14], issued=len(groups))  # 3 batches, and half a batch the learner then waits on
+    feed(r, groups[:14], issued=14)  # 3 batches, and half a batch the learner then waits on
     proc = start_learner(run_dir, redis_url)
     wait_for(lambda: learner_step(r) == 3 and r.xpending(keys.scored, "learner")["pending"] == 14)
     assert not list((run_dir / "checkpoints").glob("step-*"))  # checkpoint_every=100: none yet
@@ -248,7 +248,7 @@ def test_drain_checkpoints_the_step_in_hand_and_a_restart_repeats_nothing(tmp_pa
     consumed = (run_dir / "checkpoints" / "step-000003" / "consumed.txt").read_text().split()
     assert sorted(consumed) == sorted(f"{g.prompt_id}/{i}" for g in groups[:12] for i in range(G))
 
-    feed(r, groups[14:], issued=0)
+    feed(r, groups[14:], issued=10)
     proc = start_learner(run_dir, redis_url)
     assert proc.wait(timeout=600) == 0
     a = audit(r, "rec", str(run_dir))
