@@ -2,12 +2,14 @@
 
 ``python -m workers.learner``, started by ``libra-ctl run`` or a node agent.
 A step reads whole scored groups until ``batch_size`` trajectories are
-admitted, dropping (and counting) groups staler than ``max_staleness``. Every
+admitted, dropping (and counting) groups more than ``max_staleness`` updates
+behind, counted along the version tree (``pipeline.dataplane.lineage``). Every
 ``publish_every`` steps it publishes weights under a new version; every
 ``checkpoint_every`` steps it writes a checkpoint (weights, optimizer, step,
 version, the ids it consumed) and only then acknowledges the stream entries
 that checkpoint contains. A restart restores the latest checkpoint, publishes
-under a new version, and its unacknowledged entries are replayed. A drain
+under a new version that starts a new line of the tree (0 updates from the
+checkpoint's), and its unacknowledged entries are replayed. A drain
 (SIGTERM) finishes the step in hand, checkpoints it and exits 0, so the next
 learner repeats nothing.
 
@@ -168,7 +170,7 @@ class Learner:
         # Counters follow the checkpoint: steps after it will be trained again from the replay.
         self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={
             "trained": self.trained_total, "dropped_stale": self.dropped_total,
-            "dropped_branch": state.get("dropped_branch_total", 0)}))
+            "dropped_branch": self.dropped_branch_total}))
         self.publish()
         return opt
 
