@@ -104,7 +104,8 @@ class LearnerConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     clip_eps: float = _f(0.2, "PPO clip range of the importance ratio")
     max_grad_norm: float = _f(1.0, "gradient norm clip")
-    max_staleness: int = _f(2, "groups generated more than this many versions ago are dropped")
+    max_staleness: int = _f(2, "groups generated more than this many learner updates ago (along the version tree, so a "
+                                    "restore adds none) are dropped")
     publish_every: int = _f(1, "steps between weight publications (at most max_staleness)")
     checkpoint_every: int = _f(10, "steps between checkpoints (model, optimizer, consumed ids)")
     keep_published: int = _f(4, "published weight versions kept on disk")

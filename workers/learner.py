@@ -2,12 +2,14 @@
 
 ``python -m workers.learner``, started by ``libra-ctl run`` or a node agent.
 A step reads whole scored groups until ``batch_size`` trajectories are
-admitted, dropping (and counting) groups staler than ``max_staleness``. Every
+admitted, dropping (and counting) groups more than ``max_staleness`` updates
+behind, counted along the version tree (``pipeline.dataplane.lineage``). Every
 ``publish_every`` steps it publishes weights under a new version; every
 ``checkpoint_every`` steps it writes a checkpoint (weights, optimizer, step,
 version, the ids it consumed) and only then acknowledges the stream entries
 that checkpoint contains. A restart restores the latest checkpoint, publishes
-under a new version, and its unacknowledged entries are replayed. A drain
+under a new version that starts a new line of the tree (0 updates from the
+checkpoint's), and its unacknowledged entries are replayed. A drain
 (SIGTERM) finishes the step in hand, checkpoints it and exits 0, so the next
 learner repeats nothing.
 
@@ -40,6 +42,7 @@ import torch
 from pipeline.dataplane import messages
 from pipeline.observe.diversity import diversity_metrics
 from pipeline.dataplane.keys import GROUP_LEARNER
+from pipeline.dataplane.lineage import Lineage, load_segments, record_line, restored
 from pipeline.observe.measures import tool_stats
 from pipeline.observe.trace import span
 from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
@@ -65,7 +68,9 @@ class Batch:
     entry_ids: list[bytes] = field(default_factory=list)  # every entry consumed, admitted or dropped
     dropped_groups: int = 0
     dropped_trajectories: int = 0
-    dropped_ids: list[str] = field(default_factory=list)
+    dropped_ids: list[str] = field(default_factory=list)  # every id dropped: stale, or off a discarded branch
+    dropped_branch_ids: list[str] = field(default_factory=list)  # of those, the ones from a discarded branch
+    staleness: list[int] = field(default_factory=list)  # per admitted group: updates along the version tree
     duplicates: int = 0  # trajectories of groups already trained, skipped
     wait_s: float = 0.0
 
@@ -94,6 +99,8 @@ class Learner:
         self.unacked: list[bytes] = []  # consumed since the last durable checkpoint
         self.consumed: list[str] = []  # trajectory ids trained since the last checkpoint
         self.dropped: list[str] = []  # trajectory ids dropped as stale since the last checkpoint
+        self.dropped_branch: list[str] = []  # of those, the ones generated on a discarded branch
+        self.lineage = Lineage()  # the version tree: staleness counts updates along it (see restore_or_init)
         # Trajectory id -> step that trained it, for the last DEDUP_STEPS steps: a
         # redelivered or regenerated group arrives within that window.
         self.trained_ids: dict[str, int] = {}
@@ -102,6 +109,7 @@ class Learner:
         self.replay_from: str | None = "-"
         self.trained_total = 0
         self.dropped_total = 0
+        self.dropped_branch_total = 0
         t0 = time.monotonic()
         start = self.restore_or_init()
         self.meter.add(pause_s=time.monotonic() - t0)
@@ -127,31 +135,49 @@ class Learner:
         latest = latest_checkpoint(self.ckpt_dir)
         info = self.ctx.r.hgetall(self.ctx.keys.policy)
         published = int(info[b"version"]) if info else 0
+        stored = load_segments(self.ctx.r, self.ctx.keys)
         if latest is None:
             manifest = json.loads((self.ctx.run_dir / "manifest.json").read_text())
             self.load(manifest.get("initial_policy") or info[b"path"].decode())
             self.version = 0
+            self.lineage = restored(stored, None)
             if published > 0:  # a learner ran before: restart under a new version number
                 self.version = published + 1
-                self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={"trained": 0, "dropped_stale": 0}))
+                self.start_line(updates=0, parent=0)  # the initial policy's weights, under a new number
+                self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={
+                    "trained": 0, "dropped_stale": 0, "dropped_branch": 0}))
                 self.publish()
+            else:
+                self.write(lambda pipe: record_line(pipe, self.ctx.keys, self.lineage, 0))
             return None
         state = read_state(latest)
         self.load(latest / "model")  # a checkpoint's model dir carries the initial policy's tokenizer files
         self.step = state["step"]
         self.trained_total = state["trained_total"]
         self.dropped_total = state["dropped_total"]
-        # A restore publishes under a new, higher version: a number never names two weight sets.
+        self.dropped_branch_total = state.get("dropped_branch_total", 0)
+        # A restore publishes under a new, higher version: a number never names two weight sets. The new
+        # version starts a line from the checkpoint's (0 updates apart); what the dead learner published
+        # after the checkpoint is a discarded branch.
         self.version = max(published, state["version"]) + 1
-        self.ctx.log.info("restored", checkpoint=str(latest), step=self.step, version=self.version)
+        self.lineage = restored(stored, state)
+        self.start_line(updates=self.step, parent=state["version"])
+        self.ctx.log.info("restored", checkpoint=str(latest), step=self.step, version=self.version,
+                          parent_version=state["version"])
         opt = read_optimizer(latest)
         self.restored_from = latest
         self.trained_ids.update(trained_ids_after(self.ckpt_dir, self.step - DEDUP_STEPS))
         # Counters follow the checkpoint: steps after it will be trained again from the replay.
         self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={
-            "trained": self.trained_total, "dropped_stale": self.dropped_total}))
+            "trained": self.trained_total, "dropped_stale": self.dropped_total,
+            "dropped_branch": self.dropped_branch_total}))
         self.publish()
         return opt
+
+    def start_line(self, updates: int, parent: int) -> None:
+        """Start a line at ``self.version`` from ``parent``'s weights, recorded before anything is published."""
+        self.lineage.start_line(self.version, updates, parent)
+        self.write(lambda pipe: record_line(pipe, self.ctx.keys, self.lineage, self.version))
 
     def load(self, model_dir) -> None:
         """Load float32 weights onto the learner's device; later saves copy ``model_dir``'s tokenizer files."""
@@ -189,13 +215,34 @@ class Learner:
                 if self.dedup and self.already_trained(group, batch):
                     batch.duplicates += len(group.trajectories)
                     continue
-                if self.version - group.version > self.cfg.max_staleness:
-                    batch.dropped_groups += 1
-                    batch.dropped_trajectories += len(group.trajectories)
-                    batch.dropped_ids += _ids(group)
-                    continue
-                batch.groups.append(group)
+                staleness = self.admit(group, batch)
+                if staleness is not None:
+                    batch.groups.append(group)
+                    batch.staleness.append(staleness)
         return batch
+
+    def admit(self, group: messages.Group, batch: Batch) -> int | None:
+        """The group's staleness if it is admitted; else None, the drop counted in ``batch`` with its reason.
+
+        Staleness counts learner updates between the group's weights and ours
+        along the version tree (``dataplane.lineage``): the restored line's own
+        work is as stale as its updates say, however many versions a restore
+        skipped. A group from a discarded branch is off-policy by the updates
+        back to the fork and on to us; its behaviour log-probs are those of the
+        weights that sampled it, so the importance ratio corrects it as it
+        corrects a stale group of that distance, and the same bound holds.
+        Beyond it, or from a version the tree does not know, it is dropped as
+        ``dropped_branch`` (counted among the stale drops as well).
+        """
+        d = self.lineage.distance(group.version, self.version)
+        if d.updates is not None and d.updates <= self.cfg.max_staleness:
+            return d.updates
+        batch.dropped_groups += 1
+        batch.dropped_trajectories += len(group.trajectories)
+        batch.dropped_ids += _ids(group)
+        if not d.on_line:
+            batch.dropped_branch_ids += _ids(group)
+        return None
 
     @property
     def dedup(self) -> bool:
@@ -280,8 +327,8 @@ class Learner:
 
     def train(self, batch: Batch) -> dict:
         """One GRPO update on the admitted groups, over every rank; returns the step's metrics."""
-        rows = group_rows(batch.groups, self.version)
-        shares = plan_shares(batch.groups, self.version, self.step, self.world)
+        rows = group_rows(batch.groups, batch.staleness)
+        shares = plan_shares(batch.groups, batch.staleness, self.version, self.step, self.world)
         if self.ranks is not None:
             self.ranks.send(shares[1:])
         sums = train_share(self.model, self.optimizer, shares[0], self.cfg, self.ctx.cfg.rollout.temperature,
@@ -315,14 +362,15 @@ class Learner:
         t0 = time.monotonic()
         write_checkpoint(self.ckpt_dir, self.model, self.optimizer, self.consumed, self.dropped, {
             "step": self.step, "version": self.version, "trained_total": self.trained_total,
-            "dropped_total": self.dropped_total, "world_size": self.world, "written_at": time.time()},
-            self.source_dir)
+            "dropped_total": self.dropped_total, "dropped_branch_total": self.dropped_branch_total,
+            "lineage": self.lineage.to_json(), "world_size": self.world, "written_at": time.time()},
+            self.source_dir, dropped_branch=self.dropped_branch)
         if self.unacked:
             self.ctx.r.xack(self.ctx.keys.scored, GROUP_LEARNER, *self.unacked)
         trim(self.ctx.r, self.ctx.keys.scored)
         self.meter.add(pause_s=time.monotonic() - t0)
         self.ctx.log.info("checkpointed", step=self.step, acked=len(self.unacked))
-        self.unacked, self.consumed, self.dropped = [], [], []
+        self.unacked, self.consumed, self.dropped, self.dropped_branch = [], [], [], []
         self.checkpointed_step = self.step
 
     # --- the loop ---------------------------------------------------------------------------------
@@ -332,6 +380,8 @@ class Learner:
         trained = [tid for g in batch.groups for tid in _ids(g)]
         self.consumed += trained
         self.dropped += batch.dropped_ids
+        self.dropped_branch += batch.dropped_branch_ids
+        self.dropped_branch_total += len(batch.dropped_branch_ids)
         for tid in trained:
             self.trained_ids[tid] = self.step
         self.trained_ids = {k: v for k, v in self.trained_ids.items() if v > self.step - DEDUP_STEPS}
@@ -450,6 +500,8 @@ def _step_writes(r, keys, batch: Batch, metrics: dict):
     pipe = r.pipeline(transaction=True)
     pipe.hincrby(keys.counters, "trained", metrics["trajectories"])
     pipe.hincrby(keys.counters, "dropped_stale", batch.dropped_trajectories)
+    if batch.dropped_branch_ids:
+        pipe.hincrby(keys.counters, "dropped_branch", len(batch.dropped_branch_ids))
     if batch.duplicates:
         pipe.hincrby(keys.counters, "duplicates_dropped_learner", batch.duplicates)
     pipe.hset(keys.learner_stats, mapping={k: json.dumps(v) for k, v in metrics.items()})

@@ -34,7 +34,8 @@ class Share:
     """One rank's part of one step, cut by rank 0: whole groups, and what the whole batch shares."""
 
     step: int              # the step being trained (learner.step before it), for the learning rate
-    version: int           # the learner's policy version during the step, for staleness
+    version: int           # the learner's policy version during the step
+    staleness: tuple[int, ...]  # per group: learner updates between its weights and ours (dataplane.lineage)
     total_tokens: int      # policy tokens of the whole batch's rows with a non-zero advantage
     any_active: bool       # whether any rank has such a row: then every rank takes the optimizer step
     groups: tuple[messages.Group, ...]
@@ -81,13 +82,19 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 # --- rows and shares ------------------------------------------------------------------------------
 
 
-def group_rows(groups, version: int) -> list[tuple]:
-    """(prompt tokens, trajectory, advantage, staleness) for every trajectory of the groups."""
+def group_rows(groups, staleness) -> list[tuple]:
+    """(prompt tokens, trajectory, advantage, staleness) for every trajectory of the groups.
+
+    ``staleness``: per group, the learner updates between the weights that
+    generated it and the current ones, counted along the version tree by the
+    learner that admitted it (``workers.learner.Learner.admit``), not the
+    difference of version numbers, which a restore makes skip.
+    """
     rows = []
-    for g in groups:
+    for g, stale in zip(groups, staleness, strict=True):
         adv = group_advantages(g.rewards)
         for t, a in zip(g.trajectories, adv):
-            rows.append((g.prompt_tokens, t, a, version - g.version))
+            rows.append((g.prompt_tokens, t, a, stale))
     return rows
 
 
@@ -101,16 +108,16 @@ def active_rows(rows: list) -> list:
     return [row for row in rows if row[2] != 0.0]
 
 
-def plan_shares(groups, version: int, step: int, world: int) -> list[Share]:
+def plan_shares(groups, staleness, version: int, step: int, world: int) -> list[Share]:
     """Cut the step's groups into ``world`` shares of whole groups, balanced by the tokens they train.
 
     Longest first onto the least-loaded rank (ties: the lower rank); a
     group's load is the tokens of its rows with a non-zero advantage. Each
     share keeps the batch's order, and with one rank the share is the batch.
     """
-    groups = list(groups)
-    loads = [sum(row_tokens(r) for r in active_rows(group_rows([g], version))) for g in groups]
-    active = active_rows(group_rows(groups, version))
+    groups, staleness = list(groups), list(staleness)
+    loads = [sum(row_tokens(r) for r in active_rows(group_rows([g], [s]))) for g, s in zip(groups, staleness)]
+    active = active_rows(group_rows(groups, staleness))
     total = int(sum(int(r[1].mask.sum()) for r in active))
     picked: list[list[int]] = [[] for _ in range(world)]
     rank_load = [0] * world
@@ -118,8 +125,9 @@ def plan_shares(groups, version: int, step: int, world: int) -> list[Share]:
         rank = min(range(world), key=lambda k: (rank_load[k], len(picked[k]), k))
         picked[rank].append(i)
         rank_load[rank] += loads[i]
-    return [Share(step=step, version=version, total_tokens=total, any_active=bool(active),
-                  groups=tuple(groups[i] for i in sorted(idx))) for idx in picked]
+    return [Share(step=step, version=version, staleness=tuple(staleness[i] for i in sorted(idx)),
+                  total_tokens=total, any_active=bool(active), groups=tuple(groups[i] for i in sorted(idx)))
+            for idx in picked]
 
 
 def micro_batches(rows: list, max_tokens: int) -> list[list]:
@@ -232,7 +240,7 @@ def train_share(model, optimizer: torch.optim.Optimizer, share: Share, cfg: Lear
     follows the same schedule.
     """
     set_lr(optimizer, lr_at(cfg, share.step))
-    active = active_rows(group_rows(share.groups, share.version))
+    active = active_rows(group_rows(share.groups, share.staleness))
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_sum, stats_all, fresh = accumulate_gradients(model, active, cfg, temperature, share.total_tokens)

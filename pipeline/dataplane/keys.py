@@ -58,6 +58,14 @@ class JobKeys:
         return self._k("policy")
 
     @property
+    def lineage(self) -> str:  # hash: first version of a line -> JSON {updates, parent} (the learner; dataplane.lineage)
+        return self._k("lineage")
+
+    @property
+    def issued(self) -> str:  # set of prompt ids the feeder issued (the audit's record of what to account for)
+        return self._k("issued")
+
+    @property
     def state(self) -> str:  # hash: phase (running|trained|stopping|done), run_dir, started_at
         return self._k("state")
 
