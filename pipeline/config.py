@@ -60,7 +60,10 @@ class RolloutConfig:
                             "temperature-scaled distribution, and the learner scales its logits by the same 1/T")
     max_turns: int = _f(4, "model turns per episode (each tool call ends a turn)")
     max_tokens_per_turn: int = _f(48, "tokens generated per turn at most")
-    tool_timeout_s: float = _f(2.0, "a tool call that takes longer is answered with a timeout")
+    tool_timeout_s: float = _f(2.0, "a tool call that takes longer is answered with a timeout (its thread is "
+                               "abandoned; past 64 hung calls the worker exits and its agent restarts it)")
+    tool_retries: int = _f(2, "retries of a tool call (environment step) that raises, within tool_timeout_s; "
+                           "then the group is dead-lettered with the error")
     gpu_memory_utilization: float = _f(0.02, "share of device memory (host RAM on CPU) the engine reserves")
     max_model_len: int = _f(256, "longest prompt + completion the engine accepts (at most the policy's max_position_embeddings)")
     dtype: str = _f("float32", "the engine's weights and activations: float32, bfloat16, float16 or auto "
@@ -86,6 +89,8 @@ class EnvConfig:
 class RewardConfig:
     workers: int = _f(1, "reward worker processes")
     verifier_retries: int = _f(2, "retries of a failing verifier before the group is dead-lettered")
+    timeout_s: float = _f(30.0, "the longest one reward call may take; a call past it is abandoned and counts "
+                          "as a failed try (retried, then the group is dead-lettered)")
     entry: str = _f("", "\"package.module:function\" (task, transcript) -> float scoring each episode; "
                     "empty: the environment's reward")
     model: str = _f("", "a Hugging Face sequence-classification directory (one label) that scores prompt + "
@@ -111,6 +116,8 @@ class LearnerConfig:
     threads: int = _f(1, "torch CPU threads of the learner")
     step_budget_s: float = _f(60.0, "the longest a learner step (waiting for data included) may take")
     checkpoint_write_s: float = _f(30.0, "the longest a checkpoint write may take")
+    max_train_attempts: int = _f(3, "a scored group whose training raised this many times (counted across "
+                                 "restarts) is dead-lettered with the error; the rest of its batch is trained")
     dtype: str = _f("fp32", "forward-pass precision: fp32, or bf16 (torch.autocast; master weights, optimizer "
                     "and log-softmax stay float32)")
     micro_batch_tokens: int = _f(8192, "padded tokens (rows x longest row) per forward/backward; bounds "
@@ -292,6 +299,7 @@ def validate(cfg: Config) -> None:
     need(1 <= lr.publish_every <= lr.max_staleness, "learner.publish_every",
          f"{lr.publish_every} must be between 1 and learner.max_staleness ({lr.max_staleness})")
     need(lr.checkpoint_every >= 1, "learner.checkpoint_every", "must be >= 1")
+    need(lr.max_train_attempts >= 1, "learner.max_train_attempts", "must be >= 1")
     need(lr.workers >= 1, "learner.workers", "the learner needs at least 1 slot; set 1 or more")
     need(lr.keep_published >= 2, "learner.keep_published", "keep at least 2 versions so a loading worker never loses its files")
     need(ro.engine == "vllm", "rollout.engine", f"unknown engine {ro.engine!r}; use \"vllm\"")
