@@ -75,6 +75,7 @@ class WorkerContext:
     done: int = 0  # trajectories handled, for the rate
     rate_per_s: float = 0.0
     policy_version: int = 0
+    failure: dict | None = None  # why the worker is failing, e.g. {"kind": "oom", "detail"} (workers.oom)
 
     def stopping(self) -> bool:
         return self.stop_event.is_set()
@@ -90,7 +91,8 @@ class WorkerContext:
         return {"id": self.worker_id, "role": self.role, "pid": os.getpid(),
                 "node": self.node, "slots": [], "state": self.state,
                 "heartbeat": time.time(), "done": self.done, "rate_per_s": round(self.rate_per_s, 3),
-                "policy_version": self.policy_version, **({"managed": EXTERNAL} if self.external else {})}
+                "policy_version": self.policy_version, **({"managed": EXTERNAL} if self.external else {}),
+                **({"failure": self.failure} if self.failure else {})}
 
     def publish_state(self, state: str | None = None) -> None:
         if state:
