@@ -70,6 +70,10 @@ class JobKeys:
         return self._k("learner:stats")
 
     @property
+    def learner_attempts(self) -> str:  # hash: scored entry id -> JSON {n, error}: training raised on it (learner)
+        return self._k("learner:attempts")
+
+    @property
     def workers(self) -> str:  # hash: worker id -> JSON (role, pid, node, slots, state, rate)
         return self._k("workers")
 
