@@ -21,7 +21,7 @@ from pathlib import Path
 import redis
 
 from pipeline.dataplane import messages
-from pipeline.dataplane.keys import JobKeys
+from pipeline.dataplane.keys import JobKeys, check_path
 from pipeline.dataplane.streams import group_pending, stream_lag
 
 
@@ -73,7 +73,7 @@ def in_flight(r: redis.Redis, keys: JobKeys, group_size: int) -> dict[str, int]:
 
 def audit(r: redis.Redis, job: str, run_dir: str | None = None) -> dict:
     keys = JobKeys(job)
-    rd = job_run_dir(r, keys, run_dir)
+    rd = job_run_dir(r, keys, check_path("--run", run_dir) if run_dir else None)
     g = json.loads((rd / "manifest.json").read_text())["config"]["rollout"]["group_size"]
     c = {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()}
     trained = checkpoint_records(rd, "consumed.txt")
