@@ -37,6 +37,7 @@ from typing import Any
 # The pool is the environment service's concurrency: steps beyond it queue, and the queueing
 # counts in their latency and against their timeout, as it would against a real service.
 STEP_CONCURRENCY = 16
+MAX_PROMPT_ID = 256   # characters of a prompt id (it names Redis keys and trajectory ids)
 # Calls a process may abandon (threads stuck in a hung tool or verifier) before it gives up: past this
 # it raises HungCalls and exits non-zero, and its agent starts a fresh process (the stuck threads die with it).
 MAX_ABANDONED = 64
@@ -201,9 +202,14 @@ class Environment:
         for key in ("prompt_id", "prompt"):
             if not isinstance(record.get(key), str):
                 raise ValueError(f"missing field {key!r}" if key not in record else f"field {key!r} must be str")
-        if not record["prompt_id"]:
+        prompt_id = record["prompt_id"]
+        if not prompt_id:
             raise ValueError("empty prompt_id")
-        return Task(record["prompt_id"], record["prompt"], record.get("answer"))
+        # The id names the group's Redis marks (JobKeys.seen) and every trajectory id: no control
+        # characters, and a bound on its length.
+        if len(prompt_id) > MAX_PROMPT_ID or any(ord(c) < 32 or ord(c) == 127 for c in prompt_id):
+            raise ValueError(f"prompt_id must be at most {MAX_PROMPT_ID} characters, none a control character")
+        return Task(prompt_id, record["prompt"], record.get("answer"))
 
     def read_prompts(self, path: str | Path) -> Iterator[Task | BadLine]:
         """Each line's task, or a ``BadLine`` saying why not; blank lines are skipped."""
@@ -217,6 +223,8 @@ class Environment:
                     yield BadLine(lineno, f"bad JSON: {exc.msg}")
                 except ValueError as exc:
                     yield BadLine(lineno, str(exc))
+                except RecursionError:   # json recurses once per nesting level
+                    yield BadLine(lineno, "bad JSON: nested too deeply")
 
     def make_tasks(self, seed: int, n: int, split: str) -> list[Task]:
         """``n`` tasks of ``split`` ("train" | "eval"), for environments that generate their own."""
