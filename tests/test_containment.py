@@ -263,8 +263,8 @@ def test_a_poison_entry_is_dead_lettered_and_a_nonfinite_step_is_skipped(tmp_pat
     unscored = replace(groups[2], prompt_id="unscored", trajectories=tuple(
         replace(t, reward=None) for t in groups[2].trajectories))
     nan = exploding(groups[5])
-    # step 1: groups 0, poison, 1, 2 (the poison taken out, group 3 fills no gap: the step trains 3);
-    # the nan group rides in a later batch, whose step is skipped
+    # The poison rides in the first batch (taken out: that step trains the other three groups), the
+    # unscored entry in the second, the nan group in the third, whose step is skipped.
     stream = [groups[0], poison, groups[1], groups[2], unscored, groups[3], nan] + groups[4:]
     raw = {g.prompt_id: m.encode(g) for g in stream}
     feed(r, stream, issued=len(stream))
@@ -340,3 +340,42 @@ def test_an_out_of_memory_error_is_recorded_as_oom(tmp_path, r, redis_url):
     logged = [json.loads(line) for line in (run_dir / "logs" / "reward-0.jsonl").read_text().splitlines()]
     assert any(rec.get("event") == "oom" for rec in logged)
     assert r.xlen(keys.dead_letters) == 0   # not the group's fault: it stays pending for another worker
+
+
+# --- names and numbers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override", ["learner.lr=nan", "rollout.tool_timeout_s=inf", "reward.timeout_s=-1",
+                                      "job.seed=-1", "streams.block_ms=0", "control.cooldown_s=-inf",
+                                      "job.name=a*", "job.name=x/../y", "job.name={other}", 'job.name="a\\u0007"',
+                                      f"job.name={'n' * 200}", "env.entry=../x", "control.metrics_port=70000",
+                                      f"job.steps={1 << 64}"])
+def test_config_refuses_bad_names_and_numbers(override):
+    with pytest.raises(config_mod.ConfigError) as exc:
+        config_mod.load(None, [override])
+    assert override.split("=")[0] in str(exc.value)
+
+
+def test_job_names_that_would_be_patterns_or_paths_are_refused_everywhere(tmp_path, r, redis_url):
+    from pipeline.dataplane.keys import BadName, job_pattern
+
+    for name in ["*", "a?", "[ab]", "x/y", "..", "a\nb", "", "{t}"]:
+        with pytest.raises(BadName):
+            JobKeys(name)
+    assert job_pattern("bench-*") == "libra:{bench-*}:*"   # the one place a glob is meant
+    out = ctl(redis_url, "*", "audit")
+    assert out.returncode == 2 and "glob character" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "workers.reward", "--run-dir", str(tmp_path),
+                          "--worker-id", "../evil"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "path separator" in out.stderr
+
+
+@pytest.mark.parametrize("field,value", [("gen_s", float("nan")), ("generated_at", float("inf")),
+                                         ("scored_at", float("-inf"))])
+def test_the_decoder_refuses_nonfinite_times(field, value):
+    from tests.test_streams import unscored_group
+
+    body = msgpack.unpackb(m.encode(unscored_group("g")), raw=False)
+    body[field] = value
+    with pytest.raises(m.BadMessage, match=field):
+        m.decode(msgpack.packb(body, use_bin_type=True), 1 << 20)
