@@ -334,6 +334,10 @@ def test_an_out_of_memory_error_is_recorded_as_oom(tmp_path, r, redis_url):
     assert proc.returncode != 0 and "MemoryError" in proc.stderr
     rec = json.loads(r.hget(keys.workers, "reward-0"))
     assert rec["failure"]["kind"] == "oom" and "cannot allocate 64 GiB" in rec["failure"]["detail"]
+    status = json.loads(subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--json", "--redis", redis_url],
+                                       cwd=ROOT, capture_output=True, text=True, timeout=120).stdout)
+    [job] = [j for j in status["jobs"] if j["name"] == "oom"]
+    assert [w["failure"]["kind"] for w in job["workers"]] == ["oom"]
     [event] = [json.loads(f[b"data"]) for _i, f in r.xrange(keys.control_events)]
     assert event["kind"] == "worker_oom" and event["worker"] == "reward-0"
     assert "worker_oom" in (run_dir / "events.jsonl").read_text()
