@@ -314,6 +314,8 @@ class Learner:
         re-raised: the learner exits, and its restart replays the batch.
         A kill (SIGKILL, a drain) counts no attempt.
         """
+        if self.device.type == "cuda":
+            self.dead_letter_entries(batch, self.outside_vocabulary(batch))
         if self.ctx.r.exists(self.ctx.keys.learner_attempts):   # some entry made training raise before
             self.dead_letter_entries(batch, self.attempts_over(list(self.entry_ids_of(batch).values())))
         while True:
@@ -327,6 +329,27 @@ class Learner:
                     raise
                 self.ctx.log.warning("train_raised", error=error, failing_groups=len(culprits))
                 self.dead_letter_entries(batch, culprits)
+
+    def outside_vocabulary(self, batch: Batch) -> dict[bytes, str]:
+        """Entry id -> reason of the groups holding a token id the policy does not have.
+
+        Checked before training on a GPU, where such an id is not an
+        exception but a device-side assert, after which the process's CUDA
+        context is lost for every group alike. On the CPU the embedding
+        raises IndexError, which ``train_contained`` handles like any error.
+        """
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if not vocab:
+            return {}
+        bad = {}
+        for g in batch.groups:
+            arrays = [g.prompt_tokens, *(t.completion for t in g.trajectories)]
+            if any(a.size and (int(a.max()) >= vocab or int(a.min()) < 0) for a in arrays):
+                bad[g.prompt_id] = f"token ids outside the policy's vocabulary (0..{vocab - 1})"
+        if not bad:
+            return {}
+        entry_of = self.entry_ids_of(batch)
+        return {entry_of[pid]: reason for pid, reason in bad.items() if pid in entry_of}
 
     def failing_groups(self, batch: Batch) -> dict[bytes, str]:
         """Entry id -> error of the batch's groups that raise when trained alone, ``max_train_attempts`` times.
