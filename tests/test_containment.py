@@ -268,6 +268,9 @@ def test_a_poison_entry_is_dead_lettered_and_a_nonfinite_step_is_skipped(tmp_pat
     stream = [groups[0], poison, groups[1], groups[2], unscored, groups[3], nan] + groups[4:]
     raw = {g.prompt_id: m.encode(g) for g in stream}
     feed(r, stream, issued=len(stream))
+    # Earlier learners raised twice on group 4 and exited (counted in Redis): this one dead-letters it untried.
+    [seeded] = [i for i, f in r.xrange(keys.scored) if f[m.FIELD] == raw[groups[4].prompt_id]]
+    r.hset(keys.learner_attempts, seeded, json.dumps({"n": 2, "error": "RuntimeError: an earlier crash"}))
     proc = start_learner(run_dir, redis_url)
     assert proc.wait(timeout=600) == 0, "the learner crashed on a poison entry"
 
@@ -277,9 +280,12 @@ def test_a_poison_entry_is_dead_lettered_and_a_nonfinite_step_is_skipped(tmp_pat
     assert reason.startswith("learner: token ids outside" if torch.cuda.is_available() else "learner: IndexError")
     assert dead[reason][b"payload"] == raw[poison.prompt_id]
     assert dead["learner expects a scored group"][b"payload"] == raw["unscored"]
+    assert dead["learner: training raised 2 times: RuntimeError: an earlier crash"][b"payload"] == raw[
+        groups[4].prompt_id]
+    assert not r.exists(keys.learner_attempts)   # dead-lettered or acknowledged: nothing left counted
     a = audit(r, "rec", str(run_dir))
     assert a["ok"], a["problems"]
-    assert a["dead_lettered"] == 2 * G and a["duplicates_trained"] == 0
+    assert a["dead_lettered"] == 3 * G and a["duplicates_trained"] == 0
 
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sum(s["skipped_nonfinite"] for s in steps) == 1

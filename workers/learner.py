@@ -47,7 +47,7 @@ from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_grou
 from pipeline.dataplane.worker import CostMeter, WorkerContext, finish_worker, start_worker
 from workers.checkpoint import (latest_checkpoint, prune_published, read_optimizer, read_state, trained_ids_after,
                                 write_checkpoint, write_published)
-from workers.oom import oom_reported
+from workers.oom import is_oom, oom_reported, record_oom
 from workers.ranks import RankGroup, pick_device, world_size
 # The step's compute lives in workers.update (shared by every rank); these names stay importable from here.
 from workers.update import accumulate_gradients as accumulate_gradients
@@ -323,6 +323,8 @@ class Learner:
                 return self.train(batch)
             except Exception as exc:  # noqa: BLE001 - anything the data can make torch raise; bounded below
                 error = f"{type(exc).__name__}: {exc}"
+                if is_oom(exc):   # reported whether one group turns out too big or the exit follows
+                    record_oom(self.ctx, exc, fatal=False)
                 culprits = self.failing_groups(batch) if self.ranks is None and len(batch.groups) else {}
                 if not culprits or len(culprits) == len(batch.groups) > 1:
                     self.count_attempts(batch.entry_ids, error)

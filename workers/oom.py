@@ -39,16 +39,22 @@ def oom_detail(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:2000]}"
 
 
-def record_oom(ctx, exc: BaseException) -> dict:
-    """Log, record in the worker's record and append to the job's events; returns the failure record."""
+def record_oom(ctx, exc: BaseException, fatal: bool = True) -> dict:
+    """Log and append to the job's events; returns the failure record.
+
+    ``fatal``: the worker is about to exit with it, so its record says so too
+    (``failure``); otherwise the worker contained it (the learner's
+    ``train_contained`` taking a group out) and goes on.
+    """
     failure = {"kind": "oom", "detail": oom_detail(exc), "at": time.time()}
-    ctx.log.error("oom", detail=failure["detail"])
-    ctx.failure = failure
+    ctx.log.error("oom", detail=failure["detail"], fatal=fatal)
     event = {"at": failure["at"], "job": ctx.keys.job, "kind": "worker_oom", "worker": ctx.worker_id,
-             "role": ctx.role, "node": ctx.node, "detail": failure["detail"]}
+             "role": ctx.role, "node": ctx.node, "detail": failure["detail"], "fatal": fatal}
     line = json.dumps(event)
     try:
-        ctx.publish_state("oom")
+        if fatal:
+            ctx.failure = failure
+            ctx.publish_state("oom")
         ctx.r.xadd(ctx.keys.control_events, {"data": line}, maxlen=EVENTS_MAXLEN, approximate=True)
     except redis.RedisError as err:
         ctx.log.warning("oom_not_recorded", error=str(err))
