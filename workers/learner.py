@@ -186,7 +186,7 @@ class Learner:
             for entry_id, group in good:
                 batch.entry_ids.append(entry_id)
                 if not isinstance(group, messages.Group) or any(t.reward is None for t in group.trajectories):
-                    self.dead_letter_bad([(entry_id, dict(entries)[entry_id], "learner expects a scored group",
+                    self.dead_letter_bad([(entry_id, batch.raw[entry_id], "learner expects a scored group",
                                            trajectories_of(group, gs))])
                     continue
                 if self.dedup and self.already_trained(group, batch):

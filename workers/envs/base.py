@@ -88,9 +88,12 @@ class DeadlinePool:
 
     def abandon(self, fut: Future) -> None:
         """Give up on ``fut``: cancelled if it has not started, else its thread is left behind and replaced."""
-        if fut.cancel() or fut.done():
+        if fut.cancel():
             return
         with self._lock:
+            # done() under the lock: a call that finished just now keeps its thread (see _work)
+            if fut.done():
+                return
             self._lost.add(id(fut))
             self._live -= 1
             self.abandoned += 1
@@ -108,7 +111,7 @@ class DeadlinePool:
                 fut.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, who decides
                 fut.set_exception(exc)
-            with self._lock:
+            with self._lock:   # abandon() marks a call lost only while it is not done, under this lock
                 if id(fut) in self._lost:   # abandoned while it ran: a replacement serves the queue now
                     self._lost.discard(id(fut))
                     return
