@@ -148,6 +148,18 @@ def test_a_tool_that_raises_is_retried_then_the_episode_carries_the_error():
     assert failed.finish == "error" and "ValueError: tool broke" in failed.error and "3 tries" in failed.error
 
 
+class BadStart(Flaky):
+    def start(self, task):
+        raise KeyError("no sandbox left")
+
+
+def test_an_environment_whose_start_raises_ends_the_episode_with_the_error():
+    env = BadStart()
+    failed = play(env, retries=2)
+    assert failed.finish == "error" and "env.start raised KeyError" in failed.error and failed.turns == 0
+    assert env.calls == []   # no turn was generated or stepped for it
+
+
 HUNG_TOOL = textwrap.dedent('''
     import threading
     from workers.envs.base import STEP_CONCURRENCY, Environment, Reply, Task

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from workers.chat import ChatFormat
 from workers.envs import load_env
-from workers.envs.base import Environment, Task
+from workers.envs.base import CallTimeout, Environment, HungCalls, Task, env_call
 
 DEFAULT_ENV = "calc"   # the environment when none is given (config's env.entry default)
 
@@ -93,8 +93,19 @@ class Loop:
     tool_retries: int = 0  # tries of a step that raises, after the first, within its timeout
 
     def new_episode(self, task: Task, sample_idx: int) -> Episode:
+        """A fresh episode; ``env.start`` is bounded like a step, and its failure is the episode's ``error``."""
         prompt_tokens = self.fmt.prompt_ids(self.tokenizer, task.prompt)
-        return Episode(task.prompt_id, sample_idx, prompt_tokens, [], [], [], "", state=self.env.start(task))
+        ep = Episode(task.prompt_id, sample_idx, prompt_tokens, [], [], [], "")
+        try:
+            ep.state = env_call(self.env.start, task, timeout_s=self.step_timeout_s)
+        except CallTimeout as exc:
+            ep.finish, ep.error = "error", f"env.start: {exc}"
+        except HungCalls:
+            raise
+        # The environment is user code: what it raises is reported with the group, not a crash.
+        except Exception as exc:  # noqa: BLE001
+            ep.finish, ep.error = "error", f"env.start raised {type(exc).__name__}: {exc}"
+        return ep
 
     def close_turn(self, ep: Episode, out: TurnOutput) -> bool:
         """Record a turn's output; True if the environment should answer it."""
@@ -199,7 +210,7 @@ def run_episodes(
                      tool_retries=tool_retries)
     tasks = [t for t, _ in items]
     episodes = [loop.new_episode(t, i) for t, i in items]
-    active = list(range(len(episodes)))
+    active = [i for i, ep in enumerate(episodes) if not ep.error]
     for turn in range(loop.max_turns):
         active = loop.fit_context(episodes, active)
         if not active:

@@ -124,6 +124,11 @@ class CallTimeout(TimeoutError):
 _POOL = DeadlinePool(STEP_CONCURRENCY, "env-step")
 
 
+def env_call(fn: Callable, *args, timeout_s: float):
+    """One call into the environment other than ``step`` (``start``), on the step pool, bounded by ``timeout_s``."""
+    return _POOL.call(fn, *args, timeout_s=timeout_s)
+
+
 @dataclass(frozen=True)
 class Task:
     """One prompt record: the text the model is shown and the ground truth it is judged on.
