@@ -32,6 +32,9 @@ from workers.envs import load_env
 from workers.envs.base import CallTimeout, Environment, HungCalls, Task, env_call
 
 DEFAULT_ENV = "calc"   # the environment when none is given (config's env.entry default)
+# The longest ``env.start`` may take (at least a step's timeout): a start may build a sandbox, which is
+# slower than a tool call, but one that never returns must still end its episode.
+START_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -93,11 +96,11 @@ class Loop:
     tool_retries: int = 0  # tries of a step that raises, after the first, within its timeout
 
     def new_episode(self, task: Task, sample_idx: int) -> Episode:
-        """A fresh episode; ``env.start`` is bounded like a step, and its failure is the episode's ``error``."""
+        """A fresh episode; ``env.start`` is bounded (START_TIMEOUT_S), and its failure is the episode's ``error``."""
         prompt_tokens = self.fmt.prompt_ids(self.tokenizer, task.prompt)
         ep = Episode(task.prompt_id, sample_idx, prompt_tokens, [], [], [], "")
         try:
-            ep.state = env_call(self.env.start, task, timeout_s=self.step_timeout_s)
+            ep.state = env_call(self.env.start, task, timeout_s=max(self.step_timeout_s, START_TIMEOUT_S))
         except CallTimeout as exc:
             ep.finish, ep.error = "error", f"env.start: {exc}"
         except HungCalls:
