@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from pipeline import config as config_mod
+from pipeline.dataplane.keys import BadName, check_path
 from pipeline.dataplane.redisconn import ENV_URL, connect, find_redis_url
 from pipeline.redaction import redact, write_private
 
@@ -52,7 +53,7 @@ def cmd_resume(args) -> int:
     from pipeline.run import RunFailed, resume_job
 
     try:
-        return resume_job(Path(args.run_dir), sys.argv)
+        return resume_job(Path(check_path("run directory", args.run_dir)), sys.argv)
     except RunFailed as exc:
         print(f"libra-ctl: {exc}", file=sys.stderr)
         return 2
@@ -350,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except config_mod.ConfigError as exc:
         print(f"libra-ctl: config error: {exc}", file=sys.stderr)
+        return 2
+    except BadName as exc:   # a job name, worker id or path that cannot become a key or a file name
+        print(f"libra-ctl: {exc}", file=sys.stderr)
         return 2
 
 

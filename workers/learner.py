@@ -50,6 +50,7 @@ from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_grou
 from pipeline.dataplane.worker import CostMeter, WorkerContext, finish_worker, start_worker
 from workers.checkpoint import (latest_checkpoint, prune_published, read_optimizer, read_state, trained_ids_after,
                                 write_checkpoint, write_published)
+from workers.oom import is_oom, oom_reported, record_oom
 from workers.ranks import RankGroup, pick_device, world_size
 # The step's compute lives in workers.update (shared by every rank); these names stay importable from here.
 from workers.update import accumulate_gradients as accumulate_gradients
@@ -73,6 +74,7 @@ class Batch:
     staleness: list[int] = field(default_factory=list)  # per admitted group: updates along the version tree
     duplicates: int = 0  # trajectories of groups already trained, skipped
     wait_s: float = 0.0
+    raw: dict[bytes, bytes] = field(default_factory=dict)  # entry id -> payload as read (for dead letters)
 
     @property
     def trajectories(self) -> int:
@@ -202,6 +204,7 @@ class Learner:
             want = max(1, (need - batch.trajectories) // gs)
             entries = self.read_entries(want, streams.block_ms, held)
             held.update(entry_id for entry_id, _p in entries)
+            batch.raw.update(entries)
             batch.wait_s += time.monotonic() - t0
             good, bad = decode_entries(entries, streams.max_message_bytes)
             if bad:  # each stood for one group (streams.trajectories_of)
@@ -209,7 +212,7 @@ class Learner:
             for entry_id, group in good:
                 batch.entry_ids.append(entry_id)
                 if not isinstance(group, messages.Group) or any(t.reward is None for t in group.trajectories):
-                    self.dead_letter_bad([(entry_id, messages.encode(group), "learner expects a scored group",
+                    self.dead_letter_bad([(entry_id, batch.raw[entry_id], "learner expects a scored group",
                                            trajectories_of(group, gs))])
                     continue
                 if self.dedup and self.already_trained(group, batch):
@@ -335,16 +338,161 @@ class Learner:
                            distributed=self.ranks is not None)
         if sums.weight_spread:  # the ranks' weights should never part: a fault of the hardware or the collectives
             self.ctx.log.warning("ranks_diverged", step=self.step + 1, weight_spread=sums.weight_spread)
+        if sums.skipped_nonfinite:
+            self.ctx.log.warning("skipped_nonfinite", step=self.step + 1, loss=sums.loss, grad_norm=sums.grad_norm)
         self.step += 1
         self.version += 1
         self.set_lr()
         return step_metrics(batch, rows, active_rows(rows), sums, step=self.step, version=self.version,
                             lr=self.optimizer.param_groups[0]["lr"], gpus=self.world)
 
+    def train_contained(self, batch: Batch) -> dict:
+        """``train``, with the entries that make training raise taken out and dead-lettered.
+
+        Before training, entries that already made training raise
+        ``learner.max_train_attempts`` times (counted in Redis, so across
+        restarts) are dead-lettered with the error recorded. When the step
+        raises, each group is tried alone (forward and backward, no optimizer
+        step): the groups that raise are tried again until their attempts
+        reach the bound and then dead-lettered with the real error; the step
+        is trained on the rest, each once. When no group raises alone (or
+        every one does: a broken device, not the data), or with several
+        ranks, the attempts of the whole batch are counted and the error
+        re-raised: the learner exits, and its restart replays the batch.
+        A kill (SIGKILL, a drain) counts no attempt.
+        """
+        if self.device.type == "cuda":
+            self.dead_letter_entries(batch, self.outside_vocabulary(batch))
+        if self.ctx.r.exists(self.ctx.keys.learner_attempts):   # some entry made training raise before
+            self.dead_letter_entries(batch, self.attempts_over(list(self.entry_ids_of(batch).values())))
+        while True:
+            try:
+                return self.train(batch)
+            except Exception as exc:  # noqa: BLE001 - anything the data can make torch raise; bounded below
+                error = f"{type(exc).__name__}: {exc}"
+                if is_oom(exc):   # reported whether one group turns out too big or the exit follows
+                    record_oom(self.ctx, exc, fatal=False)
+                culprits = self.failing_groups(batch) if self.ranks is None and len(batch.groups) else {}
+                if not culprits or len(culprits) == len(batch.groups) > 1:
+                    self.count_attempts(batch.entry_ids, error)
+                    raise
+                self.ctx.log.warning("train_raised", error=error, failing_groups=len(culprits))
+                self.dead_letter_entries(batch, culprits)
+
+    def outside_vocabulary(self, batch: Batch) -> dict[bytes, str]:
+        """Entry id -> reason of the groups holding a token id the policy does not have.
+
+        Checked before training on a GPU, where such an id is not an
+        exception but a device-side assert, after which the process's CUDA
+        context is lost for every group alike. On the CPU the embedding
+        raises IndexError, which ``train_contained`` handles like any error.
+        """
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if not vocab:
+            return {}
+        bad = {}
+        for g in batch.groups:
+            arrays = [g.prompt_tokens, *(t.completion for t in g.trajectories)]
+            if any(a.size and (int(a.max()) >= vocab or int(a.min()) < 0) for a in arrays):
+                bad[g.prompt_id] = f"token ids outside the policy's vocabulary (0..{vocab - 1})"
+        if not bad:
+            return {}
+        entry_of = self.entry_ids_of(batch)
+        return {entry_of[pid]: reason for pid, reason in bad.items() if pid in entry_of}
+
+    def failing_groups(self, batch: Batch) -> dict[bytes, str]:
+        """Entry id -> error of the batch's groups that raise when trained alone, ``max_train_attempts`` times.
+
+        Each try is a forward and backward pass of the group alone, with its
+        gradient thrown away; the attempts are counted per entry in Redis.
+        """
+        entry_of = self.entry_ids_of(batch)
+        out: dict[bytes, str] = {}
+        for g, stale in zip(batch.groups, batch.staleness, strict=True):
+            entry_id = entry_of.get(g.prompt_id)
+            if entry_id is None:
+                continue
+            while True:
+                error = self.probe(g, stale)
+                if error is None:
+                    break
+                if self.count_attempts([entry_id], error)[entry_id] >= self.cfg.max_train_attempts:
+                    out[entry_id] = error
+                    break
+        return out
+
+    def probe(self, group: messages.Group, staleness: int) -> str | None:
+        """The error of a forward and backward pass on ``group`` alone (None: it trains); grads are cleared."""
+        active = active_rows(group_rows([group], [staleness]))
+        try:
+            accumulate_gradients(self.model, active, self.cfg, self.ctx.cfg.rollout.temperature)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the error is the verdict on this group
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def entry_ids_of(self, batch: Batch) -> dict[str, bytes]:
+        """prompt_id -> entry id of the batch's admitted groups (a group's prompt id is unique in a batch)."""
+        wanted = {g.prompt_id for g in batch.groups}
+        out = {}
+        for entry_id in batch.entry_ids:
+            try:
+                msg = messages.decode(batch.raw.get(entry_id, b""), 1 << 40)
+            except messages.BadMessage:
+                continue
+            if msg.prompt_id in wanted:
+                out[msg.prompt_id] = entry_id
+        return out
+
+    def count_attempts(self, entry_ids: list[bytes], error: str) -> dict[bytes, int]:
+        """Add one failed training attempt, with its error, to each entry; returns the counts."""
+        key = self.ctx.keys.learner_attempts
+        old = self.ctx.r.hmget(key, entry_ids) if entry_ids else []
+        counts = {i: (json.loads(raw)["n"] if raw else 0) + 1 for i, raw in zip(entry_ids, old)}
+        if counts:
+            self.write(lambda pipe: pipe.hset(key, mapping={
+                i: json.dumps({"n": n, "error": error[:2000]}) for i, n in counts.items()}))
+        return counts
+
+    def attempts_over(self, entry_ids: list[bytes]) -> dict[bytes, str]:
+        """Entry id -> recorded error of the entries whose training raised ``max_train_attempts`` times."""
+        if not entry_ids:
+            return {}
+        out = {}
+        for entry_id, raw in zip(entry_ids, self.ctx.r.hmget(self.ctx.keys.learner_attempts, entry_ids)):
+            rec = json.loads(raw) if raw else None
+            if rec and rec["n"] >= self.cfg.max_train_attempts:
+                out[entry_id] = f"training raised {rec['n']} times: {rec['error']}"
+        return out
+
+    def dead_letter_entries(self, batch: Batch, errors: dict[bytes, str]) -> None:
+        """Take these entries out of the batch and dead-letter them, whole, with their error."""
+        if not errors:
+            return
+        entry_of = self.entry_ids_of(batch)
+        failed = {entry_of[g.prompt_id]: g for g in batch.groups if entry_of.get(g.prompt_id) in errors}
+        kept = [(g, s) for g, s in zip(batch.groups, batch.staleness, strict=True)
+                if entry_of.get(g.prompt_id) not in errors]
+        batch.groups, batch.staleness = [g for g, _ in kept], [s for _, s in kept]
+        batch.entry_ids = [i for i in batch.entry_ids if i not in errors]
+        gs = self.ctx.cfg.rollout.group_size
+        self.dead_letter_bad([(i, batch.raw.get(i, b""), f"learner: {error}",
+                               trajectories_of(failed.get(i), gs)) for i, error in errors.items()])
+        self.write(lambda pipe: pipe.hdel(self.ctx.keys.learner_attempts, *errors))
+
     # --- publishing and checkpoints ---------------------------------------------------------------
 
     def publish(self) -> None:
-        """Write weights for the current version and announce them; old versions are pruned."""
+        """Write weights for the current version and announce them; old versions are pruned.
+
+        Weights holding a NaN or an infinity are never published (train_share
+        skips a non-finite step, so they cannot arise from one): RuntimeError.
+        """
+        bad = [name for name, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+        if bad:
+            raise RuntimeError(f"refusing to publish version {self.version}: non-finite weights in "
+                               f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
         final = write_published(self.pub_dir, self.version, self.model, self.source_dir)
         announce = {"version": self.version, "path": str(final.resolve()), "step": self.step,
                     "published_at": time.time()}
@@ -367,6 +515,7 @@ class Learner:
             self.source_dir, dropped_branch=self.dropped_branch)
         if self.unacked:
             self.ctx.r.xack(self.ctx.keys.scored, GROUP_LEARNER, *self.unacked)
+            self.ctx.r.hdel(self.ctx.keys.learner_attempts, *self.unacked)   # trained: their failures are past
         trim(self.ctx.r, self.ctx.keys.scored)
         self.meter.add(pause_s=time.monotonic() - t0)
         self.ctx.log.info("checkpointed", step=self.step, acked=len(self.unacked))
@@ -412,7 +561,7 @@ class Learner:
             self.ctx.state = "running"
             t0 = time.monotonic()
             with span(self.ctx.log, "train", trajectories=batch.trajectories, world=self.world):
-                metrics = self.train(batch)
+                metrics = self.train_contained(batch)
             metrics["train_s"] = time.monotonic() - t0
             metrics.update(batch_metrics(batch, self.step, self.ctx.cfg.metrics.diversity_every))
             metrics["publish_s"] = 0.0
@@ -484,6 +633,7 @@ def step_metrics(batch: Batch, rows, active, sums: StepSums, *, step: int, versi
         "ratio_fresh_mean_abs_log": sums.fresh_sum / sums.fresh_n if sums.fresh_n else None,
         "policy_tokens": sums.tokens, "tokens": sum(row_tokens(r) for r in rows), "gpus": gpus,
         "wait_s": batch.wait_s, "lr": lr, "rank_weight_spread": sums.weight_spread,
+        "skipped_nonfinite": sums.skipped_nonfinite,
     }
 
 
@@ -504,6 +654,8 @@ def _step_writes(r, keys, batch: Batch, metrics: dict):
         pipe.hincrby(keys.counters, "dropped_branch", len(batch.dropped_branch_ids))
     if batch.duplicates:
         pipe.hincrby(keys.counters, "duplicates_dropped_learner", batch.duplicates)
+    if metrics.get("skipped_nonfinite"):
+        pipe.hincrby(keys.counters, "steps_skipped_nonfinite", 1)
     pipe.hset(keys.learner_stats, mapping={k: json.dumps(v) for k, v in metrics.items()})
     pipe.xadd(keys.metrics, {"kind": "learner_step", "data": json.dumps(metrics)},
               maxlen=100_000, approximate=True)
@@ -518,11 +670,12 @@ def main() -> None:
         taken = take_over_pending(ctx.r, ctx.keys.scored, GROUP_LEARNER, ctx.worker_id)
         if taken:
             ctx.log.info("took_over_pending", entries=taken)
-        learner = Learner(ctx, world=world_size())
-        try:
-            learner.run()
-        finally:
-            learner.close()
+        with oom_reported(ctx):   # loading, training, publishing and checkpointing
+            learner = Learner(ctx, world=world_size())
+            try:
+                learner.run()
+            finally:
+                learner.close()
     finally:
         finish_worker(ctx)
 

@@ -13,6 +13,7 @@ learner: no process group, no collective.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,7 @@ class StepSums:
     fresh_max: float | None
     grad_norm: float       # of the summed gradient, before clipping
     weight_spread: float = 0.0  # max - min over the ranks of a weight checksum after the step: 0 when identical
+    skipped_nonfinite: int = 0  # 1 when the loss or the gradient was not finite and no optimizer step was taken
 
 
 def load_policy(model_dir, device: torch.device, cfg: LearnerConfig):
@@ -249,14 +251,29 @@ def train_share(model, optimizer: torch.optim.Optimizer, share: Share, cfg: Lear
         sum_gradients(params)
     # Identical summed gradients on every rank: the same norm, the same clip, the same step.
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-    if share.any_active:
+    # A NaN or inf anywhere would poison the weights (and AdamW's moments) for good: skip the step.
+    # The gradient norm is the same on every rank; the loss is the rank's own, so it is agreed on.
+    skip = not finite_on_every_rank(math.isfinite(loss_sum) and math.isfinite(grad_norm), distributed, params)
+    if share.any_active and not skip:
         optimizer.step()
+    if skip:
+        optimizer.zero_grad(set_to_none=True)
     sums = StepSums(loss=loss_sum, tokens=sum(s.tokens for s in stats_all),
                     clip_weighted=sum(s.clip_frac * max(s.tokens, 1) for s in stats_all),
                     clip_weight=float(sum(max(s.tokens, 1) for s in stats_all)),
                     fresh_n=len(fresh), fresh_sum=float(np.sum(fresh)) if fresh else 0.0,
-                    fresh_max=float(max(fresh)) if fresh else None, grad_norm=grad_norm)
+                    fresh_max=float(max(fresh)) if fresh else None, grad_norm=grad_norm,
+                    skipped_nonfinite=int(skip))
     return reduce_sums(sums, params) if distributed else sums
+
+
+def finite_on_every_rank(finite: bool, distributed: bool, params: list[torch.nn.Parameter]) -> bool:
+    """Whether every rank found its loss and gradient finite (one collective when distributed)."""
+    if not distributed:
+        return finite
+    bad = torch.tensor([0.0 if finite else 1.0], device=params[0].device)
+    dist.all_reduce(bad)
+    return bad.item() == 0.0
 
 
 def reduce_sums(sums: StepSums, params: list[torch.nn.Parameter]) -> StepSums:
@@ -278,4 +295,5 @@ def reduce_sums(sums: StepSums, params: list[torch.nn.Parameter]) -> StepSums:
     loss, tokens, cw, w, n, s = t.tolist()
     fresh_max, hi, neg_lo = top.tolist()
     return StepSums(loss=loss, tokens=int(tokens), clip_weighted=cw, clip_weight=w, fresh_n=int(n), fresh_sum=s,
-                    fresh_max=fresh_max if n else None, grad_norm=sums.grad_norm, weight_spread=hi + neg_lo)
+                    fresh_max=fresh_max if n else None, grad_norm=sums.grad_norm, weight_spread=hi + neg_lo,
+                    skipped_nonfinite=sums.skipped_nonfinite)

@@ -38,7 +38,7 @@ from pathlib import Path
 import redis
 
 from pipeline.dataplane import messages
-from pipeline.dataplane.keys import JobKeys
+from pipeline.dataplane.keys import JobKeys, check_path
 from pipeline.dataplane.worker import record_alive
 
 NAMED_MAX = 50  # ids named per finding (the counts are always whole)
@@ -318,7 +318,7 @@ def feeder_check(r: redis.Redis, keys: JobKeys, c: dict[str, int], group_size: i
 
 def audit(r: redis.Redis, job: str, run_dir: str | None = None) -> dict:
     keys = JobKeys(job)
-    rd = job_run_dir(r, keys, run_dir)
+    rd = job_run_dir(r, keys, check_path("--run", run_dir) if run_dir else None)
     cfg = json.loads((rd / "manifest.json").read_text())["config"]
     g = cfg["rollout"]["group_size"]
     c = {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()}
@@ -425,15 +425,25 @@ def dlq_replay(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
 
     Their trajectories are in flight again: ``dead_lettered_replayed`` (the
     counters stay monotonic) puts them back into the feeder's in-flight count.
+    The payload goes back byte for byte, and only onto one of the job's own
+    stage streams: a dead letter is data anyone who can write to Redis may
+    have shaped, so its ``stream`` field is not trusted as a key.
     """
+    streams = {stream for _stage, stream, _group in keys.stages}
     n = 0
     for entry_id in ids:
         found = r.xrange(keys.dead_letters, min=entry_id, max=entry_id)
         if not found:
             raise SystemExit(f"no dead letter {entry_id}")
         f = found[0][1]
+        stream, payload = f.get(b"stream", b"").decode(errors="replace"), f.get(b"payload", b"")
+        if stream not in streams:
+            raise SystemExit(f"dead letter {entry_id} names the stream {stream!r}, not one of job "
+                             f"{keys.job!r}'s stage streams; not replayed")
+        if not payload:
+            raise SystemExit(f"dead letter {entry_id} holds no payload (its entry was deleted); nothing to replay")
         pipe = r.pipeline(transaction=True)
-        pipe.xadd(f[b"stream"].decode(), {messages.FIELD: f.get(b"payload", b"")})
+        pipe.xadd(stream, {messages.FIELD: payload})
         pipe.xdel(keys.dead_letters, entry_id)
         pipe.hincrby(keys.counters, "dead_lettered_replayed", int(f.get(b"trajectories", 0)))
         pipe.execute()
