@@ -1,0 +1,125 @@
+"""Child processes that die with the process that started them.
+
+``libra-ctl run`` starts Redis, a controller, an agent and the feeder; the
+agent starts the stage workers. When the starter is killed with SIGKILL none
+of them may outlive it by more than a few seconds: a stray controller or
+agent would keep acting on the job, and ``libra-ctl resume`` would find a
+second copy of everything. Two mechanisms, because neither covers all cases:
+
+- ``PR_SET_PDEATHSIG`` (Linux): the kernel sends the child SIGTERM when its
+  parent dies. It fires on the death of the parent *thread* that forked the
+  child, so ``spawn`` must be called from a thread that lives as long as its
+  process (every caller spawns from its main thread, or from a thread it
+  never ends: the agent's loop);
+- a watchdog thread in the child (every platform), ``watch_parent``: it
+  polls ``os.getppid()`` against the pid its starter gave it in
+  ``$LIBRA_PARENT_PID`` and sends SIGTERM to its own process once the parent
+  is gone. The variable closes the race of a parent that dies before the
+  child looks.
+
+SIGTERM, not SIGKILL: a worker stops after the batch in hand (its unacked
+entries are replayed), the agent drains, Redis fsyncs its AOF.
+
+``python -m pipeline.dataplane.lifeline OWNER_PID -- COMMAND...`` runs a
+program that cannot watch for itself (redis-server) under a small watchdog
+that stops it when OWNER_PID is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+PARENT_ENV = "LIBRA_PARENT_PID"
+PR_SET_PDEATHSIG = 1
+POLL_S = 0.5
+
+
+def _set_pdeathsig(parent: int) -> None:
+    """In the child, between fork and exec: SIGTERM when the parent dies (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:   # the parent died before prctl: the signal will never come
+        os._exit(1)
+
+
+def child_env(env: dict | None = None) -> dict:
+    """``env`` (default: ours) with ``$LIBRA_PARENT_PID`` naming this process, for a child to watch."""
+    return dict(os.environ if env is None else env, **{PARENT_ENV: str(os.getpid())})
+
+
+def spawn(argv: list[str], **popen_kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` of a child that dies with us (PDEATHSIG, and ``$LIBRA_PARENT_PID`` for its watchdog)."""
+    parent = os.getpid()
+    popen_kwargs["env"] = child_env(popen_kwargs.get("env"))
+    return subprocess.Popen(argv, preexec_fn=lambda: _set_pdeathsig(parent), **popen_kwargs)
+
+
+def watch_parent(on_orphan=None) -> threading.Thread | None:
+    """Start the watchdog of a child ``spawn`` started: SIGTERM to ourselves once the parent is gone.
+
+    Does nothing for a process started otherwise (no ``$LIBRA_PARENT_PID``,
+    or another parent: a Procfile's). The variable is removed from our
+    environment, so a process we start does not watch our parent.
+    """
+    raw = os.environ.pop(PARENT_ENV, "")
+    if not raw.isdigit():
+        return None
+    parent = int(raw)
+    act = on_orphan or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+
+    def run():
+        while os.getppid() == parent:
+            time.sleep(POLL_S)
+        act()
+
+    t = threading.Thread(target=run, daemon=True, name="parent-watchdog")
+    t.start()
+    return t
+
+
+def _run_watched(owner: int, argv: list[str]) -> int:
+    """Run ``argv`` until it exits, or until ``owner`` (our parent) is gone: then SIGTERM it and wait."""
+    proc = spawn(argv, pass_fds=_inherited_fds())
+    stop = threading.Event()
+
+    def forward(signum, _frame):
+        stop.set()
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while proc.poll() is None:
+        if not stop.is_set() and os.getppid() != owner:   # reparented: the owner is gone (even unreaped)
+            stop.set()
+            proc.terminate()
+        time.sleep(POLL_S / 5 if stop.is_set() else POLL_S)
+    return proc.returncode
+
+
+def _inherited_fds() -> tuple[int, ...]:
+    """The descriptors our starter passed on (a lock file): passed on again to the watched program."""
+    raw = os.environ.get("LIBRA_PASS_FDS", "")
+    return tuple(int(x) for x in raw.split(",") if x.isdigit())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit():
+        print("usage: python -m pipeline.dataplane.lifeline OWNER_PID -- COMMAND...", file=sys.stderr)
+        return 2
+    os.environ.pop(PARENT_ENV, None)
+    return _run_watched(int(argv[0]), argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
