@@ -20,6 +20,15 @@ second copy of everything. Two mechanisms, because neither covers all cases:
 SIGTERM, not SIGKILL: a worker stops after the batch in hand (its unacked
 entries are replayed), the agent drains, Redis fsyncs its AOF.
 
+The stage workers are the agent's children, but they must outlive an agent
+that dies (a fresh agent adopts them: no second copy, no lost batch) and
+still end with the run. So they watch the run itself, not their parent:
+``libra-ctl run`` names itself in ``$LIBRA_OWNER`` (pid and start time, so a
+reused pid is not mistaken for it), every process below it inherits the
+variable, and ``watch_owner`` sends SIGTERM to its own process once that
+process is gone. A worker of a standalone agent (a Procfile's, a cluster's)
+has no owner and watches nothing.
+
 ``python -m pipeline.dataplane.lifeline OWNER_PID -- COMMAND...`` runs a
 program that cannot watch for itself (redis-server) under a small watchdog
 that stops it when OWNER_PID is gone.
@@ -34,8 +43,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 PARENT_ENV = "LIBRA_PARENT_PID"
+OWNER_ENV = "LIBRA_OWNER"   # "pid:start" of the libra-ctl run every process below it ends with
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.5
 
@@ -82,6 +93,43 @@ def watch_parent(on_orphan=None) -> threading.Thread | None:
         act()
 
     t = threading.Thread(target=run, daemon=True, name="parent-watchdog")
+    t.start()
+    return t
+
+
+def process_start(pid: int) -> int | None:
+    """A live process's start time (clock ticks since boot, /proc/PID/stat field 22); None if gone or a zombie."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after its last ')'
+    rest = raw[raw.rindex(")") + 2:].split()
+    if rest[0] in ("Z", "X"):
+        return None
+    return int(rest[19])
+
+
+def own_runs() -> None:
+    """Name this process (``libra-ctl run``) the owner of every process started below it."""
+    start = process_start(os.getpid())
+    if start is not None:
+        os.environ[OWNER_ENV] = f"{os.getpid()}:{start}"
+
+
+def watch_owner(on_orphan=None) -> threading.Thread | None:
+    """SIGTERM to ourselves once the run in ``$LIBRA_OWNER`` is gone; nothing without one (or off Linux)."""
+    pid, _, start = os.environ.get(OWNER_ENV, "").partition(":")
+    if not (pid.isdigit() and start.isdigit()) or not Path("/proc").is_dir():
+        return None
+    act = on_orphan or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+
+    def run():
+        while process_start(int(pid)) == int(start):
+            time.sleep(POLL_S)
+        act()
+
+    t = threading.Thread(target=run, daemon=True, name="owner-watchdog")
     t.start()
     return t
 

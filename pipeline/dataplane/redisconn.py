@@ -43,12 +43,12 @@ OUTAGE_S = 60.0
 
 CONNECT_TIMEOUT_S = 5.0
 # Longer than the longest blocking read any caller makes (XREADGROUP BLOCK streams.block_ms, which the config
-# bounds by MAX_BLOCK_MS), so a silent partition surfaces as a TimeoutError instead of a hang.
+# bounds at 10 s), so a silent partition surfaces as a TimeoutError instead of a hang.
 SOCKET_TIMEOUT_S = 15.0
-MAX_BLOCK_MS = 10_000
 HEALTH_CHECK_S = 10
-RETRIES = 4   # redis-py retries of one idempotent command: 0.1, 0.2, 0.4, 0.8 s apart (an outage longer
-              # than that is the caller's Outage's)
+# redis-py retries of one idempotent command after a connection error: 0.1, 0.2, 0.4, 0.8 s apart. Not after
+# a timeout: five socket timeouts would outlast the outage limit; the caller's Outage waits instead.
+RETRIES = 4
 # Commands a client-side retry could apply twice: sent once; a lost reply raises and the caller decides.
 NOT_RETRIED = frozenset({
     "XADD", "INCR", "INCRBY", "INCRBYFLOAT", "DECR", "DECRBY", "HINCRBY", "HINCRBYFLOAT", "LPUSH", "RPUSH",
@@ -117,8 +117,8 @@ def connect(url: str, **kwargs) -> redis.Redis:
     kwargs.setdefault("socket_connect_timeout", CONNECT_TIMEOUT_S)
     kwargs.setdefault("socket_timeout", SOCKET_TIMEOUT_S)
     kwargs.setdefault("health_check_interval", HEALTH_CHECK_S)
-    kwargs.setdefault("retry", Retry(ExponentialBackoff(cap=1.0, base=0.1), RETRIES))
-    kwargs.setdefault("retry_on_error", [redis.ConnectionError, redis.TimeoutError])
+    kwargs.setdefault("retry", Retry(ExponentialBackoff(cap=1.0, base=0.1), RETRIES,
+                                     supported_errors=(redis.ConnectionError,)))
     if not url.startswith("unix://"):
         kwargs.setdefault("socket_keepalive", True)
     return Client.from_url(url, **kwargs)
@@ -147,14 +147,20 @@ class Outage:
     each sleeps (doubling from 0.2 s up to 5 s), and once the outage has lasted
     ``limit_s`` it raises RedisUnavailable naming the last error. ``ok()``
     after a call that went through ends the outage (``redis_reconnected``).
+    Once ``stop()`` is true it re-raises at once: a stopping worker's
+    unacknowledged entries are replayed, so it need not wait for Redis (and
+    its run may have stopped Redis already).
     """
 
-    def __init__(self, log=None, limit_s: float | None = None):
+    def __init__(self, log=None, limit_s: float | None = None, stop=lambda: False):
         self.log, self.limit_s = log, outage_limit_s() if limit_s is None else limit_s
+        self.stop = stop
         self.since: float | None = None
         self.delay = 0.2
 
     def wait(self, exc: Exception) -> None:
+        if self.stop():
+            raise exc
         now = time.monotonic()
         if self.since is None:
             self.since = now

@@ -156,7 +156,7 @@ def execute_with_backpressure(build: Callable[[], "redis.client.Pipeline"], log=
     first command's key gives the hash tag of the mark that makes a retry
     after a lost EXEC reply a no-op (then the result is None).
     """
-    wait, outage = FullRedisWait(log, stop), Outage(log)
+    wait, outage = FullRedisWait(log, stop), Outage(log, stop=stop)
     mark = None
     while True:
         pipe = build()
@@ -481,7 +481,7 @@ def run_stage(
     tune_allocator()
     cursor = "0-0"
     keeper = ClaimKeeper(r, source, group, consumer, claims.min_idle_ms)
-    outage = Outage(log)
+    outage = Outage(log, stop=stop)
     own: str | None = None   # after an outage: where the replay of our own pending entries has got to
     rounds = 0
     try:
@@ -500,6 +500,8 @@ def run_stage(
                     entries = read(r, source, group, consumer, count, block_ms)
                 outage.ok()
             except UNAVAILABLE as exc:
+                if stop():
+                    break   # nothing in hand: what we hold pending is replayed
                 outage.wait(exc)   # RedisUnavailable past the limit: the worker exits non-zero
                 own = "0"
                 continue
@@ -540,7 +542,7 @@ def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log
              for out in outputs]
     # Only a dead letter needs the group size (a round trip): bad entries and rejects are rare.
     group_size = job_group_size(r, keys) if bad or any(isinstance(o, Reject) for o in outputs) else 0
-    wait, outage = FullRedisWait(log, stop), Outage(log)
+    wait, outage = FullRedisWait(log, stop), Outage(log, stop=stop)
     done = txn_mark(sink, uuid.uuid4().hex)   # this round's writes have run (a lost EXEC reply)
     while True:
         with r.pipeline(transaction=True) as pipe:
