@@ -9,8 +9,10 @@ second copy of everything. Two mechanisms, because neither covers all cases:
 - ``PR_SET_PDEATHSIG`` (Linux): the kernel sends the child SIGTERM when its
   parent dies. It fires on the death of the parent *thread* that forked the
   child, so ``spawn`` must be called from a thread that lives as long as its
-  process (every caller spawns from its main thread, or from a thread it
-  never ends: the agent's loop);
+  process (``libra-ctl run`` spawns from its main thread only). A Python
+  child sets it itself, first thing (``watch_parent``), rather than in a
+  ``preexec_fn``, which is unsafe in a parent with threads (the run has its
+  metrics sampler); only the watchdog below, single-threaded, uses one;
 - a watchdog thread in the child (every platform), ``watch_parent``: it
   polls ``os.getppid()`` against the pid its starter gave it in
   ``$LIBRA_PARENT_PID`` and sends SIGTERM to its own process once the parent
@@ -51,13 +53,18 @@ PR_SET_PDEATHSIG = 1
 POLL_S = 0.5
 
 
-def _set_pdeathsig(parent: int) -> None:
-    """In the child, between fork and exec: SIGTERM when the parent dies (Linux; elsewhere nothing)."""
+def set_pdeathsig() -> None:
+    """SIGTERM to this process when its parent (thread) dies; Linux only, elsewhere nothing."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
         except (OSError, AttributeError):
             pass
+
+
+def _preexec_pdeathsig(parent: int) -> None:
+    """In a child of a single-threaded parent, between fork and exec (see the module docstring)."""
+    set_pdeathsig()
     if os.getppid() != parent:   # the parent died before prctl: the signal will never come
         os._exit(1)
 
@@ -68,24 +75,24 @@ def child_env(env: dict | None = None) -> dict:
 
 
 def spawn(argv: list[str], **popen_kwargs) -> subprocess.Popen:
-    """``subprocess.Popen`` of a child that dies with us (PDEATHSIG, and ``$LIBRA_PARENT_PID`` for its watchdog)."""
-    parent = os.getpid()
+    """``subprocess.Popen`` of a Python child that dies with us once it calls ``watch_parent``."""
     popen_kwargs["env"] = child_env(popen_kwargs.get("env"))
-    return subprocess.Popen(argv, preexec_fn=lambda: _set_pdeathsig(parent), **popen_kwargs)
+    return subprocess.Popen(argv, **popen_kwargs)
 
 
 def watch_parent(on_orphan=None) -> threading.Thread | None:
-    """Start the watchdog of a child ``spawn`` started: SIGTERM to ourselves once the parent is gone.
+    """In a child ``spawn`` started: PDEATHSIG, and a watchdog; SIGTERM to ourselves once the parent is gone.
 
-    Does nothing for a process started otherwise (no ``$LIBRA_PARENT_PID``,
-    or another parent: a Procfile's). The variable is removed from our
-    environment, so a process we start does not watch our parent.
+    Does nothing for a process started otherwise (no ``$LIBRA_PARENT_PID``:
+    a Procfile's, a shell's). The variable is removed from our environment,
+    so a process we start does not watch our parent.
     """
     raw = os.environ.pop(PARENT_ENV, "")
     if not raw.isdigit():
         return None
     parent = int(raw)
     act = on_orphan or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+    set_pdeathsig()   # then look: a parent that died before this is seen by the first poll
 
     def run():
         while os.getppid() == parent:
@@ -136,7 +143,10 @@ def watch_owner(on_orphan=None) -> threading.Thread | None:
 
 def _run_watched(owner: int, argv: list[str]) -> int:
     """Run ``argv`` until it exits, or until ``owner`` (our parent) is gone: then SIGTERM it and wait."""
-    proc = spawn(argv, pass_fds=_inherited_fds())
+    set_pdeathsig()
+    # we have no other thread: a preexec_fn is safe here, and the only way for a program that is not ours
+    me = os.getpid()
+    proc = subprocess.Popen(argv, pass_fds=_inherited_fds(), preexec_fn=lambda: _preexec_pdeathsig(me))
     stop = threading.Event()
 
     def forward(signum, _frame):
