@@ -362,7 +362,10 @@ class Agent:
                 else:
                     self.book_restart(key, ran, d["run_dir"])
             if p.spec["role"] in ("rollout", "reward"):
-                hand_over_pending(self.r, p.spec["job"], p.spec["role"], p.spec["worker"], self.log)
+                try:
+                    hand_over_pending(self.r, p.spec["job"], p.spec["role"], p.spec["worker"], self.log)
+                except UNAVAILABLE as exc:   # they stay pending, and are reclaimed once idle long enough
+                    self.log.warning("hand_over_failed", worker=p.spec["worker"], error=str(exc))
 
     def book_restart(self, key: str, ran_s: float, run_dir: str) -> None:
         b = self.backoff.setdefault(key, Backoff())
@@ -466,7 +469,10 @@ class Agent:
         rec = {"event": what, "key": p.key, "pid": p.pid, "start": p.start, "role": p.spec["role"],
                "slots": json.dumps(p.slots), "at": time.time(),
                **{k: json.dumps(v) for k, v in extra.items()}}
-        self.r.xadd(agent_log(self.node), rec, maxlen=10_000, approximate=True)
+        try:
+            self.r.xadd(agent_log(self.node), rec, maxlen=10_000, approximate=True)
+        except UNAVAILABLE:
+            pass   # Redis away (or our run stopping it): the log line below still has it
         self.log.info(what, key=p.key, pid=p.pid, slots=p.slots, **extra)
 
     def publish(self, force: bool = False) -> None:
