@@ -266,9 +266,10 @@ class Agent:
     # --- life ------------------------------------------------------------------------------------
 
     def start(self, lock_wait_s: float = LOCK_TTL_S + 2) -> "Agent":
-        # a predecessor killed without releasing the lock holds it until its TTL runs out: wait that long
+        # a predecessor killed on this host without releasing the lock holds it until its TTL runs out:
+        # wait that long for it (a live holder is refused at once)
         deadline = time.monotonic() + lock_wait_s
-        while not self.lock.acquire() and time.monotonic() < deadline:
+        while not self.lock.acquire() and self.predecessor_dead() and time.monotonic() < deadline:
             time.sleep(0.5)
         if not self.lock.held:
             raise SystemExit(f"agent: another agent holds node name {self.node!r} "
@@ -278,6 +279,15 @@ class Agent:
         self.heartbeat(force=True)
         self.log.info("agent_started", slots=[s.as_dict() for s in self.slots], pid=os.getpid())
         return self
+
+    def predecessor_dead(self) -> bool:
+        """Whether the node's lock is held by an agent of this host whose process is gone."""
+        token, raw = self.r.get(agent_lock(self.node)), self.r.hget(AGENTS, self.node)
+        if not token or not raw:
+            return False
+        rec, pid = json.loads(raw), token.decode().split(":")[1]
+        return (rec.get("host") == socket.gethostname() and str(rec.get("pid")) == pid
+                and process_start(int(pid)) is None)
 
     def run(self) -> None:
         # Redis away or stalled: the workers go on, and so does the agent, until the outage limit
