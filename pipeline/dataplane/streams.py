@@ -514,7 +514,12 @@ def run_stage(
             good, bad = decode_entries(entries, max_bytes)
             with keeper([i for i, _p in entries]):
                 outputs = handle([msg for _id, msg in good]) if good else []
-            write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop, dedup)
+            try:
+                write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop, dedup)
+            except UNAVAILABLE:
+                if not stop():
+                    raise
+                break   # stopping without Redis (our run is gone with it): the batch stays pending, replayed
     finally:
         keeper.close()
 
