@@ -201,3 +201,14 @@ def job_pattern(job_glob: str) -> str:
     The one place a glob is meant: built here, never from a JobKeys (whose job names hold none).
     """
     return f"{PREFIX}:{{{job_glob}}}:*"
+
+
+def txn_mark(key: str, token: str) -> str:
+    """String, SET with a TTL inside a transaction: that transaction has run (``streams.execute_once``).
+
+    It takes the hash tag of ``key`` (a key the transaction writes), so that a
+    Redis Cluster keeps the mark on the shard of the transaction's keys.
+    """
+    start, end = key.find("{"), key.find("}")
+    tag = key[start:end + 1] if 0 <= start < end else "{txn}"
+    return f"{PREFIX}:{tag}:txn:{token}"
