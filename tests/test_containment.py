@@ -323,7 +323,7 @@ def test_a_nonfinite_loss_skips_the_optimizer_step(tmp_path):
     model = load_model(policy_dir)
     opt = make_optimizer(model, cfg.learner)
     before = [p.detach().clone() for p in model.parameters()]
-    [share] = plan_shares([exploding(scored_groups(policy_dir, 1)[0])], version=0, step=0, world=1)
+    [share] = plan_shares([exploding(scored_groups(policy_dir, 1)[0])], [0], version=0, step=0, world=1)
     sums = train_share(model, opt, share, cfg.learner, temperature=1.0)
     assert sums.skipped_nonfinite == 1 and not math.isfinite(sums.loss * sums.grad_norm)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
