@@ -112,6 +112,7 @@ def _by_name(procs: list[psutil.Process], word: str) -> list[psutil.Process]:
 def test_kill_9_of_a_run_leaves_nothing_behind_and_resume_finishes(tmp_path):
     job, steps = "kill9", 6
     proc, run_dir, env = _start_run(tmp_path, job, steps)
+    family: list[psutil.Process] = []
     try:
         wait_for(lambda: _trained(run_dir, job) > 0, 900, "a first learner step")
         family = psutil.Process(proc.pid).children(recursive=True)
@@ -127,7 +128,7 @@ def test_kill_9_of_a_run_leaves_nothing_behind_and_resume_finishes(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for p in _gone(psutil.Process().children(recursive=True)):
+        for p in _gone(family):   # the killed run's own processes only: never the session's Redis
             p.kill()
     resumed = subprocess.run([sys.executable, "-m", "pipeline.cli", "resume", str(run_dir)], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=900)
