@@ -48,6 +48,7 @@ import redis
 
 from pipeline.config import ConfigError
 from pipeline.control.agent import process_start
+from pipeline.dataplane.lifeline import own_runs
 from pipeline.dataplane.keys import AGENTS, CONTROLLER_EPOCH, JobKeys, agent_log, agent_procs
 from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect
 
@@ -158,11 +159,20 @@ class ChaosRedis:
         self.server.start(timeout_s=60.0)
 
     def crash_and_restart(self, down_s: float = REDIS_DOWN_S) -> float:
-        """SIGKILL the server, wait ``down_s``, start it again (it replays its AOF); returns the seconds down."""
+        """SIGKILL redis-server, wait ``down_s``, start it again (it replays its AOF); returns the seconds down.
+
+        ``EmbeddedRedis`` runs the server under a small watchdog
+        (``dataplane.lifeline``); the server itself is the one killed, as a
+        crash would, not the watchdog (whose death would stop it cleanly).
+        """
         t0 = time.monotonic()
-        proc = self.server.proc
-        proc.kill()
-        proc.wait()
+        wrapper = self.server.proc
+        servers = [p for p in psutil.Process(wrapper.pid).children() if p.name().startswith("redis-server")]
+        if not servers:
+            raise ChaosFailed(f"no redis-server under pid {wrapper.pid}: Redis died by itself")
+        for p in servers:
+            p.kill()
+        wrapper.wait(timeout=30)
         time.sleep(down_s)
         self.start()
         return time.monotonic() - t0
@@ -335,8 +345,6 @@ class SimBackend(Backend):
         self.base, self.steps, self.time_scale, self.seed, self.job = base, steps, time_scale, seed, job
         self.counts = {"rollout": rollout, "reward": reward, "learner": 1}
         self.control = None
-        self.url = ""
-        self.restarted_at: dict[str, float] = {}
 
     def start(self, url: str) -> None:
         from pipeline.control import actions
@@ -344,19 +352,24 @@ class SimBackend(Backend):
         from pipeline.control.local import start_local_control
         from pipeline.sim.job import prepare_sim_run
 
-        self.url, r = url, connect(url)
+        r = connect(url)
+        own_runs()   # the workers end with this harness, as they do with libra-ctl run
         slots = self.counts["rollout"] + self.counts["learner"]
         workload = write_sim_workload(self.base / "workload.toml", steps=self.steps, gpus=slots, seed=self.seed)
         control = {"mode": "pinned", "interval_s": 1.0, "metrics_port": 0}
         self.run_dir = prepare_sim_run(r, workload, self.base / "runs", job=self.job, time_scale=self.time_scale,
                                        redis_url=url, reward_workers=self.counts["reward"], control=control)
         pin(r, self.job, self.counts)
-        self.control = start_local_control(None, self.run_dir, url, slots=slots, node=self.NODE, interval_s=1.0)
+        self.control = start_local_control(None, self.run_dir, url, slots=slots, node=self.NODE, interval_s=1.0,
+                                           say=lambda line: print(f"  {line}", flush=True))
         actions.ensure(r, self.NODE, {"job": self.job, "worker": "feeder-0", "role": "feeder", "slots": [],
                                       "run_dir": str(self.run_dir), "backend": "sim"})
 
     def tick(self) -> None:
-        restart_dead(self.control, self.url, self.restarted_at)
+        try:
+            self.control.check()   # restarts a dead controller or agent after its back-off
+        except RuntimeError as exc:   # a crash loop
+            raise ChaosFailed(str(exc)) from None
 
     def controllers(self, r: redis.Redis) -> list[Victim]:
         return self.started("controller")
@@ -384,26 +397,6 @@ class SimBackend(Backend):
             self.control = None
 
 
-def restart_dead(control, url: str, last: dict, every_s: float = 1.0) -> list[str]:
-    """Start again each process of ``control`` (``control.local.LocalControl``) that has exited; their names.
-
-    At most once every ``every_s`` per process (``last``: name -> when it was
-    last started): an agent started again while its killed predecessor's node
-    lock lives on exits at once, until the lock expires.
-    """
-    restarted = []
-    for i, (name, p) in enumerate(control.procs):
-        if p.poll() is None or time.monotonic() - last.get(name, 0.0) < every_s:
-            continue
-        last[name] = time.monotonic()
-        with open(Path(control.run_dir) / "logs" / f"{name}.out", "ab") as log:
-            fresh = subprocess.Popen(p.args, env=worker_env(url), stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        control.procs[i] = (name, fresh)
-        restarted.append(name)
-    return restarted
-
-
 class RealBackend(Backend):
     """``libra-ctl run CONFIG`` on this harness's Redis; it supervises its own controller, agent and feeder."""
 
@@ -425,8 +418,8 @@ class RealBackend(Backend):
                                          start_new_session=True)
 
     def tick(self) -> None:
-        if self.proc.poll() is not None:
-            raise ChaosFailed(f"libra-ctl run exited with code {self.proc.returncode} before the chaos ended; "
+        if self.proc.poll() not in (None, 0):   # 0: it trained every step, evaluated and stopped (finish checks)
+            raise ChaosFailed(f"libra-ctl run exited with code {self.proc.returncode}; "
                               f"its output ends:\n{tail(self.output)}")
 
     def workers(self, r: redis.Redis, role: str) -> list[Victim]:
@@ -649,12 +642,15 @@ class ChaosRun:
         self.backend.start(self.redis.url)
         self.wait_for(lambda: self.learner_step() >= 1, FIRST_STEP_WAIT_S, "the learner's first step")
         self.t0 = time.monotonic()
+        if self.backend.run_dir is None:   # libra-ctl run made it
+            self.backend.run_dir = Path(self.r.hget(JobKeys(self.backend.job).state, "run_dir").decode())
         self.say(f"the learner made its first step after {self.t0 - self.t_start:.0f}s; chaos starts "
                  f"(run directory {self.backend.run_dir})")
         paused = 0.0   # the schedule's clock stands still while an event waits for a target or a recovery
         for ev in self.schedule:
             due = self.t0 + paused + ev.at_s
-            self.wait_for(lambda: time.monotonic() >= due, due - time.monotonic() + TARGET_WAIT_S, "the next event")
+            self.wait_for(lambda: time.monotonic() >= due or self.trained(), due - time.monotonic() + TARGET_WAIT_S,
+                          "the next event")
             self.perform(ev)
             paused += max(time.monotonic() - due, 0.0)
         self.say("schedule done; waiting for the job to train all its steps")
