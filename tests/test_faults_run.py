@@ -23,7 +23,7 @@ import pytest
 
 from pipeline.dataplane.redisconn import EmbeddedRedis, connect
 from pipeline.observe.audit import audit
-from tests.test_dataplane import wait_for
+from tests.test_sim_workers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ["job.eval_size=16", "job.eval_every=0", "learner.batch_size=32",
@@ -103,7 +103,7 @@ def _audit(run_dir: Path, job: str) -> dict:
 
 
 def _by_name(procs: list[psutil.Process], word: str) -> list[psutil.Process]:
-    return [p for p in procs if word in " ".join(p.cmdline())]
+    return [p for p in _gone(procs) if word in " ".join(p.cmdline())]
 
 
 @pytest.mark.slow
@@ -119,7 +119,9 @@ def test_kill_9_of_a_run_leaves_nothing_behind_and_resume_finishes(tmp_path):
                                         "workers.rollout", "workers.reward", "workers.learner")), names
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        t0 = time.monotonic()
         wait_for(lambda: not _gone(family), 60, "every process of the killed run to end")
+        print(f"{len(family)} processes of the killed run ended within {time.monotonic() - t0:.1f}s")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -143,8 +145,10 @@ def test_a_killed_controller_and_agent_are_restarted_and_the_run_finishes(tmp_pa
         wait_for(lambda: _trained(run_dir, job) > 0, 900, "a first learner step")
         family = psutil.Process(proc.pid).children(recursive=True)
         workers = _by_name(family, "--worker-id")
-        for word in ("pipeline.cli controller", "pipeline.cli agent"):
-            (p,) = _by_name(family, word)
+        # rq renames the agent's process title after its worker ("rq:worker:libra-agent-<node>-...")
+        targets = [_by_name(family, word) for word in ("pipeline.cli controller", "libra-agent-")]
+        assert all(len(t) == 1 for t in targets), "\n".join(" ".join(p.cmdline()) for p in _gone(family))
+        for (p,) in targets:
             p.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=900) == 0, (tmp_path / f"{job}.out").read_text()
     finally:

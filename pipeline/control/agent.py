@@ -266,9 +266,10 @@ class Agent:
     # --- life ------------------------------------------------------------------------------------
 
     def start(self, lock_wait_s: float = LOCK_TTL_S + 2) -> "Agent":
-        # a predecessor killed without releasing the lock holds it until its TTL runs out: wait that long
+        # a predecessor killed on this host without releasing the lock holds it until its TTL runs out:
+        # wait that long for it (a live holder is refused at once)
         deadline = time.monotonic() + lock_wait_s
-        while not self.lock.acquire() and time.monotonic() < deadline:
+        while not self.lock.acquire() and self.predecessor_dead() and time.monotonic() < deadline:
             time.sleep(0.5)
         if not self.lock.held:
             raise SystemExit(f"agent: another agent holds node name {self.node!r} "
@@ -278,6 +279,15 @@ class Agent:
         self.heartbeat(force=True)
         self.log.info("agent_started", slots=[s.as_dict() for s in self.slots], pid=os.getpid())
         return self
+
+    def predecessor_dead(self) -> bool:
+        """Whether the node's lock is held by an agent of this host whose process is gone."""
+        token, raw = self.r.get(agent_lock(self.node)), self.r.hget(AGENTS, self.node)
+        if not token or not raw:
+            return False
+        rec, pid = json.loads(raw), token.decode().split(":")[1]
+        return (rec.get("host") == socket.gethostname() and str(rec.get("pid")) == pid
+                and process_start(int(pid)) is None)
 
     def run(self) -> None:
         # Redis away or stalled: the workers go on, and so does the agent, until the outage limit
@@ -362,7 +372,10 @@ class Agent:
                 else:
                     self.book_restart(key, ran, d["run_dir"])
             if p.spec["role"] in ("rollout", "reward"):
-                hand_over_pending(self.r, p.spec["job"], p.spec["role"], p.spec["worker"], self.log)
+                try:
+                    hand_over_pending(self.r, p.spec["job"], p.spec["role"], p.spec["worker"], self.log)
+                except UNAVAILABLE as exc:   # they stay pending, and are reclaimed once idle long enough
+                    self.log.warning("hand_over_failed", worker=p.spec["worker"], error=str(exc))
 
     def book_restart(self, key: str, ran_s: float, run_dir: str) -> None:
         b = self.backoff.setdefault(key, Backoff())
@@ -466,7 +479,10 @@ class Agent:
         rec = {"event": what, "key": p.key, "pid": p.pid, "start": p.start, "role": p.spec["role"],
                "slots": json.dumps(p.slots), "at": time.time(),
                **{k: json.dumps(v) for k, v in extra.items()}}
-        self.r.xadd(agent_log(self.node), rec, maxlen=10_000, approximate=True)
+        try:
+            self.r.xadd(agent_log(self.node), rec, maxlen=10_000, approximate=True)
+        except UNAVAILABLE:
+            pass   # Redis away (or our run stopping it): the log line below still has it
         self.log.info(what, key=p.key, pid=p.pid, slots=p.slots, **extra)
 
     def publish(self, force: bool = False) -> None:

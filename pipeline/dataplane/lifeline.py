@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 PARENT_ENV = "LIBRA_PARENT_PID"
+PASS_FDS_ENV = "LIBRA_PASS_FDS"   # descriptors the watchdog passes on to its program (the embedded Redis's lock)
 OWNER_ENV = "LIBRA_OWNER"   # "pid:start" of the libra-ctl run every process below it ends with
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.5
@@ -166,7 +167,7 @@ def _run_watched(owner: int, argv: list[str]) -> int:
 
 def _inherited_fds() -> tuple[int, ...]:
     """The descriptors our starter passed on (a lock file): passed on again to the watched program."""
-    raw = os.environ.get("LIBRA_PASS_FDS", "")
+    raw = os.environ.get(PASS_FDS_ENV, "")
     return tuple(int(x) for x in raw.split(",") if x.isdigit())
 
 

@@ -10,7 +10,8 @@ Redis blips: ``connect`` sets timeouts, TCP keepalive, health checks and a
 bounded retry with backoff, but only for commands that can run twice without
 harm; a command that cannot (XADD without an id, INCR, HINCRBY, a MULTI/EXEC
 that is not WATCHing) is sent once, and its caller makes the retry safe
-(``streams.execute_once``). A long-running loop waits out an outage with
+(``streams.execute_with_backpressure`` and ``streams.write_and_ack`` mark
+their transactions, so a retry after a lost EXEC reply does nothing). A long-running loop waits out an outage with
 ``Outage``: it logs ``redis_unavailable`` once, backs off, and gives up after
 ``redis.outage_s`` (``$LIBRA_REDIS_OUTAGE_S`` for the controller and agents).
 
@@ -37,6 +38,8 @@ from redis.backoff import ExponentialBackoff
 from redis.client import Pipeline
 from redis.retry import Retry
 
+from pipeline.dataplane.lifeline import PASS_FDS_ENV
+
 ENV_URL = "LIBRA_REDIS_URL"
 ENV_OUTAGE = "LIBRA_REDIS_OUTAGE_S"  # how long a process waits for an unreachable Redis (config: redis.outage_s)
 OUTAGE_S = 60.0
@@ -53,7 +56,7 @@ RETRIES = 4
 NOT_RETRIED = frozenset({
     "XADD", "INCR", "INCRBY", "INCRBYFLOAT", "DECR", "DECRBY", "HINCRBY", "HINCRBYFLOAT", "LPUSH", "RPUSH",
     "LPOP", "RPOP", "BLPOP", "BRPOP", "LMOVE", "BLMOVE", "RPOPLPUSH", "BRPOPLPUSH", "SPOP", "XREADGROUP",
-    "XAUTOCLAIM", "XCLAIM", "EVAL", "EVALSHA", "GETDEL", "ZINCRBY", "APPEND", "SETRANGE", "PUBLISH",
+    "XAUTOCLAIM", "XCLAIM", "EVAL", "EVALSHA", "GETDEL", "ZINCRBY", "APPEND", "SETRANGE", "PUBLISH", "SHUTDOWN",
 })
 _ONCE = Retry(ExponentialBackoff(), 0)
 
@@ -243,7 +246,7 @@ class EmbeddedRedis:
         # start_new_session: a Ctrl-C in the terminal reaches us, not the server, so we can stop it in
         # order after the workers. Under the lifeline watchdog (and PDEATHSIG) it still ends, AOF
         # fsynced, within a second of a SIGKILL of ours. The watchdog and the server inherit the lock.
-        env = dict(os.environ, LIBRA_PASS_FDS=str(lock))
+        env = dict(os.environ, **{PASS_FDS_ENV: str(lock)})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pipeline.dataplane.lifeline", str(os.getpid()), "--",
              redis_server_binary(), str(conf)],

@@ -14,7 +14,9 @@ lost (the connection dropped after the server ran it): it writes a mark
 finds the mark and stops. While Redis is unreachable a write waits
 (``redisconn.Outage``) with its outputs in hand, and ``run_stage`` retries the
 round, then reads its own pending entries first: those whose XREADGROUP
-reply was lost are delivered to it and would otherwise wait for a reclaim.
+reply was lost are delivered to it and would otherwise wait for a reclaim
+(so does a stage at its start: a worker restarted under its stable name
+takes its predecessor's batch back at once).
 """
 
 from __future__ import annotations
@@ -482,7 +484,9 @@ def run_stage(
     cursor = "0-0"
     keeper = ClaimKeeper(r, source, group, consumer, claims.min_idle_ms)
     outage = Outage(log, stop=stop)
-    own: str | None = None   # after an outage: where the replay of our own pending entries has got to
+    # Where the replay of our own pending entries has got to: at the start (a worker restarted under its
+    # stable name takes its predecessor's batch back at once, not after min_idle) and after an outage.
+    own: str | None = "0"
     rounds = 0
     try:
         while not stop():
@@ -510,7 +514,12 @@ def run_stage(
             good, bad = decode_entries(entries, max_bytes)
             with keeper([i for i, _p in entries]):
                 outputs = handle([msg for _id, msg in good]) if good else []
-            write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop, dedup)
+            try:
+                write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop, dedup)
+            except UNAVAILABLE:
+                if not stop():
+                    raise
+                break   # stopping without Redis (our run is gone with it): the batch stays pending, replayed
     finally:
         keeper.close()
 
