@@ -457,17 +457,24 @@ class RealBackend(Backend):
 
 
 def worker_exits(r: redis.Redis, job: str) -> dict:
-    """How the job's agent-started workers ended, from the agents' logs: killed (-9), crashed, clean, unknown.
+    """How the job's agent-started workers ended, from the agents' logs.
 
-    ``unknown``: a worker adopted by a restarted agent, whose exit code only its parent could read.
+    ``killed``: SIGKILL (ours, or an agent's after the drain grace);
+    ``signalled``: another signal (SIGTERM before the worker's handler was
+    in place); ``crashed``: a non-zero exit code, which no fault of the
+    schedule explains: a worker must survive a Redis restart; ``clean``: 0;
+    ``unknown``: adopted by a restarted agent, whose exit code only its
+    parent could read.
     """
-    out = {"killed": 0, "crashed": 0, "clean": 0, "unknown": 0}
+    out = {"killed": 0, "signalled": 0, "crashed": 0, "clean": 0, "unknown": 0}
     for log in r.keys(agent_log("*")):
         for _id, f in r.xrange(log):
             if f.get(b"event") != b"exited" or not f.get(b"key", b"").startswith(f"{job}/".encode()):
                 continue
             code = json.loads(f.get(b"code", b"null"))
-            out["unknown" if code is None else "clean" if code == 0 else "killed" if code == -9 else "crashed"] += 1
+            kind = ("unknown" if code is None else "clean" if code == 0 else "crashed" if code > 0
+                    else "killed" if code == -signal.SIGKILL else "signalled")
+            out[kind] += 1
     return out
 
 
@@ -706,6 +713,9 @@ def problems(s: dict) -> list[str]:
         out.append(f"{len(s['missed'])} of {s['events_planned']} planned events not done")
     if s["controller_restarts"] < s["controller_kills"] or s["agent_restarts"] < s["agent_kills"]:
         out.append("a killed controller or agent was not restarted")
+    if s["worker_exits"]["crashed"]:
+        out.append(f"{s['worker_exits']['crashed']} worker exits with an error (a crash no fault explains: "
+                   "see the run's logs)")
     if s["leftover_processes"]:
         out.append(f"{len(s['leftover_processes'])} worker processes outlived the run")
     return out
