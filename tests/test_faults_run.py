@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,7 +140,7 @@ def test_kill_9_of_a_run_leaves_nothing_behind_and_resume_finishes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_a_killed_controller_and_agent_are_restarted_and_the_run_finishes(tmp_path):
-    job, steps = "restart", 16   # enough steps left for the restarts to happen before the end
+    job, steps = "restart", 40   # enough steps left for the new agent to take over before the end
     proc, run_dir, _env = _start_run(tmp_path, job, steps)
     try:
         wait_for(lambda: _trained(run_dir, job) > 0, 900, "a first learner step")
@@ -159,8 +160,12 @@ def test_a_killed_controller_and_agent_are_restarted_and_the_run_finishes(tmp_pa
     assert "controller restarted" in out and "agent restarted" in out, out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["restarts"]["controller"] >= 1 and summary["restarts"]["agent"] >= 1
-    assert workers and not _gone(workers)   # the old agent's workers were adopted, then stopped with the run
-    assert "adopted" in (run_dir / "logs" / "agent.out").read_text()
+    # the old agent's workers were adopted, not started a second time, and ended with the run
+    agent_log = (run_dir / "logs" / "agent.out").read_text()
+    assert "adopted" in agent_log
+    assert all(len(re.findall(rf"\bspawned\s+key={job}/{w}\s", agent_log)) == 1
+               for w in ("learner-0", "reward-vm-c0", "rollout-vm-1")), agent_log
+    wait_for(lambda: not _gone(workers), 60, "the workers to end with the run")
     a = _audit(run_dir, job)
     assert a["ok"], a["problems"]
     assert a["duplicates_trained"] == 0 and a["trained"] >= steps * 32
