@@ -55,6 +55,7 @@ from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_ROLES = ("rollout", "reward", "learner", "feeder")
 POLL_S = 0.2
+STEP_SHARE = 0.75           # the schedule's events come within this share of the job's steps at the latest
 REDIS_DOWN_S = 1.0          # how long the server stays dead before its restart
 TARGET_WAIT_S = 120.0       # how long a kill waits for a live process of its role (one may be restarting)
 RESTART_WAIT_S = 90.0       # how long a killed controller or agent may take to come back
@@ -75,11 +76,12 @@ class ChaosFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Event:
-    """One planned fault: ``at_s`` seconds after the learner's first step."""
+    """One planned fault: ``at_s`` seconds after the learner's first step, or once it reaches ``at_step``."""
 
     at_s: float
     kind: str          # "kill" (a worker of ``role``), "kill_controller", "kill_agent", "restart_redis"
     role: str = ""
+    at_step: int = 0   # 0: no step bound
 
     @property
     def target(self) -> str:
@@ -88,7 +90,8 @@ class Event:
 
     def describe(self) -> str:
         verb = "restart" if self.kind == "restart_redis" else "kill -9"
-        return f"t+{self.at_s:6.1f}s  {verb} {self.target}"
+        by = f" (or step {self.at_step:>4})" if self.at_step else ""
+        return f"t+{self.at_s:6.1f}s{by}  {verb} {self.target}"
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class Plan:
     agent_kills: int = 1
     redis_restarts: int = 2
     span_s: float = 60.0
+    steps: int = 0     # the job's steps: each event also comes at its share of STEP_SHARE of them (0: never)
 
     def events(self) -> list[tuple[str, str]]:
         """(kind, role) of every planned fault, in a fixed order (the seed shuffles it)."""
@@ -113,14 +117,23 @@ def make_schedule(seed: int, plan: Plan) -> list[Event]:
 
     Each event lands at a seeded point of the middle 80% of its slice, so two
     events are at least a fifth of a slice apart and the run can react to
-    one before the next.
+    one before the next. Each also has a step bound (``step_bound``).
     """
     rng = random.Random(seed)
     kinds = plan.events()
     rng.shuffle(kinds)
     slice_s = plan.span_s / max(len(kinds), 1)
-    return [Event(round(slice_s * (i + 0.1 + 0.8 * rng.random()), 1), kind, role)
-            for i, (kind, role) in enumerate(kinds)]
+    times = [round(slice_s * (i + 0.1 + 0.8 * rng.random()), 1) for i in range(len(kinds))]
+    return [Event(t, kind, role, step_bound(t, plan)) for t, (kind, role) in zip(times, kinds)]
+
+
+def step_bound(at_s: float, plan: Plan) -> int:
+    """The learner step by which an event at ``at_s`` comes even if its time has not: a fast run would
+    otherwise train all its steps before the schedule ends. Events keep to the first ``STEP_SHARE`` of the
+    steps, so the run trains on after the last one."""
+    if not plan.steps:
+        return 0
+    return max(1, int(plan.steps * STEP_SHARE * at_s / plan.span_s))
 
 
 def format_schedule(seed: int, events: list[Event]) -> str:
@@ -562,6 +575,9 @@ class ChaosRun:
         raw = self.r.hget(JobKeys(self.backend.job).learner_stats, "step")
         return int(json.loads(raw)) if raw else 0
 
+    def reached(self, step: int) -> bool:
+        return bool(step) and self.learner_step() >= step
+
     def trained(self) -> bool:
         return self.r.hget(JobKeys(self.backend.job).state, "phase") in (b"trained", b"done")
 
@@ -656,8 +672,8 @@ class ChaosRun:
         paused = 0.0   # the schedule's clock stands still while an event waits for a target or a recovery
         for ev in self.schedule:
             due = self.t0 + paused + ev.at_s
-            self.wait_for(lambda: time.monotonic() >= due or self.trained(), due - time.monotonic() + TARGET_WAIT_S,
-                          "the next event")
+            self.wait_for(lambda: time.monotonic() >= due or self.reached(ev.at_step) or self.trained(),
+                          due - time.monotonic() + TARGET_WAIT_S, "the next event")
             self.perform(ev)
             paused += max(time.monotonic() - due, 0.0)
         self.say("schedule done; waiting for the job to train all its steps")
@@ -768,10 +784,19 @@ def parse_kills(items: list[str] | None, defaults: dict) -> dict:
     return kills
 
 
-def plan_of(args) -> Plan:
+def plan_of(args, steps: int) -> Plan:
     defaults = SIM_KILLS if args.backend == "sim" else REAL_KILLS
     return Plan(kills=parse_kills(args.kills, defaults), controller_kills=args.controller_kills,
-                agent_kills=args.agent_kills, redis_restarts=args.redis_restarts, span_s=args.span)
+                agent_kills=args.agent_kills, redis_restarts=args.redis_restarts, span_s=args.span, steps=steps)
+
+
+def job_steps(args) -> int:
+    """The job's learner steps: ``--steps`` of a sim job, the config's of a real one (ConfigError if bad)."""
+    if args.backend == "sim":
+        return args.steps
+    from pipeline import config as config_mod
+
+    return config_mod.load(args.config, args.set or []).job.steps
 
 
 def backend_of(args, base: Path, seed: int) -> Backend:
@@ -789,7 +814,12 @@ def user_argv() -> list[str]:
 
 def cmd_chaos(args) -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
-    schedule = make_schedule(seed, plan_of(args))
+    try:
+        steps = job_steps(args)
+    except ConfigError as exc:
+        print(f"libra-ctl chaos: config error: {exc}", file=sys.stderr)
+        return 2
+    schedule = make_schedule(seed, plan_of(args, steps))
     replay = replay_command(args.argv if args.argv is not None else user_argv(), seed)
     print(format_schedule(seed, schedule), flush=True)
     print(f"replay with: {replay}", flush=True)

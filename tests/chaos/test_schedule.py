@@ -33,6 +33,14 @@ def test_a_schedule_holds_every_planned_event_in_order_and_spread_out(seed):
     assert min(b - a for a, b in zip(times, times[1:])) >= 0.2 * slice_s - 0.1   # rounded to 0.1 s
 
 
+def test_events_come_within_three_quarters_of_the_steps_at_the_latest():
+    # a fast run must not train all its steps before the schedule ends (the events would be missed)
+    events = make_schedule(4, Plan(kills=REAL_KILLS, redis_restarts=1, span_s=120.0, steps=30))
+    steps = [e.at_step for e in events]
+    assert steps == sorted(steps) and steps[0] >= 1 and steps[-1] <= 0.75 * 30
+    assert all(e.at_step == 0 for e in make_schedule(4, SIM))   # no steps given: time only
+
+
 def test_the_real_backend_still_hits_every_role():
     targets = {e.target for e in make_schedule(3, Plan(kills=REAL_KILLS, redis_restarts=1, span_s=60.0))}
     assert targets == {*WORKER_ROLES, "controller", "agent", "redis"}
@@ -61,7 +69,7 @@ def test_the_command_prints_the_same_schedule_for_the_same_seed():
     assert first == dry("--seed", "11")
     assert "chaos schedule (seed 11, 24 events)" in first
     assert "replay with: scripts/chaos sim --seed 11" in first
-    for event in make_schedule(11, SIM):
+    for event in make_schedule(11, Plan(**{**SIM.__dict__, "steps": 160})):   # sim's default --steps
         assert event.describe() in first
     unseeded = dry()   # a random seed, printed with the command that replays it
     seed = int(unseeded.split("(seed ")[1].split(",")[0])
