@@ -498,15 +498,15 @@ def tail(path: Path, lines: int = 20) -> str:
         return "(no output)"
 
 
-def leftover_processes(r: redis.Redis, job: str) -> list[Victim]:
-    """Workers of ``job`` an agent recorded that still run (after the run's end there must be none)."""
-    out = []
-    for node in sorted(n.decode() for n in r.keys(agent_procs("*"))):
-        for raw in r.hvals(node):
-            rec = json.loads(raw)
-            if rec["job"] == job and process_start(rec["pid"]) == rec["start"]:
-                out.append(Victim(rec["worker"], rec["pid"], rec["start"]))
-    return out
+def leftover_processes(r: redis.Redis, job: str, seen: set) -> list[Victim]:
+    """Processes of the run still alive: every worker of ``job`` an agent ever started (its log's ``spawned``
+    events, pid and start time), and every controller and agent in ``seen``. After the run's end: none."""
+    started = set(seen)
+    for log in r.keys(agent_log("*")):
+        for _id, f in r.xrange(log):
+            if f.get(b"event") == b"spawned" and f.get(b"key", b"").startswith(f"{job}/".encode()):
+                started.add(Victim(f[b"key"].decode().split("/", 1)[1], int(f[b"pid"]), int(f[b"start"])))
+    return sorted((v for v in started if process_start(v.pid) == v.start), key=lambda v: v.pid)
 
 
 # --- the run under chaos ---------------------------------------------------------------------------
@@ -522,8 +522,8 @@ class Tally:
     controller_restarts: int = 0    # killed, and a new one back at work (holding the lease; heartbeating)
     agent_restarts: int = 0
     redis_restarts: int = 0
-    controller_pids: set = field(default_factory=set)   # every controller and agent process seen: a crash loop
-    agent_pids: set = field(default_factory=set)        # shows as many more processes than restarts
+    controllers: set = field(default_factory=set)   # every controller and agent process seen (Victims): a crash
+    agents: set = field(default_factory=set)        # loop shows as many more processes than restarts
     performed: list = field(default_factory=list)   # one record per event done: planned and actual time, target
     missed: list = field(default_factory=list)      # events that could not be done, with the reason
 
@@ -550,8 +550,8 @@ class ChaosRun:
         """Supervise the run, note its controller and agent processes; ChaosFailed past the deadline."""
         self.backend.tick()
         try:
-            self.tally.controller_pids.update(v.pid for v in self.backend.controllers(self.r))
-            self.tally.agent_pids.update(v.pid for v in self.backend.agents(self.r))
+            self.tally.controllers.update(self.backend.controllers(self.r))
+            self.tally.agents.update(self.backend.agents(self.r))
         except (redis.ConnectionError, redis.TimeoutError):
             pass   # our own Redis restarting
         if time.monotonic() > self.deadline:
@@ -683,15 +683,15 @@ class ChaosRun:
 
     def summary(self) -> dict:
         a = audit_job(self.redis.url, self.backend.job, self.backend.run_dir)
-        leftovers = leftover_processes(self.r, self.backend.job)
+        leftovers = self.leftovers()
         t = self.tally
         accounted = a["trained"] + a["dropped_stale"] + a["dead_lettered"] + a["in_flight"]
         s = {
             "seed": self.seed, "job": self.backend.job, "run_dir": str(self.backend.run_dir),
             "kills_by_role": t.kills, "worker_kills": sum(t.kills.values()),
             "controller_kills": t.controller_kills, "controller_restarts": t.controller_restarts,
-            "controller_processes": len(t.controller_pids),
-            "agent_kills": t.agent_kills, "agent_restarts": t.agent_restarts, "agent_processes": len(t.agent_pids),
+            "controller_processes": len(t.controllers),
+            "agent_kills": t.agent_kills, "agent_restarts": t.agent_restarts, "agent_processes": len(t.agents),
             "redis_restarts": t.redis_restarts, "worker_exits": worker_exits(self.r, self.backend.job), "redis_appendfsync": ChaosRedis.APPENDFSYNC,
             "steps_planned": self.backend.steps, "steps": self.learner_step(),
             "lost": max(a["issued"] - accounted, 0), "duplicated": a["duplicates_trained"],
@@ -703,12 +703,21 @@ class ChaosRun:
         s["ok"] = not s["problems"]
         return s
 
+    def leftovers(self, wait_s: float = 15.0) -> list[Victim]:
+        """The run's processes still alive ``wait_s`` after its end (a stopped process may take a moment)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = leftover_processes(self.r, self.backend.job, self.tally.controllers | self.tally.agents)
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.5)
+
     def cleanup(self) -> None:
         """Stop the run and then Redis, whatever happened; kill any worker the run left behind."""
         try:
             self.backend.stop()
             if self.r is not None:
-                for v in leftover_processes(self.r, self.backend.job):
+                for v in leftover_processes(self.r, self.backend.job, self.tally.controllers | self.tally.agents):
                     kill(v)
         except redis.RedisError:
             pass
