@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 from pipeline import config as config_mod
+from pipeline.dataplane.keys import BadName, check_path
 from pipeline.dataplane.redisconn import ENV_URL, connect, find_redis_url
+from pipeline.redaction import redact, write_private
 
 SHARED_REDIS_DIR = "runs/redis"   # where ``libra-ctl redis`` keeps the embedded server of a Procfile
 REDIS_WAIT_S = 120.0
@@ -52,7 +54,7 @@ def cmd_resume(args) -> int:
     from pipeline.run import RunFailed, resume_job
 
     try:
-        return resume_job(Path(args.run_dir), sys.argv)
+        return resume_job(Path(check_path("run directory", args.run_dir)), sys.argv)
     except RunFailed as exc:
         print(f"libra-ctl: {exc}", file=sys.stderr)
         return 2
@@ -89,7 +91,7 @@ def cmd_controller(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     if args.once:
         return 0 if ctl.tick() else 1
-    metrics = _serve_metrics(ctl.r, args.metrics_port, log)
+    metrics = _serve_metrics(ctl.r, args.metrics_port, args.metrics_host, log)
     log.info("controller_started", interval_s=args.interval, metrics_port=args.metrics_port)
     try:
         ctl.run()
@@ -99,18 +101,18 @@ def cmd_controller(args) -> int:
     return 0
 
 
-def _serve_metrics(r, port: int, log):
-    """Prometheus /metrics for every job on this Redis; a taken port is logged, not fatal."""
+def _serve_metrics(r, port: int, host: str, log):
+    """Prometheus /metrics for every job on this Redis, on ``host`` only; a taken port is logged, not fatal."""
     if not port:
         return None
     from pipeline.observe.prometheus import serve
 
     try:
-        server = serve(r, port, host="0.0.0.0")
+        server = serve(r, port, host=host)
     except OSError as exc:
-        log.warning("metrics_port_unavailable", port=port, error=str(exc))
+        log.warning("metrics_port_unavailable", port=port, host=host, error=str(exc))
         return None
-    log.info("metrics_serving", url=f"http://0.0.0.0:{port}/metrics")
+    log.info("metrics_serving", url=server.url)
     return server
 
 
@@ -157,7 +159,7 @@ def cmd_redis(args) -> int:
         url = wait_for_redis(args.redis, args.dir, args.timeout)
         if url is None:
             where = shared_redis_url(args.redis, args.dir) or f"{args.dir}/redis.url (libra-ctl redis writes it)"
-            print(f"libra-ctl redis: no Redis answered at {where} within {args.timeout:g}s", file=sys.stderr)
+            print(f"libra-ctl redis: no Redis answered at {redact(where)} within {args.timeout:g}s", file=sys.stderr)
             return 1
         then = args.then[1:] if args.then[:1] == ["--"] else args.then
         if then:
@@ -168,7 +170,7 @@ def cmd_redis(args) -> int:
     given = args.redis or os.environ.get(ENV_URL)
     if given:
         # a Redis of the user's: nothing to serve; stay up, as honcho stops everything when a line exits
-        print(f"redis: using {given} ({ENV_URL}); not starting a server", flush=True)
+        print(f"redis: using {redact(given)} ({ENV_URL}); not starting a server", flush=True)
         stop.wait()
         return 0
     return _serve_redis(Path(args.dir), stop)
@@ -184,7 +186,7 @@ def _serve_redis(data_dir: Path, stop: threading.Event) -> int:
         return 1
     server = EmbeddedRedis(data_dir).start()
     url_file = data_dir / "redis.url"
-    url_file.write_text(server.url + "\n")
+    write_private(url_file, server.url + "\n")   # a unix socket: no secret, but the socket's place is ours
     print(f"redis: serving at {server.url} (data in {data_dir}); export {ENV_URL}={server.url}", flush=True)
     try:
         stop.wait()
@@ -229,7 +231,7 @@ def cmd_worker(args) -> int:
               file=sys.stderr)
         return 130 if stop.is_set() else 1
     r, keys = connect(url), JobKeys(args.job)
-    print(f"worker: waiting for job {args.job} to run on {url}", flush=True)
+    print(f"worker: waiting for job {args.job} to run on {redact(url)}", flush=True)
     while live_run_dir(r, keys) is None:
         if stop.wait(0.2):
             return 130
@@ -311,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--once", action="store_true", help="one reconcile, then exit")
     c.add_argument("--metrics-port", type=int, default=9464,
                    help="serve Prometheus /metrics on this port (0: off; control.metrics_port)")
+    c.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address /metrics binds (0.0.0.0: every interface; control.metrics_host)")
     c.add_argument("--redis", help=f"Redis URL (default: ${ENV_URL})")
     c.set_defaults(func=cmd_controller)
 
@@ -350,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except config_mod.ConfigError as exc:
         print(f"libra-ctl: config error: {exc}", file=sys.stderr)
+        return 2
+    except BadName as exc:   # a job name, worker id or path that cannot become a key or a file name
+        print(f"libra-ctl: {exc}", file=sys.stderr)
         return 2
 
 

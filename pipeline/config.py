@@ -9,7 +9,9 @@ into exit code 2. ``--set dotted.key=value`` overrides any field.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -18,6 +20,60 @@ from typing import Any, get_type_hints
 
 class ConfigError(ValueError):
     """A config that cannot run; the message names the key and the fix."""
+
+
+# --- names that reach keys, key patterns and file names ---------------------------------------------
+MAX_NAME_LEN = 128
+# Glob characters make a name a SCAN MATCH pattern (reset_job would delete other jobs' keys); braces
+# change the hash tag (a job's keys would spread over cluster shards); a path separator or ".." leaves
+# the directory a name is a file of (logs/<worker>.jsonl, runs/<id>/).
+_GLOB = frozenset("*?[]")
+_BRACES = frozenset("{}")
+_SEPARATORS = frozenset("/\\")
+
+
+class BadName(ValueError):
+    """A name (job, worker id, run id, ...) that cannot safely become a Redis key or a file name."""
+
+
+def check_name(kind: str, name, max_len: int = MAX_NAME_LEN) -> str:
+    """``name`` if it is safe in a key, a key pattern and a file name; BadName saying what is wrong."""
+    if not isinstance(name, str):
+        raise BadName(f"{kind} must be a string, not a {type(name).__name__}")
+    bad = None
+    if not name:
+        bad = "is empty"
+    elif len(name) > max_len:
+        bad = f"is {len(name)} characters long (at most {max_len})"
+    elif any(ord(c) < 32 or ord(c) == 127 for c in name):
+        bad = "holds a control character"
+    elif any(c in _GLOB for c in name):
+        bad = "holds a glob character (* ? [ ])"
+    elif any(c in _BRACES for c in name):
+        bad = "holds a brace ({ }), which would change the Redis hash tag"
+    elif any(c in _SEPARATORS for c in name):
+        bad = "holds a path separator (/ or \\)"
+    elif ".." in name:
+        bad = "holds '..'"
+    elif name != name.strip():
+        bad = "starts or ends with white space"
+    if bad:
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        raise BadName(f"{kind} {shown!r} {bad}; use letters, digits, '-', '_', '.' or ':'")
+    return name
+
+
+def check_path(kind: str, path, max_len: int = 4096) -> str:
+    """A path given on the command line or in config: a string without control or glob characters."""
+    if not isinstance(path, str):
+        path = str(path)
+    if len(path) > max_len:
+        raise BadName(f"{kind} is {len(path)} characters long (at most {max_len})")
+    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+        raise BadName(f"{kind} {path[:60]!r} holds a control character")
+    if any(c in _GLOB for c in path):
+        raise BadName(f"{kind} {path[:60]!r} holds a glob character (* ? [ ]); give the path itself")
+    return path
 
 
 def _f(default, doc: str):
@@ -60,7 +116,10 @@ class RolloutConfig:
                             "temperature-scaled distribution, and the learner scales its logits by the same 1/T")
     max_turns: int = _f(4, "model turns per episode (each tool call ends a turn)")
     max_tokens_per_turn: int = _f(48, "tokens generated per turn at most")
-    tool_timeout_s: float = _f(2.0, "a tool call that takes longer is answered with a timeout")
+    tool_timeout_s: float = _f(2.0, "a tool call that takes longer is answered with a timeout (its thread is "
+                               "abandoned; past 64 hung calls the worker exits and its agent restarts it)")
+    tool_retries: int = _f(2, "retries of a tool call (environment step) that raises, within tool_timeout_s; "
+                           "then the group is dead-lettered with the error")
     gpu_memory_utilization: float = _f(0.02, "share of device memory (host RAM on CPU) the engine reserves")
     max_model_len: int = _f(256, "longest prompt + completion the engine accepts (at most the policy's max_position_embeddings)")
     dtype: str = _f("float32", "the engine's weights and activations: float32, bfloat16, float16 or auto "
@@ -86,6 +145,8 @@ class EnvConfig:
 class RewardConfig:
     workers: int = _f(1, "reward worker processes")
     verifier_retries: int = _f(2, "retries of a failing verifier before the group is dead-lettered")
+    timeout_s: float = _f(30.0, "the longest one reward call may take; a call past it is abandoned and counts "
+                          "as a failed try (retried, then the group is dead-lettered)")
     entry: str = _f("", "\"package.module:function\" (task, transcript) -> float scoring each episode; "
                     "empty: the environment's reward")
     model: str = _f("", "a Hugging Face sequence-classification directory (one label) that scores prompt + "
@@ -104,13 +165,16 @@ class LearnerConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     clip_eps: float = _f(0.2, "PPO clip range of the importance ratio")
     max_grad_norm: float = _f(1.0, "gradient norm clip")
-    max_staleness: int = _f(2, "groups generated more than this many versions ago are dropped")
+    max_staleness: int = _f(2, "groups generated more than this many learner updates ago (along the version tree, so a "
+                                    "restore adds none) are dropped")
     publish_every: int = _f(1, "steps between weight publications (at most max_staleness)")
     checkpoint_every: int = _f(10, "steps between checkpoints (model, optimizer, consumed ids)")
     keep_published: int = _f(4, "published weight versions kept on disk")
     threads: int = _f(1, "torch CPU threads of the learner")
     step_budget_s: float = _f(60.0, "the longest a learner step (waiting for data included) may take")
     checkpoint_write_s: float = _f(30.0, "the longest a checkpoint write may take")
+    max_train_attempts: int = _f(3, "a scored group whose training raised this many times (counted across "
+                                 "restarts) is dead-lettered with the error; the rest of its batch is trained")
     dtype: str = _f("fp32", "forward-pass precision: fp32, or bf16 (torch.autocast; master weights, optimizer "
                     "and log-softmax stay float32)")
     micro_batch_tokens: int = _f(8192, "padded tokens (rows x longest row) per forward/backward; bounds "
@@ -167,6 +231,7 @@ class ControlConfig:
     min_reward: int = _f(1, "fewest reward workers")
     max_reward: int = _f(1 << 30, "most reward workers")
     metrics_port: int = _f(9464, "the controller serves Prometheus /metrics here (0: off)")
+    metrics_host: str = _f("127.0.0.1", "address /metrics binds (0.0.0.0: every interface, for a remote Prometheus)")
 
 
 @dataclass(frozen=True)
@@ -203,9 +268,13 @@ def load(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
     raw: dict = {}
     if path is not None:
         try:
-            raw = tomllib.loads(Path(path).read_text())
+            raw = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such config file") from None
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); TOML files are UTF-8") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     for item in overrides:
@@ -275,15 +344,43 @@ def _need(ok: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
+MAX_INT = (1 << 63) - 1   # Redis integers and numpy seeds are 64-bit
+MAX_TEXT = 4096           # the longest string setting (a path, a URL)
+_ENTRY_POINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def validate_values(cfg: Config) -> None:
+    """Every number finite, not negative and within 64 bits; every string free of control characters.
+
+    No setting of Libra means anything below 0, and a NaN or an infinity
+    passes every ``<``/``>`` check while breaking what it sizes (a timeout,
+    a learning rate), so both are refused here for every field at once.
+    """
+    for sec in fields(cfg):
+        section = getattr(cfg, sec.name)
+        for f in fields(section):
+            value, key = getattr(section, f.name), f"{sec.name}.{f.name}"
+            if isinstance(value, float):
+                _need(math.isfinite(value), key, f"{value} is not a finite number; give a number such as "
+                      f"{default_of(f)!r}")
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                _need(value >= 0, key, f"{value} is negative; use a value >= 0")
+                _need(value <= MAX_INT, key, f"{value} is too large (at most {MAX_INT})")
+            if isinstance(value, str):
+                _need(len(value) <= MAX_TEXT, key, f"{len(value)} characters long; at most {MAX_TEXT}")
+                _need(not any(ord(c) < 32 or ord(c) == 127 for c in value), key,
+                      f"{value[:60]!r} holds a control character")
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks; each message says the fix."""
     need = _need
     lr, ro = cfg.learner, cfg.rollout
-    for section in (cfg.job, cfg.policy, ro, cfg.reward, lr, cfg.streams):
-        for f in fields(section):
-            value = getattr(section, f.name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-                need(False, f"{_section_name(cfg, section)}.{f.name}", f"{value} is negative; use a value >= 0")
+    validate_values(cfg)
+    try:
+        check_name("job.name", cfg.job.name)
+    except BadName as exc:
+        raise ConfigError(str(exc)) from None
     need(cfg.job.steps >= 1, "job.steps", "run at least 1 step")
     need(ro.group_size >= 2, "rollout.group_size", "GRPO needs at least 2 samples per prompt")
     need(lr.batch_size >= ro.group_size and lr.batch_size % ro.group_size == 0, "learner.batch_size",
@@ -293,6 +390,7 @@ def validate(cfg: Config) -> None:
     need(1 <= lr.publish_every <= lr.max_staleness, "learner.publish_every",
          f"{lr.publish_every} must be between 1 and learner.max_staleness ({lr.max_staleness})")
     need(lr.checkpoint_every >= 1, "learner.checkpoint_every", "must be >= 1")
+    need(lr.max_train_attempts >= 1, "learner.max_train_attempts", "must be >= 1")
     need(lr.workers >= 1, "learner.workers", "the learner needs at least 1 slot; set 1 or more")
     need(lr.keep_published >= 2, "learner.keep_published", "keep at least 2 versions so a loading worker never loses its files")
     need(ro.engine == "vllm", "rollout.engine", f"unknown engine {ro.engine!r}; use \"vllm\"")
@@ -319,11 +417,19 @@ def validate(cfg: Config) -> None:
     validate_control(cfg.control)
     need(cfg.env.chat_template in ("auto", "on", "off"), "env.chat_template",
          f"{cfg.env.chat_template!r}: use auto, on or off")
-    need(bool(cfg.env.entry.strip()), "env.entry", "name an environment, e.g. \"calc\" or \"mypkg.envs:MyEnv\"")
+    need(_is_entry(cfg.env.entry) or bool(_ENTRY_POINT_NAME.fullmatch(cfg.env.entry)), "env.entry",
+         f"{cfg.env.entry!r}: name an environment, e.g. \"calc\" or \"mypkg.envs:MyEnv\"")
     need(not cfg.reward.entry or _is_entry(cfg.reward.entry), "reward.entry",
          f"{cfg.reward.entry!r}: write \"package.module:function\"")
     need(not (cfg.reward.entry and cfg.reward.model), "reward.model", "set reward.entry or reward.model, not both")
     need(cfg.metrics.interval_s > 0, "metrics.interval_s", "must be > 0")
+    need(ro.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0, e.g. 2.0")
+    need(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0, e.g. 30.0")
+    need(lr.step_budget_s > 0, "learner.step_budget_s", "must be > 0, e.g. 60.0")
+    need(cfg.streams.block_ms >= 1, "streams.block_ms", "must be >= 1 (0 would block a consumer forever)")
+    need(cfg.streams.max_message_bytes >= 1, "streams.max_message_bytes", "must be >= 1, e.g. 8388608")
+    need(cfg.run.progress_s > 0, "run.progress_s", "must be > 0")
+    need(cfg.control.metrics_port <= 65535, "control.metrics_port", "a TCP port: 0 (off) to 65535")
     need(st.max_deliveries >= 1, "streams.max_deliveries", "must be >= 1")
     need(min(st.rollout_min_idle_s, st.reward_min_idle_s) > 0, "streams.*_min_idle_s", "must be > 0")
     need(cfg.redis.appendfsync in ("always", "everysec", "no"), "redis.appendfsync", "use always, everysec or no")

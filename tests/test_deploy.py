@@ -142,7 +142,10 @@ def test_controller_deployment_runs_two_replicas():
     assert ctl["spec"]["replicas"] == 2
     assert "lease" in (K8S / "30-controller.yaml").read_text()   # the comment says why two is safe
     (c,) = pod_spec(ctl)["containers"]
-    assert c["command"][:2] == ["libra-ctl", "controller"] and "--redis" in c["command"]
+    assert c["command"][:2] == ["libra-ctl", "controller"]
+    # the URL (with its password) comes from the Secret in the environment, never on the command line
+    assert "--redis" not in c["command"] and {e["name"] for e in c["env"]} >= {"LIBRA_REDIS_URL"}
+    assert c["command"][c["command"].index("--metrics-host") + 1] == "0.0.0.0"   # Prometheus scrapes the Pod
 
 
 def test_agent_daemonset_holds_gpus_and_names_its_node():
@@ -155,6 +158,7 @@ def test_agent_daemonset_holds_gpus_and_names_its_node():
     assert "nvidia.com/gpu.present" in keys
     argv = c["command"]
     assert argv[argv.index("--node") + 1] == "$(LIBRA_NODE)"
+    assert "--redis" not in argv   # the URL is read from LIBRA_REDIS_URL, off the command line
     env = {e["name"]: e for e in c["env"]}
     assert env["LIBRA_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert int(spec["terminationGracePeriodSeconds"]) > float(argv[argv.index("--grace") + 1])

@@ -8,7 +8,6 @@ connection right after it forwards an EXEC.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess

@@ -140,6 +140,18 @@ def test_report_without_sampler_or_controller_falls_back(tmp_path):
     assert 'data-chart="queues"' in page and "the sampler was not running" in page
 
 
+def test_report_of_a_sim_run_whose_steps_carry_no_group_figures(tmp_path):
+    """The sim learner's step records have no zero_signal_groups or diversity fields."""
+    run = make_run(tmp_path, samples=False, events=False)
+    path = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:
+        row.pop("zero_signal_groups", None)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    page = render(load_run(run))
+    assert 'data-chart="diversity"' in page
+
+
 def test_libra_ctl_report(tmp_path):
     run = make_run(tmp_path)
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", "report", str(run)], cwd=ROOT,

@@ -239,3 +239,37 @@ def test_reward_ids_are_reproducible():
 
     assert [reward_of("p", i, 0) for i in range(8)] == [reward_of("p", i, 0) for i in range(8)]
     assert 0 < np.mean([reward_of(f"p{i}", 0, 0) for i in range(300)]) < 1
+
+
+def _scored(prompt_id: str, version: int, group_size: int = 4) -> messages.Group:
+    trajs = tuple(messages.Trajectory(sample_idx=i, completion=np.zeros(1, dtype=np.int32),
+                                      mask=np.ones(1, dtype=np.uint8), logprobs=np.zeros(1, dtype=np.float32),
+                                      text="", finish="sim", turns=1, tool_calls=0, tool_latency_s=(),
+                                      tool_timeouts=0, reward=1.0) for i in range(group_size))
+    return messages.Group(prompt_id=prompt_id, prompt="Q", answer=1, prompt_tokens=np.zeros(1, dtype=np.int32),
+                          version=version, worker="test", generated_at=time.time(), gen_s=0.0, trajectories=trajs,
+                          extra={"sim_tokens": 100.0})
+
+
+@pytest.mark.slow
+def test_sim_learner_judges_staleness_along_the_version_tree_after_a_restore(r, redis_url, tmp_path):
+    """A committed step 2 (v2) restores as v3, the weights of v2: a group of v1 is 1 update old, not 2.
+
+    At max_staleness=1, counting version numbers drops it (3 - 1 > 1) and the step never fills.
+    """
+    run_dir = sim_job(r, redis_url, tmp_path, time_scale=20.0,
+                      job={"steps": 3, "batch_size": 8, "max_staleness": 1})
+    keys = JobKeys("simtest")
+    r.hset(keys.sim_learner, mapping={"step": 2, "version": 2})
+    r.hset(keys.policy, mapping={"version": 2, "step": 2})
+    for g in (_scored("p1@0", 1), _scored("p2@0", 2)):
+        r.xadd(keys.scored, {messages.FIELD: messages.encode(g)})
+    p = start("learner", run_dir, "learner-0", redis_url)
+    try:
+        wait_for(lambda: r.hget(keys.state, "phase") == b"trained", 60, "step 3 from the two groups")
+        assert p.wait(timeout=30) == 0
+    finally:
+        stop_all([p])
+    step = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (step["step"], step["policy_version"], step["dropped_stale"]) == (3, 4, 0)
+    assert step["staleness_hist"] == {"0": 4, "1": 4}

@@ -4,7 +4,9 @@ Written by ``workers.learner`` (the learner process, rank 0); its other
 ranks (``workers.ranks``) read a restored checkpoint's optimizer. A
 checkpoint is a directory ``step-NNNNNN`` holding ``model/``,
 ``optimizer.pt``, ``consumed.txt`` and ``dropped.txt`` (trajectory ids, one a
-line) and ``state.json``: the whole learner state whatever its world size
+line; ``dropped_branch.txt`` names those of the dropped ids that came from a
+discarded branch of the version tree) and ``state.json`` (step, version, the
+version tree ``lineage``, totals): the whole learner state whatever its world size
 (every rank holds the same weights and optimizer state, and rank 0 consumed
 every id), so a learner restores it on any number of slots. Published
 weights are directories ``vNNNNNN``. Both are written under a ``.tmp`` name
@@ -57,7 +59,7 @@ def trained_ids_after(ckpt_dir: Path, after_step: int) -> dict[str, int]:
 
 
 def write_checkpoint(ckpt_dir: Path, model, optimizer, consumed: list[str], dropped: list[str], state: dict,
-                     source_dir: Path) -> None:
+                     source_dir: Path, dropped_branch: list[str] = ()) -> None:
     """Write ``step-<state["step"]>`` and make it durable (fsynced, renamed, parent fsynced) before returning.
 
     The caller acknowledges stream entries only after this returns: a crash
@@ -71,6 +73,7 @@ def write_checkpoint(ckpt_dir: Path, model, optimizer, consumed: list[str], drop
     torch.save(_on_cpu(optimizer.state_dict()), tmp / "optimizer.pt")
     (tmp / "consumed.txt").write_text("".join(f"{i}\n" for i in consumed))
     (tmp / "dropped.txt").write_text("".join(f"{i}\n" for i in dropped))
+    (tmp / "dropped_branch.txt").write_text("".join(f"{i}\n" for i in dropped_branch))
     (tmp / "state.json").write_text(json.dumps(state))
     _fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)

@@ -29,9 +29,12 @@ from typing import Any, Protocol
 
 from workers.chat import ChatFormat
 from workers.envs import load_env
-from workers.envs.base import Environment, Task
+from workers.envs.base import CallTimeout, Environment, HungCalls, Task, env_call
 
 DEFAULT_ENV = "calc"   # the environment when none is given (config's env.entry default)
+# The longest ``env.start`` may take (at least a step's timeout): a start may build a sandbox, which is
+# slower than a tool call, but one that never returns must still end its episode.
+START_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -69,8 +72,9 @@ class Episode:
     tool_calls: int = 0
     tool_latency_s: list[float] = field(default_factory=list)
     tool_timeouts: int = 0
-    finish: str = ""  # the environment's reason ("answer", ...), or "length" | "max_turns" | "eos"
+    finish: str = ""  # the environment's reason ("answer", ...), or "length" | "max_turns" | "eos" | "error"
     state: Any = None  # the environment's state of this episode
+    error: str = ""  # a tool call that raised on every try (the rollout worker dead-letters the group)
 
 
 def request_seed(seed: int, prompt_id: str, sample_idx: int, turn: int) -> int:
@@ -89,10 +93,22 @@ class Loop:
     max_tokens_per_turn: int
     step_timeout_s: float
     max_total_tokens: int | None
+    tool_retries: int = 0  # tries of a step that raises, after the first, within its timeout
 
     def new_episode(self, task: Task, sample_idx: int) -> Episode:
+        """A fresh episode; ``env.start`` is bounded (START_TIMEOUT_S), and its failure is the episode's ``error``."""
         prompt_tokens = self.fmt.prompt_ids(self.tokenizer, task.prompt)
-        return Episode(task.prompt_id, sample_idx, prompt_tokens, [], [], [], "", state=self.env.start(task))
+        ep = Episode(task.prompt_id, sample_idx, prompt_tokens, [], [], [], "")
+        try:
+            ep.state = env_call(self.env.start, task, timeout_s=max(self.step_timeout_s, START_TIMEOUT_S))
+        except CallTimeout as exc:
+            ep.finish, ep.error = "error", f"env.start: {exc}"
+        except HungCalls:
+            raise
+        # The environment is user code: what it raises is reported with the group, not a crash.
+        except Exception as exc:  # noqa: BLE001
+            ep.finish, ep.error = "error", f"env.start raised {type(exc).__name__}: {exc}"
+        return ep
 
     def close_turn(self, ep: Episode, out: TurnOutput) -> bool:
         """Record a turn's output; True if the environment should answer it."""
@@ -106,9 +122,13 @@ class Loop:
     def answer(self, episodes: list[Episode], tasks: list[Task], outs: list[TurnOutput], last_turn: bool) -> list[int]:
         """The environment's replies to these turns; returns the indices of the episodes that go on."""
         calls = [(ep.state, task, out.text, out.finish_reason) for ep, task, out in zip(episodes, tasks, outs)]
-        replies = self.env.respond(calls, self.step_timeout_s)
+        replies = self.env.respond(calls, self.step_timeout_s, retries=self.tool_retries)
         going = []
         for k, (ep, out, reply) in enumerate(zip(episodes, outs, replies)):
+            if reply.error:   # the tool failed on every try: the episode ends, and its group is dead-lettered
+                _count_call(ep, reply)
+                ep.finish, ep.error = "error", reply.error
+                continue
             if reply.done:
                 _count_call(ep, reply)
                 ep.finish = reply.finish or "done"
@@ -152,12 +172,13 @@ def _append(ep: Episode, token_ids: list[int], logprobs: list[float], text: str,
 
 
 def make_loop(tokenizer, *, env: Environment | None, max_turns: int, max_tokens_per_turn: int, tool_timeout_s: float,
-              max_total_tokens: int | None, chat_template: bool | None = None) -> Loop:
+              max_total_tokens: int | None, chat_template: bool | None = None, tool_retries: int = 0) -> Loop:
     env = env if env is not None else load_env(DEFAULT_ENV)
     return Loop(env=env, tokenizer=tokenizer,
                 fmt=ChatFormat.for_tokenizer(tokenizer, env.reply_role, chat_template),
                 max_turns=env.max_turns or max_turns, max_tokens_per_turn=max_tokens_per_turn,
-                step_timeout_s=env.step_timeout_s or tool_timeout_s, max_total_tokens=max_total_tokens)
+                step_timeout_s=env.step_timeout_s or tool_timeout_s, max_total_tokens=max_total_tokens,
+                tool_retries=tool_retries)
 
 
 def run_episodes(
@@ -173,6 +194,7 @@ def run_episodes(
     env: Environment | None = None,
     max_total_tokens: int | None = None,
     chat_template: bool | None = None,
+    tool_retries: int = 0,
 ) -> list[Episode]:
     """Play one episode per (task, sample_idx), all advanced turn by turn in batches.
 
@@ -180,15 +202,18 @@ def run_episodes(
     ``max_total_tokens`` (prompt + completion) ends a sequence with "length"
     before a turn that could overflow it; it defaults to the generator's
     ``max_model_len`` if it has one. ``chat_template``: render through the
-    tokenizer's chat template (None: when it has one).
+    tokenizer's chat template (None: when it has one). ``tool_retries``: tries
+    of an environment step that raises, after the first; an episode whose
+    step raised on every try ends with ``finish = "error"`` and its ``error``.
     """
     if max_total_tokens is None:
         max_total_tokens = getattr(generator, "max_model_len", None)
     loop = make_loop(tokenizer, env=env, max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
-                     tool_timeout_s=tool_timeout_s, max_total_tokens=max_total_tokens, chat_template=chat_template)
+                     tool_timeout_s=tool_timeout_s, max_total_tokens=max_total_tokens, chat_template=chat_template,
+                     tool_retries=tool_retries)
     tasks = [t for t, _ in items]
     episodes = [loop.new_episode(t, i) for t, i in items]
-    active = list(range(len(episodes)))
+    active = [i for i, ep in enumerate(episodes) if not ep.error]
     for turn in range(loop.max_turns):
         active = loop.fit_context(episodes, active)
         if not active:

@@ -103,6 +103,7 @@ def issue_one(ctx: WorkerContext, problems: list[Task], group: int, outage: Outa
         pipe.hset(ctx.keys.feeder, mapping={"cursor": cursor + 1, "epoch": epoch, "group_size": group})
         pipe.hincrby(ctx.keys.counters, "issued", group)
         pipe.hincrby(ctx.keys.counters, "issued_prompts", 1)
+        pipe.sadd(ctx.keys.issued, msg.prompt_id)  # the record `libra-ctl audit` accounts for, id by id
         return pipe
 
     execute_with_backpressure(build, ctx.log, ctx.stopping)

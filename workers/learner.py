@@ -2,12 +2,14 @@
 
 ``python -m workers.learner``, started by ``libra-ctl run`` or a node agent.
 A step reads whole scored groups until ``batch_size`` trajectories are
-admitted, dropping (and counting) groups staler than ``max_staleness``. Every
+admitted, dropping (and counting) groups more than ``max_staleness`` updates
+behind, counted along the version tree (``pipeline.dataplane.lineage``). Every
 ``publish_every`` steps it publishes weights under a new version; every
 ``checkpoint_every`` steps it writes a checkpoint (weights, optimizer, step,
 version, the ids it consumed) and only then acknowledges the stream entries
 that checkpoint contains. A restart restores the latest checkpoint, publishes
-under a new version, and its unacknowledged entries are replayed. A drain
+under a new version that starts a new line of the tree (0 updates from the
+checkpoint's), and its unacknowledged entries are replayed. A drain
 (SIGTERM) finishes the step in hand, checkpoints it and exits 0, so the next
 learner repeats nothing.
 
@@ -40,6 +42,7 @@ import torch
 from pipeline.dataplane import messages
 from pipeline.observe.diversity import diversity_metrics
 from pipeline.dataplane.keys import GROUP_LEARNER
+from pipeline.dataplane.lineage import Lineage, load_segments, record_line, restored
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
 from pipeline.observe.measures import tool_stats
 from pipeline.observe.trace import span
@@ -48,6 +51,7 @@ from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_grou
 from pipeline.dataplane.worker import CostMeter, WorkerContext, finish_worker, start_worker
 from workers.checkpoint import (latest_checkpoint, prune_published, read_optimizer, read_state, trained_ids_after,
                                 write_checkpoint, write_published)
+from workers.oom import is_oom, oom_reported, record_oom
 from workers.ranks import RankGroup, pick_device, world_size
 # The step's compute lives in workers.update (shared by every rank); these names stay importable from here.
 from workers.update import accumulate_gradients as accumulate_gradients
@@ -66,9 +70,12 @@ class Batch:
     entry_ids: list[bytes] = field(default_factory=list)  # every entry consumed, admitted or dropped
     dropped_groups: int = 0
     dropped_trajectories: int = 0
-    dropped_ids: list[str] = field(default_factory=list)
+    dropped_ids: list[str] = field(default_factory=list)  # every id dropped: stale, or off a discarded branch
+    dropped_branch_ids: list[str] = field(default_factory=list)  # of those, the ones from a discarded branch
+    staleness: list[int] = field(default_factory=list)  # per admitted group: updates along the version tree
     duplicates: int = 0  # trajectories of groups already trained, skipped
     wait_s: float = 0.0
+    raw: dict[bytes, bytes] = field(default_factory=dict)  # entry id -> payload as read (for dead letters)
 
     @property
     def trajectories(self) -> int:
@@ -95,6 +102,8 @@ class Learner:
         self.unacked: list[bytes] = []  # consumed since the last durable checkpoint
         self.consumed: list[str] = []  # trajectory ids trained since the last checkpoint
         self.dropped: list[str] = []  # trajectory ids dropped as stale since the last checkpoint
+        self.dropped_branch: list[str] = []  # of those, the ones generated on a discarded branch
+        self.lineage = Lineage()  # the version tree: staleness counts updates along it (see restore_or_init)
         # Trajectory id -> step that trained it, for the last DEDUP_STEPS steps: a
         # redelivered or regenerated group arrives within that window.
         self.trained_ids: dict[str, int] = {}
@@ -103,6 +112,7 @@ class Learner:
         self.replay_from: str | None = "-"
         self.trained_total = 0
         self.dropped_total = 0
+        self.dropped_branch_total = 0
         t0 = time.monotonic()
         start = self.restore_or_init()
         self.meter.add(pause_s=time.monotonic() - t0)
@@ -128,31 +138,49 @@ class Learner:
         latest = latest_checkpoint(self.ckpt_dir)
         info = self.ctx.r.hgetall(self.ctx.keys.policy)
         published = int(info[b"version"]) if info else 0
+        stored = load_segments(self.ctx.r, self.ctx.keys)
         if latest is None:
             manifest = json.loads((self.ctx.run_dir / "manifest.json").read_text())
             self.load(manifest.get("initial_policy") or info[b"path"].decode())
             self.version = 0
+            self.lineage = restored(stored, None)
             if published > 0:  # a learner ran before: restart under a new version number
                 self.version = published + 1
-                self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={"trained": 0, "dropped_stale": 0}))
+                self.start_line(updates=0, parent=0)  # the initial policy's weights, under a new number
+                self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={
+                    "trained": 0, "dropped_stale": 0, "dropped_branch": 0}))
                 self.publish()
+            else:
+                self.write(lambda pipe: record_line(pipe, self.ctx.keys, self.lineage, 0))
             return None
         state = read_state(latest)
         self.load(latest / "model")  # a checkpoint's model dir carries the initial policy's tokenizer files
         self.step = state["step"]
         self.trained_total = state["trained_total"]
         self.dropped_total = state["dropped_total"]
-        # A restore publishes under a new, higher version: a number never names two weight sets.
+        self.dropped_branch_total = state.get("dropped_branch_total", 0)
+        # A restore publishes under a new, higher version: a number never names two weight sets. The new
+        # version starts a line from the checkpoint's (0 updates apart); what the dead learner published
+        # after the checkpoint is a discarded branch.
         self.version = max(published, state["version"]) + 1
-        self.ctx.log.info("restored", checkpoint=str(latest), step=self.step, version=self.version)
+        self.lineage = restored(stored, state)
+        self.start_line(updates=self.step, parent=state["version"])
+        self.ctx.log.info("restored", checkpoint=str(latest), step=self.step, version=self.version,
+                          parent_version=state["version"])
         opt = read_optimizer(latest)
         self.restored_from = latest
         self.trained_ids.update(trained_ids_after(self.ckpt_dir, self.step - DEDUP_STEPS))
         # Counters follow the checkpoint: steps after it will be trained again from the replay.
         self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={
-            "trained": self.trained_total, "dropped_stale": self.dropped_total}))
+            "trained": self.trained_total, "dropped_stale": self.dropped_total,
+            "dropped_branch": self.dropped_branch_total}))
         self.publish()
         return opt
+
+    def start_line(self, updates: int, parent: int) -> None:
+        """Start a line at ``self.version`` from ``parent``'s weights, recorded before anything is published."""
+        self.lineage.start_line(self.version, updates, parent)
+        self.write(lambda pipe: record_line(pipe, self.ctx.keys, self.lineage, self.version))
 
     def load(self, model_dir) -> None:
         """Load float32 weights onto the learner's device; later saves copy ``model_dir``'s tokenizer files."""
@@ -177,6 +205,7 @@ class Learner:
             want = max(1, (need - batch.trajectories) // gs)
             entries = self.read_waiting(want, streams.block_ms, held)
             held.update(entry_id for entry_id, _p in entries)
+            batch.raw.update(entries)
             batch.wait_s += time.monotonic() - t0
             good, bad = decode_entries(entries, streams.max_message_bytes)
             if bad:  # each stood for one group (streams.trajectories_of)
@@ -184,19 +213,40 @@ class Learner:
             for entry_id, group in good:
                 batch.entry_ids.append(entry_id)
                 if not isinstance(group, messages.Group) or any(t.reward is None for t in group.trajectories):
-                    self.dead_letter_bad([(entry_id, messages.encode(group), "learner expects a scored group",
+                    self.dead_letter_bad([(entry_id, batch.raw[entry_id], "learner expects a scored group",
                                            trajectories_of(group, gs))])
                     continue
                 if self.dedup and self.already_trained(group, batch):
                     batch.duplicates += len(group.trajectories)
                     continue
-                if self.version - group.version > self.cfg.max_staleness:
-                    batch.dropped_groups += 1
-                    batch.dropped_trajectories += len(group.trajectories)
-                    batch.dropped_ids += _ids(group)
-                    continue
-                batch.groups.append(group)
+                staleness = self.admit(group, batch)
+                if staleness is not None:
+                    batch.groups.append(group)
+                    batch.staleness.append(staleness)
         return batch
+
+    def admit(self, group: messages.Group, batch: Batch) -> int | None:
+        """The group's staleness if it is admitted; else None, the drop counted in ``batch`` with its reason.
+
+        Staleness counts learner updates between the group's weights and ours
+        along the version tree (``dataplane.lineage``): the restored line's own
+        work is as stale as its updates say, however many versions a restore
+        skipped. A group from a discarded branch is off-policy by the updates
+        back to the fork and on to us; its behaviour log-probs are those of the
+        weights that sampled it, so the importance ratio corrects it as it
+        corrects a stale group of that distance, and the same bound holds.
+        Beyond it, or from a version the tree does not know, it is dropped as
+        ``dropped_branch`` (counted among the stale drops as well).
+        """
+        d = self.lineage.distance(group.version, self.version)
+        if d.updates is not None and d.updates <= self.cfg.max_staleness:
+            return d.updates
+        batch.dropped_groups += 1
+        batch.dropped_trajectories += len(group.trajectories)
+        batch.dropped_ids += _ids(group)
+        if not d.on_line:
+            batch.dropped_branch_ids += _ids(group)
+        return None
 
     @property
     def dedup(self) -> bool:
@@ -294,24 +344,169 @@ class Learner:
 
     def train(self, batch: Batch) -> dict:
         """One GRPO update on the admitted groups, over every rank; returns the step's metrics."""
-        rows = group_rows(batch.groups, self.version)
-        shares = plan_shares(batch.groups, self.version, self.step, self.world)
+        rows = group_rows(batch.groups, batch.staleness)
+        shares = plan_shares(batch.groups, batch.staleness, self.version, self.step, self.world)
         if self.ranks is not None:
             self.ranks.send(shares[1:])
         sums = train_share(self.model, self.optimizer, shares[0], self.cfg, self.ctx.cfg.rollout.temperature,
                            distributed=self.ranks is not None)
         if sums.weight_spread:  # the ranks' weights should never part: a fault of the hardware or the collectives
             self.ctx.log.warning("ranks_diverged", step=self.step + 1, weight_spread=sums.weight_spread)
+        if sums.skipped_nonfinite:
+            self.ctx.log.warning("skipped_nonfinite", step=self.step + 1, loss=sums.loss, grad_norm=sums.grad_norm)
         self.step += 1
         self.version += 1
         self.set_lr()
         return step_metrics(batch, rows, active_rows(rows), sums, step=self.step, version=self.version,
                             lr=self.optimizer.param_groups[0]["lr"], gpus=self.world)
 
+    def train_contained(self, batch: Batch) -> dict:
+        """``train``, with the entries that make training raise taken out and dead-lettered.
+
+        Before training, entries that already made training raise
+        ``learner.max_train_attempts`` times (counted in Redis, so across
+        restarts) are dead-lettered with the error recorded. When the step
+        raises, each group is tried alone (forward and backward, no optimizer
+        step): the groups that raise are tried again until their attempts
+        reach the bound and then dead-lettered with the real error; the step
+        is trained on the rest, each once. When no group raises alone (or
+        every one does: a broken device, not the data), or with several
+        ranks, the attempts of the whole batch are counted and the error
+        re-raised: the learner exits, and its restart replays the batch.
+        A kill (SIGKILL, a drain) counts no attempt.
+        """
+        if self.device.type == "cuda":
+            self.dead_letter_entries(batch, self.outside_vocabulary(batch))
+        if self.ctx.r.exists(self.ctx.keys.learner_attempts):   # some entry made training raise before
+            self.dead_letter_entries(batch, self.attempts_over(list(self.entry_ids_of(batch).values())))
+        while True:
+            try:
+                return self.train(batch)
+            except Exception as exc:  # noqa: BLE001 - anything the data can make torch raise; bounded below
+                error = f"{type(exc).__name__}: {exc}"
+                if is_oom(exc):   # reported whether one group turns out too big or the exit follows
+                    record_oom(self.ctx, exc, fatal=False)
+                culprits = self.failing_groups(batch) if self.ranks is None and len(batch.groups) else {}
+                if not culprits or len(culprits) == len(batch.groups) > 1:
+                    self.count_attempts(batch.entry_ids, error)
+                    raise
+                self.ctx.log.warning("train_raised", error=error, failing_groups=len(culprits))
+                self.dead_letter_entries(batch, culprits)
+
+    def outside_vocabulary(self, batch: Batch) -> dict[bytes, str]:
+        """Entry id -> reason of the groups holding a token id the policy does not have.
+
+        Checked before training on a GPU, where such an id is not an
+        exception but a device-side assert, after which the process's CUDA
+        context is lost for every group alike. On the CPU the embedding
+        raises IndexError, which ``train_contained`` handles like any error.
+        """
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if not vocab:
+            return {}
+        bad = {}
+        for g in batch.groups:
+            arrays = [g.prompt_tokens, *(t.completion for t in g.trajectories)]
+            if any(a.size and (int(a.max()) >= vocab or int(a.min()) < 0) for a in arrays):
+                bad[g.prompt_id] = f"token ids outside the policy's vocabulary (0..{vocab - 1})"
+        if not bad:
+            return {}
+        entry_of = self.entry_ids_of(batch)
+        return {entry_of[pid]: reason for pid, reason in bad.items() if pid in entry_of}
+
+    def failing_groups(self, batch: Batch) -> dict[bytes, str]:
+        """Entry id -> error of the batch's groups that raise when trained alone, ``max_train_attempts`` times.
+
+        Each try is a forward and backward pass of the group alone, with its
+        gradient thrown away; the attempts are counted per entry in Redis.
+        """
+        entry_of = self.entry_ids_of(batch)
+        out: dict[bytes, str] = {}
+        for g, stale in zip(batch.groups, batch.staleness, strict=True):
+            entry_id = entry_of.get(g.prompt_id)
+            if entry_id is None:
+                continue
+            while True:
+                error = self.probe(g, stale)
+                if error is None:
+                    break
+                if self.count_attempts([entry_id], error)[entry_id] >= self.cfg.max_train_attempts:
+                    out[entry_id] = error
+                    break
+        return out
+
+    def probe(self, group: messages.Group, staleness: int) -> str | None:
+        """The error of a forward and backward pass on ``group`` alone (None: it trains); grads are cleared."""
+        active = active_rows(group_rows([group], [staleness]))
+        try:
+            accumulate_gradients(self.model, active, self.cfg, self.ctx.cfg.rollout.temperature)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the error is the verdict on this group
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def entry_ids_of(self, batch: Batch) -> dict[str, bytes]:
+        """prompt_id -> entry id of the batch's admitted groups (a group's prompt id is unique in a batch)."""
+        wanted = {g.prompt_id for g in batch.groups}
+        out = {}
+        for entry_id in batch.entry_ids:
+            try:
+                msg = messages.decode(batch.raw.get(entry_id, b""), 1 << 40)
+            except messages.BadMessage:
+                continue
+            if msg.prompt_id in wanted:
+                out[msg.prompt_id] = entry_id
+        return out
+
+    def count_attempts(self, entry_ids: list[bytes], error: str) -> dict[bytes, int]:
+        """Add one failed training attempt, with its error, to each entry; returns the counts."""
+        key = self.ctx.keys.learner_attempts
+        old = self.ctx.r.hmget(key, entry_ids) if entry_ids else []
+        counts = {i: (json.loads(raw)["n"] if raw else 0) + 1 for i, raw in zip(entry_ids, old)}
+        if counts:
+            self.write(lambda pipe: pipe.hset(key, mapping={
+                i: json.dumps({"n": n, "error": error[:2000]}) for i, n in counts.items()}))
+        return counts
+
+    def attempts_over(self, entry_ids: list[bytes]) -> dict[bytes, str]:
+        """Entry id -> recorded error of the entries whose training raised ``max_train_attempts`` times."""
+        if not entry_ids:
+            return {}
+        out = {}
+        for entry_id, raw in zip(entry_ids, self.ctx.r.hmget(self.ctx.keys.learner_attempts, entry_ids)):
+            rec = json.loads(raw) if raw else None
+            if rec and rec["n"] >= self.cfg.max_train_attempts:
+                out[entry_id] = f"training raised {rec['n']} times: {rec['error']}"
+        return out
+
+    def dead_letter_entries(self, batch: Batch, errors: dict[bytes, str]) -> None:
+        """Take these entries out of the batch and dead-letter them, whole, with their error."""
+        if not errors:
+            return
+        entry_of = self.entry_ids_of(batch)
+        failed = {entry_of[g.prompt_id]: g for g in batch.groups if entry_of.get(g.prompt_id) in errors}
+        kept = [(g, s) for g, s in zip(batch.groups, batch.staleness, strict=True)
+                if entry_of.get(g.prompt_id) not in errors]
+        batch.groups, batch.staleness = [g for g, _ in kept], [s for _, s in kept]
+        batch.entry_ids = [i for i in batch.entry_ids if i not in errors]
+        gs = self.ctx.cfg.rollout.group_size
+        self.dead_letter_bad([(i, batch.raw.get(i, b""), f"learner: {error}",
+                               trajectories_of(failed.get(i), gs)) for i, error in errors.items()])
+        self.write(lambda pipe: pipe.hdel(self.ctx.keys.learner_attempts, *errors))
+
     # --- publishing and checkpoints ---------------------------------------------------------------
 
     def publish(self) -> None:
-        """Write weights for the current version and announce them; old versions are pruned."""
+        """Write weights for the current version and announce them; old versions are pruned.
+
+        Weights holding a NaN or an infinity are never published (train_share
+        skips a non-finite step, so they cannot arise from one): RuntimeError.
+        """
+        bad = [name for name, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+        if bad:
+            raise RuntimeError(f"refusing to publish version {self.version}: non-finite weights in "
+                               f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
         final = write_published(self.pub_dir, self.version, self.model, self.source_dir)
         announce = {"version": self.version, "path": str(final.resolve()), "step": self.step,
                     "published_at": time.time()}
@@ -329,14 +524,16 @@ class Learner:
         t0 = time.monotonic()
         write_checkpoint(self.ckpt_dir, self.model, self.optimizer, self.consumed, self.dropped, {
             "step": self.step, "version": self.version, "trained_total": self.trained_total,
-            "dropped_total": self.dropped_total, "world_size": self.world, "written_at": time.time()},
-            self.source_dir)
+            "dropped_total": self.dropped_total, "dropped_branch_total": self.dropped_branch_total,
+            "lineage": self.lineage.to_json(), "world_size": self.world, "written_at": time.time()},
+            self.source_dir, dropped_branch=self.dropped_branch)
         if self.unacked:
             self.ctx.r.xack(self.ctx.keys.scored, GROUP_LEARNER, *self.unacked)
+            self.ctx.r.hdel(self.ctx.keys.learner_attempts, *self.unacked)   # trained: their failures are past
         trim(self.ctx.r, self.ctx.keys.scored)
         self.meter.add(pause_s=time.monotonic() - t0)
         self.ctx.log.info("checkpointed", step=self.step, acked=len(self.unacked))
-        self.unacked, self.consumed, self.dropped = [], [], []
+        self.unacked, self.consumed, self.dropped, self.dropped_branch = [], [], [], []
         self.checkpointed_step = self.step
 
     # --- the loop ---------------------------------------------------------------------------------
@@ -346,6 +543,8 @@ class Learner:
         trained = [tid for g in batch.groups for tid in _ids(g)]
         self.consumed += trained
         self.dropped += batch.dropped_ids
+        self.dropped_branch += batch.dropped_branch_ids
+        self.dropped_branch_total += len(batch.dropped_branch_ids)
         for tid in trained:
             self.trained_ids[tid] = self.step
         self.trained_ids = {k: v for k, v in self.trained_ids.items() if v > self.step - DEDUP_STEPS}
@@ -376,7 +575,7 @@ class Learner:
             self.ctx.state = "running"
             t0 = time.monotonic()
             with span(self.ctx.log, "train", trajectories=batch.trajectories, world=self.world):
-                metrics = self.train(batch)
+                metrics = self.train_contained(batch)
             metrics["train_s"] = time.monotonic() - t0
             metrics.update(batch_metrics(batch, self.step, self.ctx.cfg.metrics.diversity_every))
             metrics["publish_s"] = 0.0
@@ -448,6 +647,7 @@ def step_metrics(batch: Batch, rows, active, sums: StepSums, *, step: int, versi
         "ratio_fresh_mean_abs_log": sums.fresh_sum / sums.fresh_n if sums.fresh_n else None,
         "policy_tokens": sums.tokens, "tokens": sum(row_tokens(r) for r in rows), "gpus": gpus,
         "wait_s": batch.wait_s, "lr": lr, "rank_weight_spread": sums.weight_spread,
+        "skipped_nonfinite": sums.skipped_nonfinite,
     }
 
 
@@ -464,8 +664,12 @@ def _step_writes(r, keys, batch: Batch, metrics: dict):
     pipe = r.pipeline(transaction=True)
     pipe.hincrby(keys.counters, "trained", metrics["trajectories"])
     pipe.hincrby(keys.counters, "dropped_stale", batch.dropped_trajectories)
+    if batch.dropped_branch_ids:
+        pipe.hincrby(keys.counters, "dropped_branch", len(batch.dropped_branch_ids))
     if batch.duplicates:
         pipe.hincrby(keys.counters, "duplicates_dropped_learner", batch.duplicates)
+    if metrics.get("skipped_nonfinite"):
+        pipe.hincrby(keys.counters, "steps_skipped_nonfinite", 1)
     pipe.hset(keys.learner_stats, mapping={k: json.dumps(v) for k, v in metrics.items()})
     pipe.xadd(keys.metrics, {"kind": "learner_step", "data": json.dumps(metrics)},
               maxlen=100_000, approximate=True)
@@ -480,11 +684,12 @@ def main() -> None:
         taken = take_over_pending(ctx.r, ctx.keys.scored, GROUP_LEARNER, ctx.worker_id)
         if taken:
             ctx.log.info("took_over_pending", entries=taken)
-        learner = Learner(ctx, world=world_size())
-        try:
-            learner.run()
-        finally:
-            learner.close()
+        with oom_reported(ctx):   # loading, training, publishing and checkpointing
+            learner = Learner(ctx, world=world_size())
+            try:
+                learner.run()
+            finally:
+                learner.close()
     finally:
         finish_worker(ctx)
 

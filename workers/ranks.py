@@ -25,7 +25,8 @@ group, ranks included.
 
 Pipe frames (rank 0 -> rank i): a 4-byte big-endian length, then a msgpack
 map ``{"v": 1, "op": "step" | "stop", ...}``; a step carries ``step``,
-``version``, ``total_tokens``, ``any_active`` and ``groups``, each group in
+``version``, ``staleness`` (per group, as rank 0 judged it along the version
+tree), ``total_tokens``, ``any_active`` and ``groups``, each group in
 its wire encoding (``pipeline.dataplane.messages``): nothing is unpickled.
 """
 
@@ -55,7 +56,7 @@ from workers.checkpoint import read_optimizer
 from workers.update import Share, load_policy, make_optimizer, train_share
 
 SLOTS_ENV = "LIBRA_SLOTS"  # set by the node agent: the slots this worker holds, e.g. "2,3"
-FRAME_VERSION = 1
+FRAME_VERSION = 2  # 2: a step carries each group's staleness along the version tree
 # The longest a step's collective waits for a slower rank, and rank 0 for its ranks to load their model.
 RANK_TIMEOUT_S = 600.0
 STOP_WAIT_S = 30.0  # a rank told to stop that has not exited by then is killed
@@ -92,6 +93,7 @@ def same_weights(model) -> None:
 
 def encode_share(share: Share) -> bytes:
     body = {"v": FRAME_VERSION, "op": "step", "step": share.step, "version": share.version,
+            "staleness": list(share.staleness),
             "total_tokens": share.total_tokens, "any_active": share.any_active,
             "groups": [messages.encode(g) for g in share.groups]}
     return _frame(body)
@@ -121,7 +123,8 @@ def read_frame(stream, max_group_bytes: int) -> Share | None:
     if body["op"] == "stop":
         return None
     groups = tuple(messages.decode(g, max_group_bytes) for g in body["groups"])
-    return Share(step=body["step"], version=body["version"], total_tokens=body["total_tokens"],
+    return Share(step=body["step"], version=body["version"], staleness=tuple(body["staleness"]),
+                 total_tokens=body["total_tokens"],
                  any_active=body["any_active"], groups=groups)
 
 

@@ -4,11 +4,12 @@ One or more processes (``python -m workers.reward``), started by a node
 agent. Each episode is scored by ``[reward] model`` (a sequence-classification
 model, ``workers.reward_model``), or ``[reward] entry`` (a function
 ``(task, transcript) -> float`` in any importable module), or, when both are
-empty, by the environment's ``reward``. A reward that raises, or returns
-something that is not a finite number, is retried
-``reward.verifier_retries`` times and then the whole group is dead-lettered
-with the error: an error is never recorded as a zero reward, and a group is
-scored whole or not at all.
+empty, by the environment's ``reward``. A reward that raises, returns
+something that is not a finite number, or runs past ``reward.timeout_s``
+(its thread is then abandoned: ``workers.envs.base.DeadlinePool``), is
+retried ``reward.verifier_retries`` times and then the whole group is
+dead-lettered with the error: an error is never recorded as a zero reward,
+and a group is scored whole or not at all.
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from pipeline.dataplane.streams import Reject, ensure_groups, run_stage
 from pipeline.dataplane.worker import CostMeter, WorkerContext, claim_policy, dedup_for, finish_worker, start_worker
 from pipeline.observe.trace import span
 from workers.envs import env_from_config
-from workers.envs.base import Task, check_reward
+from workers.envs.base import CallTimeout, DeadlinePool, HungCalls, Task, check_reward
+from workers.oom import is_oom, oom_reported
 
 RewardFn = Callable[[Task, str], float]
+REWARD_TIMEOUT_S = 30.0   # score_group's default deadline per call (config: reward.timeout_s)
+# Reward calls run one at a time per process; one thread, replaced when a call hangs past its deadline.
+_POOL = DeadlinePool(1, "reward")
 
 
 def reward_function(cfg) -> RewardFn:
@@ -49,18 +54,27 @@ def reward_function(cfg) -> RewardFn:
     return fn
 
 
-def score_group(group: messages.Group, retries: int, reward: RewardFn) -> messages.Group | Reject:
-    """Rewards for every sample of the group, or a Reject naming the error."""
+def score_group(group: messages.Group, retries: int, reward: RewardFn,
+                timeout_s: float = REWARD_TIMEOUT_S) -> messages.Group | Reject:
+    """Rewards for every sample of the group, or a Reject naming the error (a timeout is one)."""
     task = Task(group.prompt_id, group.prompt, group.answer)
     rewards = []
     for traj in group.trajectories:
         for attempt in range(retries + 1):
             try:
-                rewards.append(check_reward(reward(task, traj.text)))
+                rewards.append(check_reward(_POOL.call(reward, task, traj.text, timeout_s=timeout_s)))
                 break
+            except HungCalls:
+                raise   # not the reward's verdict on this sample: the worker exits and its agent restarts it
+            except CallTimeout as exc:
+                if attempt == retries:
+                    return Reject(f"reward timeout after {retries + 1} attempts on sample "
+                                  f"{traj.sample_idx}: {type(exc).__name__}: {exc}")
             # The reward is user code: whatever it raises is its failure to judge, never a zero.
             # It is retried, then the group goes to the dead-letter stream with the error.
             except Exception as exc:  # noqa: BLE001
+                if is_oom(exc):
+                    raise   # the worker's memory, not the sample: reported as oom (workers.oom), not dead-lettered
                 if attempt == retries:
                     return Reject(f"reward error after {retries + 1} attempts on sample "
                                   f"{traj.sample_idx}: {type(exc).__name__}: {exc}")
@@ -92,7 +106,7 @@ def _score_all(ctx: WorkerContext, reward: RewardFn, groups: list[messages.Group
         if not isinstance(g, messages.Group) or any(t.reward is not None for t in g.trajectories):
             out.append(Reject("reward stage expects an unscored group"))
             continue
-        out.append(score_group(g, ctx.cfg.reward.verifier_retries, reward))
+        out.append(score_group(g, ctx.cfg.reward.verifier_retries, reward, ctx.cfg.reward.timeout_s))
     ctx.count(sum(len(g.trajectories) for g in out if isinstance(g, messages.Group)))
     return out
 
@@ -100,17 +114,19 @@ def _score_all(ctx: WorkerContext, reward: RewardFn, groups: list[messages.Group
 def main() -> None:
     ctx = start_worker("reward")
     try:
-        reward = reward_function(ctx.cfg)
+        with oom_reported(ctx):   # loading a reward model included
+            reward = reward_function(ctx.cfg)
         meter = CostMeter(ctx.r, ctx.keys, ctx.worker_id, "reward")
         ensure_groups(ctx.r, ctx.keys)
         ctx.publish_state("running")
-        run_stage(ctx.r, ctx.keys, source=ctx.keys.rollouts, group=GROUP_REWARD,
-                  consumer=ctx.worker_id, sink=ctx.keys.scored,
-                  handle=lambda groups: handle(ctx, reward, groups, meter), count=16,
-                  before_read=lambda: before_read(meter),
-                  block_ms=ctx.cfg.streams.block_ms, max_bytes=ctx.cfg.streams.max_message_bytes,
-                  claims=claim_policy(ctx.cfg, "reward"), dedup=dedup_for(ctx.cfg, "reward"),
-                  stop=ctx.stopping, counter="scored", log=ctx.log)
+        with oom_reported(ctx):
+            run_stage(ctx.r, ctx.keys, source=ctx.keys.rollouts, group=GROUP_REWARD,
+                      consumer=ctx.worker_id, sink=ctx.keys.scored,
+                      handle=lambda groups: handle(ctx, reward, groups, meter), count=16,
+                      before_read=lambda: before_read(meter),
+                      block_ms=ctx.cfg.streams.block_ms, max_bytes=ctx.cfg.streams.max_message_bytes,
+                      claims=claim_policy(ctx.cfg, "reward"), dedup=dedup_for(ctx.cfg, "reward"),
+                      stop=ctx.stopping, counter="scored", log=ctx.log)
     finally:
         finish_worker(ctx)
 

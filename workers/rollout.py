@@ -18,12 +18,13 @@ import numpy as np
 from pipeline.dataplane import messages
 from pipeline.dataplane.keys import GROUP_ROLLOUT
 from pipeline.observe.trace import span
-from pipeline.dataplane.streams import ensure_groups, run_stage, transact
+from pipeline.dataplane.streams import Reject, ensure_groups, run_stage, transact
 from pipeline.dataplane.worker import (CostMeter, WorkerContext, claim_policy, dedup_for, finish_worker,
                                        room_downstream, start_worker)
 from workers.envs import chat_template_setting, env_from_config
 from workers.envs.base import Task
 from workers.episode import evaluate, run_episodes
+from workers.oom import oom_reported
 from workers.tiny_policy import load_tokenizer
 
 
@@ -138,8 +139,8 @@ class Rollout:
 
     # --- the stage --------------------------------------------------------------------------
 
-    def generate(self, prompts: list[messages.Prompt]) -> list[messages.Group]:
-        """Run group_size episodes per prompt in one batched multi-turn loop."""
+    def generate(self, prompts: list[messages.Prompt]) -> list[messages.Group | Reject]:
+        """Run group_size episodes per prompt in one batched multi-turn loop (a Reject for a failed tool)."""
         self.meter.got_input()
         g = self.cfg.group_size
         tasks = [Task(p.prompt_id, p.prompt, p.answer) for p in prompts]
@@ -149,7 +150,7 @@ class Rollout:
             episodes = run_episodes(self.engine, self.tokenizer, items, greedy=False, env=self.env,
                                     chat_template=self.chat_template, max_turns=self.cfg.max_turns,
                                     max_tokens_per_turn=self.cfg.max_tokens_per_turn,
-                                    tool_timeout_s=self.cfg.tool_timeout_s,
+                                    tool_timeout_s=self.cfg.tool_timeout_s, tool_retries=self.cfg.tool_retries,
                                     seed=self.ctx.cfg.job.seed)
         gen_s = time.monotonic() - t0
         gen_tokens = sum(int(sum(e.completion_mask)) for e in episodes)
@@ -161,9 +162,13 @@ class Rollout:
         self.ctx.log.info("generated", groups=len(prompts), trajectories=len(episodes),
                           tokens=gen_tokens, gen_s=round(gen_s, 2),
                           tokens_per_s=round(gen_tokens / max(gen_s, 1e-6), 1))
-        out = []
+        out: list = []
         for k, p in enumerate(prompts):
             eps = episodes[k * g:(k + 1) * g]
+            failed = next((e for e in eps if e.error), None)
+            if failed is not None:   # a tool that failed on every try: the group is dead-lettered, never trained
+                out.append(Reject(f"tool error on sample {failed.sample_idx}: {failed.error}"))
+                continue
             out.append(messages.Group(
                 prompt_id=p.prompt_id, prompt=p.prompt, answer=p.answer,
                 prompt_tokens=np.asarray(eps[0].prompt_tokens, dtype=np.int32), version=version,
@@ -192,14 +197,15 @@ def main() -> None:
     ctx = start_worker("rollout")
     try:
         ensure_groups(ctx.r, ctx.keys)
-        stage = Rollout(ctx)
-        ctx.publish_state("running")
-        run_stage(ctx.r, ctx.keys, source=ctx.keys.prompts, group=GROUP_ROLLOUT,
-                  consumer=ctx.worker_id, sink=ctx.keys.rollouts, handle=stage.generate,
-                  count=ctx.cfg.rollout.groups_per_call, block_ms=ctx.cfg.streams.block_ms,
-                  max_bytes=ctx.cfg.streams.max_message_bytes,
-                  claims=claim_policy(ctx.cfg, "rollout"), dedup=dedup_for(ctx.cfg, "rollout"), stop=ctx.stopping,
-                  before_read=stage.between, counter="generated", log=ctx.log)
+        with oom_reported(ctx):   # the engine's allocation (vLLM, CUDA) included
+            stage = Rollout(ctx)
+            ctx.publish_state("running")
+            run_stage(ctx.r, ctx.keys, source=ctx.keys.prompts, group=GROUP_ROLLOUT,
+                      consumer=ctx.worker_id, sink=ctx.keys.rollouts, handle=stage.generate,
+                      count=ctx.cfg.rollout.groups_per_call, block_ms=ctx.cfg.streams.block_ms,
+                      max_bytes=ctx.cfg.streams.max_message_bytes,
+                      claims=claim_policy(ctx.cfg, "rollout"), dedup=dedup_for(ctx.cfg, "rollout"),
+                      stop=ctx.stopping, before_read=stage.between, counter="generated", log=ctx.log)
     finally:
         finish_worker(ctx)
 

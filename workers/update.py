@@ -13,6 +13,7 @@ learner: no process group, no collective.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,8 @@ class Share:
     """One rank's part of one step, cut by rank 0: whole groups, and what the whole batch shares."""
 
     step: int              # the step being trained (learner.step before it), for the learning rate
-    version: int           # the learner's policy version during the step, for staleness
+    version: int           # the learner's policy version during the step
+    staleness: tuple[int, ...]  # per group: learner updates between its weights and ours (dataplane.lineage)
     total_tokens: int      # policy tokens of the whole batch's rows with a non-zero advantage
     any_active: bool       # whether any rank has such a row: then every rank takes the optimizer step
     groups: tuple[messages.Group, ...]
@@ -53,6 +55,7 @@ class StepSums:
     fresh_max: float | None
     grad_norm: float       # of the summed gradient, before clipping
     weight_spread: float = 0.0  # max - min over the ranks of a weight checksum after the step: 0 when identical
+    skipped_nonfinite: int = 0  # 1 when the loss or the gradient was not finite and no optimizer step was taken
 
 
 def load_policy(model_dir, device: torch.device, cfg: LearnerConfig):
@@ -81,13 +84,19 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 # --- rows and shares ------------------------------------------------------------------------------
 
 
-def group_rows(groups, version: int) -> list[tuple]:
-    """(prompt tokens, trajectory, advantage, staleness) for every trajectory of the groups."""
+def group_rows(groups, staleness) -> list[tuple]:
+    """(prompt tokens, trajectory, advantage, staleness) for every trajectory of the groups.
+
+    ``staleness``: per group, the learner updates between the weights that
+    generated it and the current ones, counted along the version tree by the
+    learner that admitted it (``workers.learner.Learner.admit``), not the
+    difference of version numbers, which a restore makes skip.
+    """
     rows = []
-    for g in groups:
+    for g, stale in zip(groups, staleness, strict=True):
         adv = group_advantages(g.rewards)
         for t, a in zip(g.trajectories, adv):
-            rows.append((g.prompt_tokens, t, a, version - g.version))
+            rows.append((g.prompt_tokens, t, a, stale))
     return rows
 
 
@@ -101,16 +110,16 @@ def active_rows(rows: list) -> list:
     return [row for row in rows if row[2] != 0.0]
 
 
-def plan_shares(groups, version: int, step: int, world: int) -> list[Share]:
+def plan_shares(groups, staleness, version: int, step: int, world: int) -> list[Share]:
     """Cut the step's groups into ``world`` shares of whole groups, balanced by the tokens they train.
 
     Longest first onto the least-loaded rank (ties: the lower rank); a
     group's load is the tokens of its rows with a non-zero advantage. Each
     share keeps the batch's order, and with one rank the share is the batch.
     """
-    groups = list(groups)
-    loads = [sum(row_tokens(r) for r in active_rows(group_rows([g], version))) for g in groups]
-    active = active_rows(group_rows(groups, version))
+    groups, staleness = list(groups), list(staleness)
+    loads = [sum(row_tokens(r) for r in active_rows(group_rows([g], [s]))) for g, s in zip(groups, staleness)]
+    active = active_rows(group_rows(groups, staleness))
     total = int(sum(int(r[1].mask.sum()) for r in active))
     picked: list[list[int]] = [[] for _ in range(world)]
     rank_load = [0] * world
@@ -118,8 +127,9 @@ def plan_shares(groups, version: int, step: int, world: int) -> list[Share]:
         rank = min(range(world), key=lambda k: (rank_load[k], len(picked[k]), k))
         picked[rank].append(i)
         rank_load[rank] += loads[i]
-    return [Share(step=step, version=version, total_tokens=total, any_active=bool(active),
-                  groups=tuple(groups[i] for i in sorted(idx))) for idx in picked]
+    return [Share(step=step, version=version, staleness=tuple(staleness[i] for i in sorted(idx)),
+                  total_tokens=total, any_active=bool(active), groups=tuple(groups[i] for i in sorted(idx)))
+            for idx in picked]
 
 
 def micro_batches(rows: list, max_tokens: int) -> list[list]:
@@ -232,7 +242,7 @@ def train_share(model, optimizer: torch.optim.Optimizer, share: Share, cfg: Lear
     follows the same schedule.
     """
     set_lr(optimizer, lr_at(cfg, share.step))
-    active = active_rows(group_rows(share.groups, share.version))
+    active = active_rows(group_rows(share.groups, share.staleness))
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_sum, stats_all, fresh = accumulate_gradients(model, active, cfg, temperature, share.total_tokens)
@@ -241,14 +251,29 @@ def train_share(model, optimizer: torch.optim.Optimizer, share: Share, cfg: Lear
         sum_gradients(params)
     # Identical summed gradients on every rank: the same norm, the same clip, the same step.
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-    if share.any_active:
+    # A NaN or inf anywhere would poison the weights (and AdamW's moments) for good: skip the step.
+    # The gradient norm is the same on every rank; the loss is the rank's own, so it is agreed on.
+    skip = not finite_on_every_rank(math.isfinite(loss_sum) and math.isfinite(grad_norm), distributed, params)
+    if share.any_active and not skip:
         optimizer.step()
+    if skip:
+        optimizer.zero_grad(set_to_none=True)
     sums = StepSums(loss=loss_sum, tokens=sum(s.tokens for s in stats_all),
                     clip_weighted=sum(s.clip_frac * max(s.tokens, 1) for s in stats_all),
                     clip_weight=float(sum(max(s.tokens, 1) for s in stats_all)),
                     fresh_n=len(fresh), fresh_sum=float(np.sum(fresh)) if fresh else 0.0,
-                    fresh_max=float(max(fresh)) if fresh else None, grad_norm=grad_norm)
+                    fresh_max=float(max(fresh)) if fresh else None, grad_norm=grad_norm,
+                    skipped_nonfinite=int(skip))
     return reduce_sums(sums, params) if distributed else sums
+
+
+def finite_on_every_rank(finite: bool, distributed: bool, params: list[torch.nn.Parameter]) -> bool:
+    """Whether every rank found its loss and gradient finite (one collective when distributed)."""
+    if not distributed:
+        return finite
+    bad = torch.tensor([0.0 if finite else 1.0], device=params[0].device)
+    dist.all_reduce(bad)
+    return bad.item() == 0.0
 
 
 def reduce_sums(sums: StepSums, params: list[torch.nn.Parameter]) -> StepSums:
@@ -270,4 +295,5 @@ def reduce_sums(sums: StepSums, params: list[torch.nn.Parameter]) -> StepSums:
     loss, tokens, cw, w, n, s = t.tolist()
     fresh_max, hi, neg_lo = top.tolist()
     return StepSums(loss=loss, tokens=int(tokens), clip_weighted=cw, clip_weight=w, fresh_n=int(n), fresh_sum=s,
-                    fresh_max=fresh_max if n else None, grad_norm=sums.grad_norm, weight_spread=hi + neg_lo)
+                    fresh_max=fresh_max if n else None, grad_norm=sums.grad_norm, weight_spread=hi + neg_lo,
+                    skipped_nonfinite=sums.skipped_nonfinite)

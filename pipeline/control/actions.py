@@ -18,16 +18,23 @@ record. Two numbers keep late or stale actions from undoing newer ones:
 - ``epoch`` (``CONTROLLER_EPOCH``, taken with the controller's lease) fences a
   controller that lost its lease: its actions are ignored. Operator actions
   carry epoch 0 and are not fenced.
+
+rq resolves a job's function by its import path, so anyone who can write to
+Redis could name any function. An agent runs only the three actions below
+(``ACTIONS``), with the argument shapes they take: ``check_job`` looks at a
+job's function name, arguments, callbacks and webhooks before rq imports or
+calls anything, and the agent fails a job it refuses without running it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import redis
 
-from pipeline.dataplane.keys import AGENTS, CONTROL_SEQ, CONTROLLER_EPOCH, agent_desired, agent_queue
+from pipeline.dataplane.keys import AGENTS, CONTROL_SEQ, CONTROLLER_EPOCH, ROLES, agent_desired, agent_queue
 
 RETRY_INTERVALS_S = (1, 2, 5)   # three retries, then the job stays in rq's failed registry
 JOB_TIMEOUT_S = 30              # a job only writes a few keys
@@ -38,6 +45,10 @@ STATE_RUN, STATE_DRAIN, STATE_GONE = "run", "drain", "gone"
 
 class Stale(Exception):
     """An action older than what the agent already recorded, or from a fenced controller."""
+
+
+class Refused(ValueError):
+    """A control job that is not one of the actions, or whose arguments do not have their shape."""
 
 
 def worker_key(job: str, worker: str) -> str:
@@ -168,3 +179,81 @@ def restart_worker(node: str, job: str, worker: str, seq: int, epoch: int) -> st
         return {**cur, "generation": cur.get("generation", 0) + 1}
 
     return _apply(r, node, worker_key(job, worker), seq, epoch, change)
+
+
+# --- what an agent agrees to run ------------------------------------------------------------------
+
+# A job or worker name: it ends up in Redis keys and in a log file name, so no '/', no leading '.'.
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@+-]{0,199}")
+SPEC_FIELDS = {"job", "worker", "role", "slots", "run_dir", "backend"}
+BACKENDS = ("sim", "vllm")
+MAX_SLOTS = 4096
+
+
+def _name(what: str, value) -> None:
+    if not (isinstance(value, str) and NAME.fullmatch(value)):
+        raise Refused(f"{what} {value!r:.200} is not a name ({NAME.pattern})")
+
+
+def _int(what: str, value, least: int) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and least <= value < 1 << 63):
+        raise Refused(f"{what} {value!r:.100} is not an integer >= {least}")
+
+
+def _spec(spec) -> None:
+    if not (isinstance(spec, dict) and set(spec) == SPEC_FIELDS):
+        got = sorted(map(str, spec)) if isinstance(spec, dict) else type(spec).__name__
+        raise Refused(f"spec must have exactly the fields {sorted(SPEC_FIELDS)}, not {got!s:.200}")
+    _name("job", spec["job"])
+    _name("worker", spec["worker"])
+    if spec["role"] not in (*ROLES, "feeder"):
+        raise Refused(f"role {spec['role']!r:.100} is not one of {[*ROLES, 'feeder']}")
+    if spec["backend"] not in BACKENDS:
+        raise Refused(f"backend {spec['backend']!r:.100} is not one of {list(BACKENDS)}")
+    slots = spec["slots"]
+    if not (isinstance(slots, list) and len(slots) <= MAX_SLOTS):
+        raise Refused(f"slots {slots!r:.200} is not a list of slot indexes")
+    for s in slots:
+        _int("slot", s, 0)
+    if len(set(slots)) != len(slots):
+        raise Refused(f"slots {slots!r:.200} names a slot twice")
+    run_dir = spec["run_dir"]
+    if not (isinstance(run_dir, str) and 0 < len(run_dir) <= 4096 and "\0" not in run_dir):
+        raise Refused(f"run_dir {run_dir!r:.200} is not a path")
+
+
+# function path -> the shape check of its arguments after ``node`` (the trailing seq and epoch included)
+ACTIONS = {
+    f"{__name__}.ensure_worker": (_spec,),
+    f"{__name__}.drain_worker": (lambda v: _name("job", v), lambda v: _name("worker", v)),
+    f"{__name__}.restart_worker": (lambda v: _name("job", v), lambda v: _name("worker", v)),
+}
+
+
+def check_job(job, node: str) -> str:
+    """Raise ``Refused`` unless the rq ``job`` is an action for ``node``; returns its function path.
+
+    Reads only what the job carries (its JSON data and fields): nothing is
+    imported or called, so a refused job never runs a line of its own.
+    """
+    from rq.exceptions import DeserializationError
+
+    try:
+        func, instance, args, kwargs = job.func_name, job.instance, job.args, job.kwargs
+    except DeserializationError:
+        raise Refused("its data is not JSON (never unpickled)") from None
+    if not isinstance(func, str) or func not in ACTIONS:
+        raise Refused(f"{func!r:.200} is not a control action (only {sorted(ACTIONS)})")
+    callbacks = [getattr(job, f"_{k}_callback_name", None) for k in ("success", "failure", "stopped")]
+    if instance is not None or kwargs or any(callbacks) or getattr(job, "webhooks", None):
+        raise Refused(f"{func}: an action takes no instance, keyword arguments, callbacks or webhooks")
+    shape = ACTIONS[func]
+    if not (isinstance(args, (list, tuple)) and len(args) == len(shape) + 3):
+        raise Refused(f"{func}: takes {len(shape) + 3} arguments (node, ..., seq, epoch)")
+    if args[0] != node:
+        raise Refused(f"{func}: addressed to node {args[0]!r:.100}, this agent is {node!r}")
+    for check, value in zip(shape, args[1:-2]):
+        check(value)
+    _int("seq", args[-2], 1)
+    _int("epoch", args[-1], 0)
+    return func

@@ -57,6 +57,7 @@ from pipeline.control.actions import STATE_DRAIN, STATE_GONE, STATE_RUN
 from pipeline.dataplane.keys import AGENTS, ROLES, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
 from pipeline.dataplane.lifeline import process_start, watch_parent
 from pipeline.dataplane.redisconn import ENV_URL, UNAVAILABLE, Outage, connect
+from pipeline.redaction import open_private
 
 TICK_S = 0.2
 HEARTBEAT_S = 1.0
@@ -205,13 +206,28 @@ class Backoff:
 
 
 class ControlJobRunner:
-    """rq's SimpleWorker driven step by step from the agent's loop: jobs run here, never in a fork."""
+    """rq's SimpleWorker driven step by step from the agent's loop: jobs run here, never in a fork.
 
-    def __init__(self, r: redis.Redis, node: str):
+    Only the control actions run (``actions.ACTIONS``): a job that
+    ``actions.check_job`` refuses (another function, a pickled payload, a
+    callback, a webhook, arguments of another shape or for another node) is
+    failed with the reason in rq's failed registry, never imported nor called.
+    """
+
+    def __init__(self, r: redis.Redis, node: str, log=None):
         from rq import SimpleWorker
+        from rq.job import Job
         from rq.scheduler import RQScheduler
         from rq.serializers import JSONSerializer
         from rq.timeouts import TimerDeathPenalty
+
+        class ActionJob(Job):
+            @property
+            def func(self):
+                # a second lock behind check_job: whatever path leads rq to the function, only an action resolves
+                if not isinstance(self.func_name, str) or self.func_name not in actions.ACTIONS:
+                    raise actions.Refused(f"{self.func_name!r} is not a control action")
+                return super().func
 
         class InProcessWorker(SimpleWorker):
             death_penalty_class = TimerDeathPenalty   # no SIGALRM: works from any thread
@@ -219,24 +235,51 @@ class ControlJobRunner:
             def _install_signal_handlers(self):
                 pass   # the agent owns SIGTERM and SIGINT
 
+        self.node = node
+        self.log = log or structlog.get_logger("agent").bind(node=node)
         self.queue = actions.queue(r, node)
-        self.worker = InProcessWorker([self.queue], connection=r, serializer=JSONSerializer,
+        self.worker = InProcessWorker([self.queue], connection=r, serializer=JSONSerializer, job_class=ActionJob,
                                       name=f"libra-agent-{node}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.scheduler = RQScheduler([self.queue], connection=r, serializer=JSONSerializer)
         self.scheduler.prepare_registries([self.queue.name])
         self.worker.bootstrap(logging_level="WARNING")
 
     def run_pending(self, limit: int = 64) -> int:
-        """Move due retries back onto the queue, then run up to ``limit`` queued jobs."""
+        """Move due retries back onto the queue, then run (or refuse) up to ``limit`` queued jobs."""
         self.scheduler.enqueue_scheduled_jobs()
         done = 0
         while done < limit:
-            got = self.worker.dequeue_job_and_maintain_ttl(None)
+            got = self.dequeue()
             if got is None:
                 break
-            self.worker.execute_job(*got)
+            job, queue = got
+            try:
+                actions.check_job(job, self.node)
+            except actions.Refused as exc:
+                self.refuse(job, queue, str(exc))
+            else:
+                self.worker.execute_job(job, queue)
             done += 1
         return done
+
+    def dequeue(self):
+        """The next (job, queue), or None; a job hash rq cannot read is dropped and logged, never run."""
+        while True:
+            try:
+                return self.worker.dequeue_job_and_maintain_ttl(None)
+            except (ValueError, TypeError, KeyError) as exc:
+                job_id = getattr(exc, "job_id", None)   # rq names the job whose hash failed to load
+                if job_id is None:
+                    raise
+                self.queue.connection.lrem(self.queue.intermediate_queue_key, 0, job_id)
+                self.log.warning("control_job_refused", job_id=str(job_id)[:100], reason=f"unreadable: {exc}"[:300])
+
+    def refuse(self, job, queue, reason: str) -> None:
+        """Fail ``job`` without running it: no retry, no callback, no webhook."""
+        job.retries_left = 0
+        job.webhooks = []
+        self.worker.handle_job_failure(job, queue, exc_string=f"refused by the agent of {self.node}: {reason}")
+        self.log.warning("control_job_refused", job_id=job.id, reason=reason)
 
     def close(self) -> None:
         self.worker.teardown()
@@ -275,7 +318,7 @@ class Agent:
             raise SystemExit(f"agent: another agent holds node name {self.node!r} "
                              f"({(self.r.get(agent_lock(self.node)) or b'').decode()}); pick another --node")
         self.adopt()
-        self.jobs = ControlJobRunner(self.r, self.node)
+        self.jobs = ControlJobRunner(self.r, self.node, self.log)
         self.heartbeat(force=True)
         self.log.info("agent_started", slots=[s.as_dict() for s in self.slots], pid=os.getpid())
         return self
@@ -436,6 +479,7 @@ class Agent:
     def spawn(self, key: str, d: dict) -> None:
         by_index = {s.index: s for s in self.slots}
         devices = [by_index[i].device for i in d["slots"] if by_index[i].device is not None]
+        # the URL (it may hold a password) travels in the environment: argv is visible to every user
         env = dict(os.environ, **{ENV_URL: self.url, "PYTHONUNBUFFERED": "1", NODE_ENV: self.node,
                                   SLOTS_ENV: ",".join(str(i) for i in d["slots"]),
                                   # a CPU slot hides every GPU; a GPU slot shows only its own
@@ -520,7 +564,7 @@ def _log_file(run_dir: str, worker: str):
     try:
         path = Path(run_dir) / "logs"
         path.mkdir(parents=True, exist_ok=True)
-        return open(path / f"{worker}.out", "ab")
+        return open_private(path / f"{worker}.out")
     except OSError:
         return subprocess.DEVNULL
 

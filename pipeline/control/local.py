@@ -29,6 +29,7 @@ from pathlib import Path
 from pipeline.control.agent import SlotError, detect_slots
 from pipeline.dataplane.lifeline import spawn
 from pipeline.dataplane.redisconn import ENV_URL
+from pipeline.redaction import open_private
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
@@ -104,7 +105,7 @@ class LocalControl:
 
 def _start(name: str, argv: list[str], env: dict, run_dir: Path) -> subprocess.Popen:
     """``libra-ctl <argv>``, dying with us; its output appended to ``logs/<name>.out``."""
-    with open(Path(run_dir) / "logs" / f"{name}.out", "ab") as out:
+    with open_private(Path(run_dir) / "logs" / f"{name}.out") as out:
         # start_new_session: a Ctrl-C reaches the run alone, which stops its children in order
         return spawn([sys.executable, "-m", "pipeline.cli", *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
                      start_new_session=True)
@@ -137,12 +138,13 @@ def start_local_control(cfg, run_dir: Path, redis_url: str, *, slots: int | None
             detect_slots(None)
         except SlotError:
             slots = getattr(cfg.run, "slots", 0) or cfg.rollout.workers + cfg.learner.workers
-    env = dict(os.environ, **{ENV_URL: redis_url, "PYTHONUNBUFFERED": "1"})
+    env = dict(os.environ, **{ENV_URL: redis_url, "PYTHONUNBUFFERED": "1"})   # never on argv: ps shows it
     logs = Path(run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     agent_argv = ["agent"] + (["--slots", str(slots)] if slots else []) + (["--node", node] if node else [])
-    port = getattr(getattr(cfg, "control", None), "metrics_port", 0)
-    controller_argv = ["controller", "--interval", str(interval_s), "--metrics-port", str(port)]
+    control = getattr(cfg, "control", None)
+    port, host = getattr(control, "metrics_port", 0), getattr(control, "metrics_host", "127.0.0.1")
+    controller_argv = ["controller", "--interval", str(interval_s), "--metrics-port", str(port), "--metrics-host", host]
     wanted = ([("controller", controller_argv)] if controller else []) + ([("agent", agent_argv)] if agent else [])
     procs = [Supervised(name, argv, _start(name, argv, env, Path(run_dir))) for name, argv in wanted]
     return LocalControl(procs, Path(run_dir), env, say)

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Names that become keys are checked where the config checks them (common to every plane).
+from pipeline.config import BadName as BadName
+from pipeline.config import check_name, check_path as check_path
+
 PREFIX = "libra"
 JOBS = f"{PREFIX}:jobs"  # set of job names that have run on this Redis
 
@@ -27,6 +31,9 @@ LEARNER = "learner-0"
 @dataclass(frozen=True)
 class JobKeys:
     job: str
+
+    def __post_init__(self):
+        check_name("job name", self.job)
 
     def _k(self, suffix: str) -> str:
         return f"{PREFIX}:{{{self.job}}}:{suffix}"
@@ -58,6 +65,14 @@ class JobKeys:
         return self._k("policy")
 
     @property
+    def lineage(self) -> str:  # hash: first version of a line -> JSON {updates, parent} (the learner; dataplane.lineage)
+        return self._k("lineage")
+
+    @property
+    def issued(self) -> str:  # set of prompt ids the feeder issued (the audit's record of what to account for)
+        return self._k("issued")
+
+    @property
     def state(self) -> str:  # hash: phase (running|trained|stopping|done), run_dir, started_at
         return self._k("state")
 
@@ -68,6 +83,10 @@ class JobKeys:
     @property
     def learner_stats(self) -> str:  # hash: the learner's last step (reward mean, staleness, ...)
         return self._k("learner:stats")
+
+    @property
+    def learner_attempts(self) -> str:  # hash: scored entry id -> JSON {n, error}: training raised on it (learner)
+        return self._k("learner:attempts")
 
     @property
     def workers(self) -> str:  # hash: worker id -> JSON (role, pid, node, slots, state, rate)
@@ -177,8 +196,11 @@ def agent_log(node: str) -> str:  # stream capped by length: every process the a
 
 
 def job_pattern(job_glob: str) -> str:
-    """SCAN MATCH pattern of every key of the jobs whose names match ``job_glob`` (e.g. ``bench-streams-*``)."""
-    return JobKeys(job_glob).pattern
+    """SCAN MATCH pattern of every key of the jobs whose names match ``job_glob`` (e.g. ``bench-streams-*``).
+
+    The one place a glob is meant: built here, never from a JobKeys (whose job names hold none).
+    """
+    return f"{PREFIX}:{{{job_glob}}}:*"
 
 
 def txn_mark(key: str, token: str) -> str:

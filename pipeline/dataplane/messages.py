@@ -155,6 +155,7 @@ def decode(payload: bytes, max_bytes: int) -> Prompt | Group:
     kind = body.get("kind")
     if kind == "prompt":
         prompt_id, prompt, issued_at = _fields(body, _PROMPT_FIELDS, _PROMPT_TYPES)
+        _finite("issued_at", issued_at)
         return Prompt(prompt_id, prompt, _json_field(body, "answer"), issued_at)
     if kind == "group":
         return _decode_group(body)
@@ -235,6 +236,8 @@ def _decode_group(body: dict) -> Group:
     prompt_id, prompt, prompt_tokens, version, worker, generated_at, gen_s, raw_trajs = _fields(
         body, _GROUP_FIELDS, _GROUP_TYPES)
     answer = _json_field(body, "answer")
+    _finite("generated_at", generated_at)
+    _finite("gen_s", gen_s)
     if not raw_trajs:
         raise BadMessage("empty group: no trajectories")
     trajs = tuple(map(_decode_traj, raw_trajs))
@@ -247,10 +250,19 @@ def _decode_group(body: dict) -> Group:
     for key, value in extra.items():
         if type(value) not in _SCALARS:
             raise BadMessage(f"field 'extra': {key!r} is a {type(value).__name__}, not a scalar")
+    scored_at = _get(body, "scored_at", float, optional=True)
+    if scored_at is not None:
+        _finite("scored_at", scored_at)
     return Group(prompt_id=prompt_id, prompt=prompt, answer=answer,
                  prompt_tokens=_array("prompt_tokens", prompt_tokens, TOKEN_DTYPE), version=version,
                  worker=worker, generated_at=generated_at, gen_s=gen_s, trajectories=trajs,
-                 scored_at=_get(body, "scored_at", float, optional=True), extra=extra)
+                 scored_at=scored_at, extra=extra)
+
+
+def _finite(name: str, value: float) -> None:
+    """Times and durations are finite numbers: a NaN would pass every comparison and poison the metrics."""
+    if not math.isfinite(value):
+        raise BadMessage(f"field {name!r}: {value} is not a finite number")
 
 
 def _decode_traj(body) -> Trajectory:
@@ -278,6 +290,8 @@ def _decode_traj(body) -> Trajectory:
     for x in latencies:
         if type(x) is not float and type(x) is not int:
             raise BadMessage(f"trajectory {idx}: tool_latency_s holds a {type(x).__name__}, not a number")
+        if not math.isfinite(x):
+            raise BadMessage(f"trajectory {idx}: tool_latency_s holds {x}, not a finite number")
     # Positional, in Trajectory's field order: this runs for every sample of every group.
     return Trajectory(idx, completion, np.frombuffer(mask, dtype=MASK_DTYPE), logprobs, text, finish, turns,
                       tool_calls, tuple(map(float, latencies)) if latencies else (), timeouts, reward)

@@ -40,6 +40,8 @@ from redis.retry import Retry
 
 from pipeline.dataplane.lifeline import PASS_FDS_ENV
 
+from pipeline.redaction import is_redacted, redact, write_private
+
 ENV_URL = "LIBRA_REDIS_URL"
 ENV_OUTAGE = "LIBRA_REDIS_OUTAGE_S"  # how long a process waits for an unreachable Redis (config: redis.outage_s)
 OUTAGE_S = 60.0
@@ -211,6 +213,10 @@ def redis_server_binary() -> str:
 class EmbeddedRedis:
     """A private redis-server on a unix socket under ``data_dir``; stopped on exit (also on Ctrl-C).
 
+    It opens no TCP port (``port 0``); ``bind 127.0.0.1`` and ``protected-mode
+    yes`` keep it local should a port ever be set. The socket is 0700 and the
+    config file 0600: only the user who started it can reach it.
+
     AOF is on so a crash of our own process loses at most ``appendfsync``'s
     window, and ``noeviction`` makes a full server refuse writes (producers
     treat that as backpressure) instead of silently dropping stream entries.
@@ -234,8 +240,8 @@ class EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         lock = self._lock(timeout_s)
         conf = self.data_dir / "redis.conf"
-        conf.write_text("\n".join([
-            "port 0", f"unixsocket {self.socket}", "unixsocketperm 700",
+        write_private(conf, "\n".join([
+            "port 0", "bind 127.0.0.1", "protected-mode yes", f"unixsocket {self.socket}", "unixsocketperm 700",
             f"dir {self.data_dir}", "appendonly yes", f"appendfsync {self.appendfsync}",
             # Trajectories pass through at tens of MB/s while trimming keeps the data set small:
             # the default 64 MB threshold would rewrite the AOF every few seconds.
@@ -334,6 +340,9 @@ def find_redis_url(explicit: str | None) -> str:
         url = p.read_text().strip()
         if url.startswith("unix://") and not Path(url[len("unix://"):]).exists():
             continue
+        if is_redacted(url):
+            raise SystemExit(f"the newest run ({p.parent}) uses {redact(url)}, whose password is not stored: "
+                             f"pass --redis URL or set {ENV_URL}")
         return url
     raise SystemExit(f"no Redis to talk to: pass --redis URL or set {ENV_URL} "
                      "(or start a job with libra-ctl run in this directory)")

@@ -127,11 +127,13 @@ def dead_letter(pipe, keys: JobKeys, source: str, entry_id: bytes, reason: str,
 
     ``trajectories`` is what the entry stood for (``trajectories_of``): the
     feeder's in-flight count falls by it, and the audit counts it, so a
-    dead letter that says 0 leaks admission room for good.
+    dead letter that says 0 leaks admission room for good. ``payload`` is
+    the entry's raw bytes, whole (not a summary and not a re-encoding):
+    ``libra-ctl dlq replay`` puts exactly these bytes back on ``source``.
     """
     pipe.xadd(keys.dead_letters, {
         "reason": reason, "stream": source, "id": entry_id, "deliveries": deliveries,
-        "trajectories": trajectories, "payload": payload[:65536], "at": time.time(),
+        "trajectories": trajectories, "payload": payload, "at": time.time(),
     })
     pipe.hincrby(keys.counters, "dead_lettered", trajectories)
     pipe.hincrby(keys.counters, "dead_letter_messages", 1)
@@ -515,7 +517,8 @@ def run_stage(
             with keeper([i for i, _p in entries]):
                 outputs = handle([msg for _id, msg in good]) if good else []
             try:
-                write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop, dedup)
+                write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop, dedup,
+                              raw=dict(entries))
             except UNAVAILABLE:
                 if not stop():
                     raise
@@ -539,8 +542,11 @@ class Dedup:
 
 
 def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop,
-                  dedup: Dedup | None = None) -> None:
+                  dedup: Dedup | None = None, raw: dict[bytes, bytes] | None = None) -> None:
     """Outputs, dead letters and the acks of their inputs, in one MULTI/EXEC transaction.
+
+    ``raw`` maps each input's entry id to its payload as read: a rejected
+    input is dead-lettered with those bytes (without it, re-encoded).
 
     With ``dedup``, the transaction WATCHes each output's mark, writes only
     the outputs whose group has none yet and sets their marks; a concurrent
@@ -564,7 +570,7 @@ def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log
                 already = {m for m, v in zip(watched, values[1:]) if v is not None}
                 pipe.multi()
                 _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already,
-                              dedup, group_size)
+                              dedup, group_size, raw or {})
                 pipe.set(done, 1, ex=txn_mark_ttl_s())
                 pipe.execute()
                 break
@@ -581,7 +587,7 @@ def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log
 
 
 def _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already, dedup,
-                  group_size) -> None:
+                  group_size, raw: dict[bytes, bytes]) -> None:
     acked = []
     for entry_id, payload, reason in bad:
         dead_letter(pipe, keys, source, entry_id, reason, payload, trajectories=group_size)
@@ -592,7 +598,10 @@ def _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, 
     for (entry_id, msg), out, mark in zip(good, outputs, marks):
         acked.append(entry_id)
         if isinstance(out, Reject):
-            dead_letter(pipe, keys, source, entry_id, out.reason, messages.encode(msg),
+            payload = raw.get(entry_id)
+            if payload is None:
+                payload = messages.encode(msg)
+            dead_letter(pipe, keys, source, entry_id, out.reason, payload,
                         trajectories=trajectories_of(msg, group_size))
         elif mark in already:
             duplicates += _size(out)

@@ -33,7 +33,7 @@ import redis
 import structlog
 
 from pipeline import config as config_mod, logs
-from pipeline.dataplane.keys import LEARNER, JobKeys
+from pipeline.dataplane.keys import LEARNER, BadName, JobKeys, check_name
 from pipeline.dataplane.lifeline import watch_owner, watch_parent
 from pipeline.dataplane.redisconn import ENV_OUTAGE, ENV_URL, UNAVAILABLE, Outage, connect
 
@@ -76,6 +76,7 @@ class WorkerContext:
     done: int = 0  # trajectories handled, for the rate
     rate_per_s: float = 0.0
     policy_version: int = 0
+    failure: dict | None = None  # why the worker is failing, e.g. {"kind": "oom", "detail"} (workers.oom)
 
     def stopping(self) -> bool:
         return self.stop_event.is_set()
@@ -91,7 +92,8 @@ class WorkerContext:
         return {"id": self.worker_id, "role": self.role, "pid": os.getpid(),
                 "node": self.node, "slots": [], "state": self.state,
                 "heartbeat": time.time(), "done": self.done, "rate_per_s": round(self.rate_per_s, 3),
-                "policy_version": self.policy_version, **({"managed": EXTERNAL} if self.external else {})}
+                "policy_version": self.policy_version, **({"managed": EXTERNAL} if self.external else {}),
+                **({"failure": self.failure} if self.failure else {})}
 
     def publish_state(self, state: str | None = None) -> None:
         if state:
@@ -156,10 +158,18 @@ def dedup_for(cfg: config_mod.Config, stage: str):
 def worker_args(role: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"workers.{role}")
     p.add_argument("--run-dir", required=True, type=Path)
-    p.add_argument("--worker-id", required=True)
+    p.add_argument("--worker-id", required=True, type=_worker_id)
     p.add_argument("--external", action="store_true",
                    help="started outside the agents (libra-ctl worker): watch for drain requests, wait once drained")
     return p.parse_args()
+
+
+def _worker_id(text: str) -> str:
+    """A worker id: a Redis consumer name, a hash field and the name of its log file."""
+    try:
+        return check_name("worker id", text)
+    except BadName as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def load_run_config(run_dir: Path) -> config_mod.Config:

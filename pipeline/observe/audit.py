@@ -1,13 +1,29 @@
 """``libra-ctl audit`` and ``libra-ctl dlq``: account for every trajectory; inspect dead letters.
 
 Called by the CLI in any process that reaches the job's Redis and its run
-directory. Trained and stale-dropped ids come from the records each learner
-checkpoint writes beside itself (``consumed.txt``, ``dropped.txt``), not from
-Redis deduplication state; in-flight work is measured from the streams
-(entries not yet delivered plus entries pending), never computed as a
-remainder. Every stream entry stands for one GRPO group of ``group_size``
-trajectories; a dead letter for what its record says it carried, the
-number the dead-lettering stage gave back to the feeder's in-flight count.
+directory. The audit checks by id, not by the counters the audited code keeps
+itself, wherever there is an id to check:
+
+- **ids**: every trajectory id the feeder issued (its record, ``JobKeys.issued``)
+  is accounted exactly once: trained or dropped (the records each learner
+  checkpoint writes beside itself, ``consumed.txt``, ``dropped.txt``),
+  dead-lettered (the id read from the dead letter's payload), or in flight
+  (read from the stream entries not yet delivered or still pending). The ids
+  that are not, and those accounted twice, are named. Only what cannot be
+  read (an undecodable entry) is counted instead of named.
+- **pending**: nothing stays pending forever. While the job runs, an entry
+  pending longer than its stage's reclaim idle time plus a step is stuck
+  (a live consumer refreshes its claim, and a dead one's entries are
+  reclaimed within that time); once the learner has checkpointed its last
+  step, nothing may be pending at the learner. Each is named with its
+  stream, consumer (and whether that worker is alive) and idle time.
+- **feeder**: what the feeder believes is in flight (``workers.feeder.in_flight``,
+  from counters) matches the streams. It may be lower only by what the
+  learner holds for its next checkpoint (counted trained, still pending);
+  never higher (room leaked: the feeder stops for good).
+
+Every stream entry stands for one GRPO group of ``group_size`` trajectories;
+a dead letter that cannot be read for what its record says it carried.
 """
 
 from __future__ import annotations
@@ -16,13 +32,18 @@ import json
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
 from pipeline.dataplane import messages
-from pipeline.dataplane.keys import JobKeys
-from pipeline.dataplane.streams import group_pending, stream_lag
+from pipeline.dataplane.keys import JobKeys, check_path
+from pipeline.dataplane.worker import record_alive
+
+NAMED_MAX = 50  # ids named per finding (the counts are always whole)
+PAGE = 1000  # entries per XRANGE / XPENDING call
+STEP_FALLBACK_S = 60.0  # a learner step's length when none has been measured yet
 
 
 def job_run_dir(r: redis.Redis, keys: JobKeys, run_dir: str | None) -> Path:
@@ -32,85 +53,343 @@ def job_run_dir(r: redis.Redis, keys: JobKeys, run_dir: str | None) -> Path:
     return Path(path)
 
 
+def _checkpoints(run_dir: Path) -> list[Path]:
+    return [c for c in sorted((run_dir / "checkpoints").glob("step-*"))
+            if not c.name.endswith(".tmp") and (c / "state.json").exists()]
+
+
 def checkpoint_records(run_dir: Path, name: str) -> Counter:
     """How often each trajectory id appears in the checkpoints' ``name`` records."""
     seen: Counter = Counter()
-    for ckpt in sorted((run_dir / "checkpoints").glob("step-*")):
-        if ckpt.name.endswith(".tmp") or not (ckpt / "state.json").exists():
-            continue
-        seen.update((ckpt / name).read_text().split()) if (ckpt / name).exists() else None
+    for ckpt in _checkpoints(run_dir):
+        if (ckpt / name).exists():
+            seen.update((ckpt / name).read_text().split())
     return seen
 
 
-def dead_letter_counts(r: redis.Redis, keys: JobKeys, group_size: int) -> tuple[int, int]:
-    """(trajectories of the dead-lettered entries, entries that never decoded).
+def last_checkpoint_step(run_dir: Path) -> int:
+    done = _checkpoints(run_dir)
+    return json.loads((done[-1] / "state.json").read_text())["step"] if done else 0
 
-    Each record's ``trajectories`` is what the stage added to the
-    ``dead_lettered`` counter: a group's trajectories, else one group
-    (``streams.trajectories_of``), undecodable entries included. A record
-    that says 0 was written without a known group size (before the feeder
-    issued, or by an older build): an undecodable entry then counts none,
-    anything else one group.
+
+# --- reading ids out of entries ------------------------------------------------------------------
+
+
+def ids_of_payload(payload: bytes, group_size: int) -> list[str] | None:
+    """Trajectory ids an entry stands for: a prompt's group to be, or a group's; None if it does not decode."""
+    try:
+        msg = messages.decode(payload, 1 << 30)
+    except messages.BadMessage:
+        return None
+    if isinstance(msg, messages.Group):
+        return [f"{msg.prompt_id}/{t.sample_idx}" for t in msg.trajectories]
+    return [f"{msg.prompt_id}/{i}" for i in range(group_size)]
+
+
+@dataclass
+class Tally:
+    """Ids read from entries (each as often as it was seen), and what could not be read."""
+
+    ids: Counter = field(default_factory=Counter)
+    unnamed: int = 0  # trajectories of entries that do not decode
+    short: list = field(default_factory=list)  # dead letters whose record says less than the ids they carry
+
+    def add(self, payload: bytes, group_size: int, carried: int | None = None) -> None:
+        ids = ids_of_payload(payload, group_size)
+        if ids is None:
+            self.unnamed += group_size if carried is None else carried
+        else:
+            self.ids.update(ids)
+
+    @property
+    def trajectories(self) -> int:
+        return sum(self.ids.values()) + self.unnamed
+
+
+def dead_letter_tally(r: redis.Redis, keys: JobKeys, group_size: int) -> tuple[Tally, int]:
+    """Ids of the dead letters, and how many never decoded.
+
+    A record without its payload is looked up on its source stream by its
+    source id (it is there until trimmed). One that still cannot be read
+    counts what its record says it carried (``trajectories``, the number the
+    stage gave back to the feeder); a record that says 0 was written without
+    a known group size: an undecodable entry then counts none, anything else
+    one group.
     """
-    carried = malformed = 0
+    tally, malformed = Tally(), 0
     for _id, f in r.xrange(keys.dead_letters):
         reason = f.get(b"reason", b"").decode()
         undecodable = reason.startswith(("malformed", "unknown schema", "oversized"))
         malformed += undecodable
+        payload = f.get(b"payload", b"")
+        if not payload and f.get(b"stream") and f.get(b"id"):
+            found = r.xrange(f[b"stream"].decode(), min=f[b"id"].decode(), max=f[b"id"].decode())
+            payload = found[0][1].get(messages.FIELD, b"") if found else b""
         recorded = int(f.get(b"trajectories", 0))
-        carried += recorded or (0 if undecodable else group_size)
-    return carried, malformed
+        tally.add(payload, group_size, recorded or (0 if undecodable else group_size))
+        ids = ids_of_payload(payload, group_size)
+        if ids is not None and recorded < len(ids):  # gave the feeder back less than it carried
+            tally.short.append({"dead_letter": _text(_id), "source_id": _text(f.get(b"id", b"")),
+                                "recorded": recorded, "carried": len(ids), "ids": ids[:NAMED_MAX]})
+    return tally, malformed
 
 
-def in_flight(r: redis.Redis, keys: JobKeys, group_size: int) -> dict[str, int]:
-    out = {}
-    for stage, stream, group in keys.stages:
-        entries = (stream_lag(r, stream, group, cap=10**9) + group_pending(r, stream, group)
-                   if r.exists(stream) else 0)
-        out[stage] = entries * group_size
-    return out
+# --- what is in the streams ------------------------------------------------------------------------
+
+
+@dataclass
+class Pending:
+    """One entry pending in a consumer group."""
+
+    stream: str
+    group: str
+    id: str
+    consumer: str
+    idle_s: float
+    deliveries: int
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def pending_entries(r: redis.Redis, stream: str, group: str) -> list[Pending]:
+    out: list[Pending] = []
+    start = "-"
+    while True:
+        page = r.xpending_range(stream, group, min=start, max="+", count=PAGE)
+        out += [Pending(stream, group, _text(p["message_id"]), _text(p["consumer"]),
+                        p["time_since_delivered"] / 1000, int(p["times_delivered"])) for p in page]
+        if len(page) < PAGE:
+            return out
+        start = "(" + out[-1].id
+
+
+def stream_in_flight(r: redis.Redis, stream: str, group: str, group_size: int
+                     ) -> tuple[Tally, list[Pending], list[Pending]]:
+    """The group's entries not yet delivered plus those pending: their ids; its pending entries; and
+    the pending entries gone from the stream (deleted while pending: their ids cannot be read)."""
+    tally = Tally()
+    if not r.exists(stream):
+        return tally, [], []
+    info = next((g for g in r.xinfo_groups(stream) if _text(g["name"]) == group), None)
+    if info is None:
+        return tally, [], []
+    last = _id_key(_text(info["last-delivered-id"]))
+    pending = pending_entries(r, stream, group)
+    waiting = {p.id for p in pending}
+    start = "-"
+    while True:
+        page = r.xrange(stream, min=start, max="+", count=PAGE)
+        for entry_id, f in page:
+            eid = _text(entry_id)
+            if _id_key(eid) > last or eid in waiting:
+                tally.add(f.get(messages.FIELD, b""), group_size)
+                waiting.discard(eid)
+        if len(page) < PAGE:
+            break
+        start = "(" + _text(page[-1][0])
+    return tally, pending, [p for p in pending if p.id in waiting]
+
+
+# --- the checks -------------------------------------------------------------------------------------
+
+
+def issued_ids(r: redis.Redis, keys: JobKeys, group_size: int) -> set[str] | None:
+    """Every trajectory id the feeder issued, from its record; None for a job fed without one."""
+    prompts = [_text(p) for p in r.sscan_iter(keys.issued, count=PAGE)]
+    return {f"{p}/{i}" for p in prompts for i in range(group_size)} if prompts else None
+
+
+def id_check(issued: set[str] | None, trained: Counter, dropped: Counter, dead: Tally, flight: Tally) -> dict:
+    """Each issued id exactly once: trained, dropped, dead-lettered, or in flight; the others named.
+
+    In flight and a final state at once is allowed: the learner's entries stay
+    pending until the checkpoint that holds them is durable, and a duplicate
+    copy still in a stream is skipped when it arrives. Ids that nothing could
+    read (undecodable entries) excuse as many unaccounted ids and no more.
+    """
+    final = trained + dropped + dead.ids
+    twice = sorted(i for i, n in final.items() if n > 1)
+    seen = set(final) | set(flight.ids)
+    missing = sorted(issued - seen) if issued is not None else []
+    unknown = sorted(seen - issued) if issued is not None else []
+    unnamed = dead.unnamed + flight.unnamed
+    return {"ok": not twice and not unknown and len(missing) <= unnamed, "checked": issued is not None,
+            "unaccounted": len(missing), "unaccounted_ids": missing[:NAMED_MAX],
+            "accounted_twice": len(twice), "accounted_twice_ids": twice[:NAMED_MAX],
+            "not_issued": len(unknown), "not_issued_ids": unknown[:NAMED_MAX], "unnamed": unnamed}
+
+
+def step_seconds(r: redis.Redis, keys: JobKeys) -> float:
+    """The learner's last step, end to end (waiting, training, publishing); a fallback before the first."""
+    stats = {k.decode(): json.loads(v) for k, v in r.hgetall(keys.learner_stats).items()}
+    spent = sum(float(stats.get(k) or 0.0) for k in ("wait_s", "train_s", "publish_s"))
+    return spent or STEP_FALLBACK_S
+
+
+def pending_bounds(cfg: dict, step_s: float) -> dict[str, float]:
+    """Per stage, how long an entry may stay pending while the job runs: its reclaim idle time plus a step.
+
+    A live consumer refreshes its claim while it works (XCLAIM JUSTID; the
+    learner at every step for what it holds until its checkpoint), and the
+    entries of a consumer that died are reclaimed by the next reclaim pass
+    after the idle time: one step later at the most.
+    """
+    st = cfg["streams"]
+    return {stage: float(st[f"{stage}_min_idle_s"]) + step_s + st["block_ms"] / 1000
+            for stage in ("rollout", "reward", "learner")}
+
+
+def pending_check(r: redis.Redis, keys: JobKeys, cfg: dict, run_dir: Path,
+                  pending: dict[str, list[Pending]], deleted: list[Pending]) -> dict:
+    """Entries stuck pending, each named with its stream, consumer (alive or not) and idle time.
+
+    While the job runs: pending longer than the stage's bound. Once the
+    learner has checkpointed its last step: anything pending at the learner
+    (it acknowledges all it consumed with that checkpoint). Always: an
+    entry pending but deleted from its stream (no one can ever read it).
+    """
+    phase = _text(r.hget(keys.state, "phase") or b"running")
+    live = phase in ("running", "trained")
+    learner_done = last_checkpoint_step(run_dir) >= cfg["job"]["steps"]
+    bounds = pending_bounds(cfg, step_seconds(r, keys))
+    now = time.time()
+    alive = {_text(w) for w, rec in r.hgetall(keys.workers).items() if record_alive(json.loads(rec), now)}
+    stuck = []
+    for stage, entries in pending.items():
+        for p in entries:
+            if stage == "learner" and learner_done:
+                why = "pending at the learner after its last checkpoint"
+            elif live and p.idle_s > bounds[stage]:
+                why = f"idle {p.idle_s:.0f}s > {bounds[stage]:.0f}s (reclaim idle + a step)"
+            else:
+                continue
+            stuck.append({**p.__dict__, "idle_s": round(p.idle_s, 1), "consumer_alive": p.consumer in alive,
+                          "why": why})
+    stuck += [{**p.__dict__, "idle_s": round(p.idle_s, 1), "consumer_alive": p.consumer in alive,
+               "why": "pending, but deleted from the stream"} for p in deleted]
+    return {"ok": not stuck, "stuck": stuck[:NAMED_MAX], "stuck_count": len(stuck),
+            "bounds_s": {k: round(v, 1) for k, v in bounds.items()}, "phase": phase}
+
+
+def feeder_check(r: redis.Redis, keys: JobKeys, c: dict[str, int], group_size: int, measured: int,
+                 learner_held: int, issued_record: set[str] | None, dead: Tally) -> dict:
+    """What the feeder believes is in flight against what the streams hold; its counters against its record.
+
+    The belief is ``workers.feeder.in_flight``'s formula over the counters.
+    The learner counts a step trained when it trains it and acknowledges its
+    entries only with the next checkpoint, so the belief may fall short of
+    the streams by what the learner holds pending, never more, and never
+    exceed them: room the feeder would hold back for good. A leak names the
+    dead letters whose record gave back less than their entry carried.
+    """
+    dead_lettered = c.get("dead_lettered", 0) - c.get("dead_lettered_replayed", 0)
+    believes = c.get("issued", 0) - (c.get("trained", 0) + c.get("dropped_stale", 0) + dead_lettered)
+    problems = []
+    if believes > measured:
+        named = "".join(f"; dead letter {d['dead_letter']} gave back {d['recorded']} of {d['carried']} "
+                        f"({', '.join(d['ids'][:2])}, ...)" for d in dead.short[:5])
+        problems.append(f"the feeder counts {believes} trajectories in flight, the streams hold {measured}: "
+                        f"{believes - measured} leaked{named}")
+    if believes < measured - learner_held:
+        problems.append(f"the feeder counts {believes} trajectories in flight, the streams hold {measured} "
+                        f"(of which the learner holds {learner_held}): it over-issues")
+    issued_prompts = c.get("issued_prompts", 0)
+    if c.get("issued", 0) != issued_prompts * group_size:
+        problems.append(f"issued {c.get('issued', 0)} != issued_prompts {issued_prompts} x {group_size}")
+    if issued_record is not None and len(issued_record) != issued_prompts * group_size:
+        problems.append(f"the feeder's record names {len(issued_record) // group_size} prompts, "
+                        f"its counter {issued_prompts}")
+    cursor = r.hget(keys.feeder, "cursor")
+    if cursor is not None and int(cursor) != issued_prompts:
+        problems.append(f"the feeder's cursor {int(cursor)} != issued_prompts {issued_prompts}")
+    return {"ok": not problems, "believes_in_flight": believes, "measured_in_flight": measured,
+            "learner_held": learner_held, "short_dead_letters": dead.short[:NAMED_MAX], "problems": problems}
+
+
+# --- the audit ----------------------------------------------------------------------------------------
 
 
 def audit(r: redis.Redis, job: str, run_dir: str | None = None) -> dict:
     keys = JobKeys(job)
-    rd = job_run_dir(r, keys, run_dir)
-    g = json.loads((rd / "manifest.json").read_text())["config"]["rollout"]["group_size"]
+    rd = job_run_dir(r, keys, check_path("--run", run_dir) if run_dir else None)
+    cfg = json.loads((rd / "manifest.json").read_text())["config"]
+    g = cfg["rollout"]["group_size"]
     c = {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()}
-    trained = checkpoint_records(rd, "consumed.txt")
-    dropped = checkpoint_records(rd, "dropped.txt")
-    dead, malformed = dead_letter_counts(r, keys, g)
-    flight = in_flight(r, keys, g)
+    trained, dropped = checkpoint_records(rd, "consumed.txt"), checkpoint_records(rd, "dropped.txt")
+    dead, malformed = dead_letter_tally(r, keys, g)
+    flight, by_stage, pending, deleted = Tally(), {}, {}, []
+    for stage, stream, group in keys.stages:
+        tally, pending[stage], gone = stream_in_flight(r, stream, group, g)
+        flight.ids.update(tally.ids)
+        flight.unnamed += tally.unnamed
+        by_stage[stage], deleted = tally.trajectories, deleted + gone
+    issued = issued_ids(r, keys, g)
     result = {
-        "issued": c.get("issued_prompts", 0) * g,
+        "issued": len(issued) if issued is not None else c.get("issued_prompts", 0) * g,
         "generated": c.get("generated", 0),
         "scored": c.get("scored", 0),
         "trained": len(trained),
         "dropped_stale": len(dropped),
-        "dead_lettered": dead,
-        "in_flight": sum(flight.values()),
+        "dead_lettered": dead.trajectories,
+        "in_flight": flight.trajectories,
         "duplicates_trained": sum(n - 1 for n in trained.values() if n > 1),
+        "dropped_branch": len(checkpoint_records(rd, "dropped_branch.txt")),
     }
-    accounted = result["trained"] + result["dropped_stale"] + result["dead_lettered"] + result["in_flight"]
-    problems = []
-    if result["duplicates_trained"]:
-        problems.append(f"{result['duplicates_trained']} trajectories trained more than once")
-    if accounted != result["issued"]:
-        problems.append(f"issued {result['issued']} != trained + dropped_stale + dead_lettered + in_flight "
-                        f"= {accounted}")
-    result.update(ok=not problems, problems=problems, in_flight_by_stage=flight,
+    checks = {"ids": id_check(issued, trained, dropped, dead, flight),
+              "pending": pending_check(r, keys, cfg, rd, pending, deleted),
+              "feeder": feeder_check(r, keys, c, g, flight.trajectories, len(pending["learner"]) * g, issued,
+                                     dead)}
+    result.update(ok=False, problems=problems_of(result, checks), checks=checks, in_flight_by_stage=by_stage,
                   dead_lettered_malformed=malformed, run_dir=str(rd),
                   duplicates_skipped={k[len("duplicates_dropped_"):]: v for k, v in c.items()
                                       if k.startswith("duplicates_dropped_")})
+    result["ok"] = not result["problems"]
     return result
+
+
+def problems_of(result: dict, checks: dict) -> list[str]:
+    """One line per failed invariant, naming the check and (some of) the ids."""
+    problems = []
+    if result["duplicates_trained"]:
+        problems.append(f"{result['duplicates_trained']} trajectories trained more than once")
+    accounted = result["trained"] + result["dropped_stale"] + result["dead_lettered"] + result["in_flight"]
+    if accounted != result["issued"]:
+        problems.append(f"issued {result['issued']} != trained + dropped_stale + dead_lettered + in_flight "
+                        f"= {accounted}")
+    ids = checks["ids"]
+    if ids["unaccounted"] > ids["unnamed"]:
+        problems.append(f"ids: {ids['unaccounted']} issued ids neither trained, dropped, dead-lettered nor in "
+                        f"flight: {', '.join(ids['unaccounted_ids'][:5])}")
+    if ids["accounted_twice"]:
+        problems.append(f"ids: {ids['accounted_twice']} ids accounted more than once: "
+                        f"{', '.join(ids['accounted_twice_ids'][:5])}")
+    if ids["not_issued"]:
+        problems.append(f"ids: {ids['not_issued']} ids seen that the feeder never issued: "
+                        f"{', '.join(ids['not_issued_ids'][:5])}")
+    for p in checks["pending"]["stuck"][:5]:
+        problems.append(f"pending: {p['id']} on {p['stream']} at {p['consumer']} "
+                        f"({'alive' if p['consumer_alive'] else 'gone'}), idle {p['idle_s']}s: {p['why']}")
+    if checks["pending"]["stuck_count"] > 5:
+        problems.append(f"pending: {checks['pending']['stuck_count'] - 5} more entries stuck")
+    problems += [f"feeder: {p}" for p in checks["feeder"]["problems"]]
+    return problems
 
 
 def format_audit(a: dict) -> str:
     lines = [f"{k:<20} {a[k]}" for k in ("issued", "generated", "scored", "trained", "dropped_stale",
-                                          "dead_lettered", "in_flight", "duplicates_trained")]
+                                          "dropped_branch", "dead_lettered", "in_flight", "duplicates_trained")]
     lines.append(f"{'in flight by stage':<20} {a['in_flight_by_stage']}")
+    lines.append(f"{'checks':<20} " + ", ".join(f"{k} {'ok' if v['ok'] else 'FAILED'}"
+                                               for k, v in a["checks"].items()))
     lines.append("ok" if a["ok"] else "FAILED: " + "; ".join(a["problems"]))
     return "\n".join(lines)
-
 
 # --- dead letters ------------------------------------------------------------------------------
 
@@ -146,15 +425,25 @@ def dlq_replay(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
 
     Their trajectories are in flight again: ``dead_lettered_replayed`` (the
     counters stay monotonic) puts them back into the feeder's in-flight count.
+    The payload goes back byte for byte, and only onto one of the job's own
+    stage streams: a dead letter is data anyone who can write to Redis may
+    have shaped, so its ``stream`` field is not trusted as a key.
     """
+    streams = {stream for _stage, stream, _group in keys.stages}
     n = 0
     for entry_id in ids:
         found = r.xrange(keys.dead_letters, min=entry_id, max=entry_id)
         if not found:
             raise SystemExit(f"no dead letter {entry_id}")
         f = found[0][1]
+        stream, payload = f.get(b"stream", b"").decode(errors="replace"), f.get(b"payload", b"")
+        if stream not in streams:
+            raise SystemExit(f"dead letter {entry_id} names the stream {stream!r}, not one of job "
+                             f"{keys.job!r}'s stage streams; not replayed")
+        if not payload:
+            raise SystemExit(f"dead letter {entry_id} holds no payload (its entry was deleted); nothing to replay")
         pipe = r.pipeline(transaction=True)
-        pipe.xadd(f[b"stream"].decode(), {messages.FIELD: f.get(b"payload", b"")})
+        pipe.xadd(stream, {messages.FIELD: payload})
         pipe.xdel(keys.dead_letters, entry_id)
         pipe.hincrby(keys.counters, "dead_lettered_replayed", int(f.get(b"trajectories", 0)))
         pipe.execute()

@@ -161,11 +161,14 @@ def _inputs(args, window: float) -> Inputs | None:
     from pipeline.dataplane.redisconn import find_redis_url
     from pipeline.dataplane.keys import JOBS, JobKeys
     from pipeline.dataplane.redisconn import connect
+    from pipeline.redaction import is_redacted
 
     run_dir = Path(args.run) if args.run else None
     url = args.redis
     if url is None and run_dir is not None and (run_dir / "redis.url").exists():
         url = (run_dir / "redis.url").read_text().strip()
+        if is_redacted(url):
+            url = None   # the file keeps no password: the full URL comes from $LIBRA_REDIS_URL
     try:
         r = connect(url or find_redis_url(None), socket_connect_timeout=2)
         r.ping()

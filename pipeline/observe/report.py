@@ -145,7 +145,8 @@ def step_series(d: RunData, key: str, name: str, color: str, fn=None) -> Series:
 
 def diversity_series(d: RunData) -> list[Series]:
     out = [step_series(d, "", "equal-reward groups", PALETTE[3],
-                       lambda s: s["zero_signal_groups"] / s["groups"] if s.get("groups") else None)]
+                       lambda s: (s["zero_signal_groups"] / s["groups"]
+                                  if s.get("groups") and "zero_signal_groups" in s else None))]
     div = [s for s in d.steps if s.get("diversity_groups")]
     if div:
         xs = [d.x(s["at"]) for s in div]

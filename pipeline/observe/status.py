@@ -39,7 +39,8 @@ def job_status(r: redis.Redis, job: str) -> dict:
         workers.append({"id": rec["id"], "role": rec["role"], "pid": rec["pid"],
                         "node": placed.get("node", rec["node"]), "slots": placed.get("slots", rec.get("slots", [])),
                         "state": state, "managed": managed,
-                        "rate_per_s": rec.get("rate_per_s", 0.0), "policy_version": rec.get("policy_version")})
+                        "rate_per_s": rec.get("rate_per_s", 0.0), "policy_version": rec.get("policy_version"),
+                        **({"failure": rec["failure"]} if rec.get("failure") else {})})   # e.g. oom (workers.oom)
     stages = []
     for stage, stream, group in keys.stages:
         live = [w for w in workers if w["role"] == ROLE_OF_STAGE[stage] and w["state"] not in ("exited", "lost")]

@@ -53,6 +53,7 @@ from pipeline.control.events import read_events
 from pipeline.control.local import start_local_control
 from pipeline.dataplane.keys import CONTROLLER_LEASE, JOBS, JobKeys
 from pipeline.dataplane.redisconn import EmbeddedRedis, connect
+from pipeline.redaction import redact
 from pipeline.sim import des, fluid
 from pipeline.sim.result import ModeResult, hist_quantile
 from pipeline.sim.job import prepare_sim_run
@@ -163,7 +164,7 @@ class LiveBench:
         interval = control_settings(self.wl, self.scale)["interval_s"]
         self.control = start_local_control(None, self.dir, url, slots=self.wl.cluster.gpus, node=NODE,
                                            interval_s=interval)
-        self.say(f"live: Redis {url}, controller every {interval:.2f} s, agent with {self.wl.cluster.gpus} "
+        self.say(f"live: Redis {redact(url)}, controller every {interval:.2f} s, agent with {self.wl.cluster.gpus} "
                  f"slots, {self.scale:g} simulated s per wall s; logs in {self.dir / 'logs'}")
 
     def _check_own_redis(self, url: str) -> None:
@@ -171,7 +172,7 @@ class LiveBench:
         busy = [n.decode() for n in self.r.smembers(JOBS)
                 if self.r.hget(JobKeys(n.decode()).state, "phase") in (b"running", b"trained")]
         if self.r.exists(CONTROLLER_LEASE) or live_agents(self.r) or busy:
-            raise LiveEngineError(f"{url} already has a controller, node agents or running jobs"
+            raise LiveEngineError(f"{redact(url)} already has a controller, node agents or running jobs"
                                   f"{' (' + ', '.join(sorted(busy)) + ')' if busy else ''}; the live engine needs "
                                   "a Redis of its own (leave out --redis for an embedded one)")
 

@@ -44,13 +44,14 @@ import shutil
 import sys
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.dataplane import messages
 from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT, ROLES
+from pipeline.dataplane.lineage import load_segments, record_line, restored
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
 from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
                                         run_stage)
@@ -229,8 +230,10 @@ class SimReward:
 class _Batch:
     groups: list
     entry_ids: list          # every entry consumed: admitted, dropped as stale or already trained
-    dropped: list            # groups dropped as stale
+    dropped: list            # groups dropped as stale (their staleness along the version tree beyond the bound)
     duplicates: int = 0      # trajectories of groups trained before (skipped)
+    staleness: list = field(default_factory=list)  # per admitted group: updates along the version tree
+    branch: list = field(default_factory=list)     # of the dropped groups, those from a discarded branch
     wait_s: float = 0.0
 
     @property
@@ -272,10 +275,18 @@ class SimLearner:
             if ckpt.name.endswith(".tmp") or int(ckpt.name.split("-")[1]) > self.step:
                 shutil.rmtree(ckpt)   # never committed: its entries are still pending
         self.version = published if not st else max(published, st.get("version", 0)) + 1
+        # Staleness counts updates along the version tree (dataplane.lineage), as the real learner's does:
+        # a restore's new version holds the committed step's weights, 0 updates from them.
+        self.lineage = restored(load_segments(self.ctx.r, k), None)
+        pipe = self.ctx.r.pipeline(transaction=True)
         if st:
-            self.ctx.r.hset(k.policy, mapping={"version": self.version, "step": self.step,
-                                               "published_at": time.time()})
+            self.lineage.start_line(self.version, self.step, st.get("version", 0))
+            record_line(pipe, k, self.lineage, self.version)
+            pipe.hset(k.policy, mapping={"version": self.version, "step": self.step, "published_at": time.time()})
             self.ctx.log.info("restored", step=self.step, version=self.version, gpus=self.gpus)
+        else:
+            record_line(pipe, k, self.lineage, 0)
+        pipe.execute()
         self.ctx.set_version(self.version)
 
     def read_entries(self, count: int) -> list:
@@ -325,10 +336,15 @@ class SimLearner:
                 batch.entry_ids.append(entry_id)
                 if before or g.prompt_id in taken:
                     batch.duplicates += len(g.trajectories)
-                elif self.version - g.version > self.cfg.max_staleness:
+                    continue
+                d = self.lineage.distance(g.version, self.version)
+                if d.updates is None or d.updates > self.cfg.max_staleness:
                     batch.dropped.append(g)
+                    if not d.on_line:
+                        batch.branch.append(g)
                 else:
                     batch.groups.append(g)
+                    batch.staleness.append(d.updates)
                     taken.add(g.prompt_id)
         return batch
 
@@ -355,7 +371,7 @@ class SimLearner:
         self.ctx.state = "running"
         train = self.clock.sleep(self.model.train_s(tokens, self.gpus))
         publish = self.clock.sleep(self.model.wl.learner.weight_publish_s)
-        stale = [self.version - g.version for g in batch.groups for _t in g.trajectories]
+        stale = [d for g, d in zip(batch.groups, batch.staleness) for _t in g.trajectories]
         hist = {int(v): int(c) for v, c in zip(*np.unique(stale, return_counts=True))} if stale else {}
         dropped = sum(len(g.trajectories) for g in batch.dropped)
         return {"step": self.step + 1, "policy_version": self.version + 1, "trajectories": len(stale),
@@ -374,6 +390,7 @@ class SimLearner:
         tmp.mkdir(parents=True)
         (tmp / "consumed.txt").write_text("".join(f"{i}\n" for i in _ids(batch.groups)))
         (tmp / "dropped.txt").write_text("".join(f"{i}\n" for i in _ids(batch.dropped)))
+        (tmp / "dropped_branch.txt").write_text("".join(f"{i}\n" for i in _ids(batch.branch)))
         (tmp / "state.json").write_text(json.dumps({"step": m["step"], "version": m["policy_version"],
                                                     "gpus": self.gpus, "written_at": time.time()}))
         shutil.rmtree(final, ignore_errors=True)
@@ -394,6 +411,8 @@ class SimLearner:
             pipe.hincrby(k.counters, "dropped_stale", m["dropped_stale"])
             if batch.duplicates:
                 pipe.hincrby(k.counters, "duplicates_dropped_learner", batch.duplicates)
+            if batch.branch:
+                pipe.hincrby(k.counters, "dropped_branch", len(_ids(batch.branch)))
             pipe.hset(k.sim_learner, mapping={"step": m["step"], "version": m["policy_version"]})
             pipe.hset(k.policy, mapping={"version": m["policy_version"], "step": m["step"],
                                          "published_at": time.time()})

@@ -188,9 +188,13 @@ def load_workload(path: str | Path) -> Workload:
     """Read and validate a workload TOML file; raises WorkloadError on any bad value."""
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(p.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise WorkloadError(f"{p}: no such workload file") from None
+    except OSError as exc:
+        raise WorkloadError(f"{p}: cannot read the workload file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise WorkloadError(f"{p}: not UTF-8 text (byte {exc.start}); TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise WorkloadError(f"{p}: not valid TOML: {exc}") from None
     return parse_workload(data, str(p))
@@ -262,6 +266,10 @@ def _jobs(r: "_Reader", data: dict) -> tuple[tuple[Job, ...], bool]:
         js = data["jobs"]
         if not isinstance(js, list) or not js:
             raise WorkloadError(f"{r.source}: [[jobs]] must be a list of tables with the [job] keys")
+        for i, j in enumerate(js):
+            if not isinstance(j, dict):
+                raise WorkloadError(f"{r.source}: jobs[{i}] is a {type(j).__name__}: each [[jobs]] entry is a table "
+                                    "with the [job] keys")
         return tuple(_job(r, j, f"jobs[{i}]", j.get("phase"), multi=True) for i, j in enumerate(js)), True
     return (_job(r, r.table(data, "job"), "job", data.get("phase"), multi=False),), False
 
@@ -355,6 +363,10 @@ class _Reader:
         return v
 
     def no_unknown(self, t: dict, allowed: set[str], where: str) -> None:
+        """Every key of ``t`` is in ``allowed``; ``t`` is a table (callers validate through here first)."""
+        if not isinstance(t, dict):
+            raise WorkloadError(f"{self.source}: [{where or 'top level'}] is a {type(t).__name__}, not a table: "
+                                "see bench/README.md for its keys")
         extra = sorted(set(t) - allowed)
         if extra:
             raise WorkloadError(f"{self.source}: unknown key {extra[0]!r} in [{where or 'top level'}]: "

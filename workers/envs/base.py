@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import random
+import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +37,96 @@ from typing import Any
 # The pool is the environment service's concurrency: steps beyond it queue, and the queueing
 # counts in their latency and against their timeout, as it would against a real service.
 STEP_CONCURRENCY = 16
-_POOL = ThreadPoolExecutor(max_workers=STEP_CONCURRENCY, thread_name_prefix="env-step")
+MAX_PROMPT_ID = 256   # characters of a prompt id (it names Redis keys and trajectory ids)
+# Calls a process may abandon (threads stuck in a hung tool or verifier) before it gives up: past this
+# it raises HungCalls and exits non-zero, and its agent starts a fresh process (the stuck threads die with it).
+MAX_ABANDONED = 64
+
+
+class HungCalls(RuntimeError):
+    """Too many calls of a DeadlinePool never returned; the process should exit and be restarted."""
+
+
+class DeadlinePool:
+    """Daemon threads that run calls each bounded by a deadline; a call past it is abandoned.
+
+    Not a ThreadPoolExecutor: its threads are joined when the interpreter
+    exits, so one call that never returns (a tool that hangs) would hang the
+    worker's exit, and each one would shrink the pool for good. Here a call
+    past its deadline (``abandon``) leaves its thread behind, stuck in user
+    code that cannot be interrupted: the thread is a daemon, so it never
+    holds the process up; it exits by itself if the call ever returns; and a
+    fresh thread takes its place, so the pool keeps ``size`` live threads.
+    After ``max_abandoned`` such calls ``abandon`` raises HungCalls.
+    """
+
+    def __init__(self, size: int, name: str, max_abandoned: int = MAX_ABANDONED):
+        self.size, self.name, self.max_abandoned = size, name, max_abandoned
+        self.abandoned = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._live = 0
+        self._lost: set[int] = set()   # id() of futures whose thread was abandoned
+
+    def submit(self, fn: Callable, *args) -> Future:
+        fut: Future = Future()
+        self._queue.put((fut, fn, args))
+        with self._lock:
+            while self._live < self.size:
+                self._live += 1
+                threading.Thread(target=self._work, daemon=True, name=f"{self.name}-{self._live}").start()
+        return fut
+
+    def call(self, fn: Callable, *args, timeout_s: float):
+        """``fn(*args)`` on a pool thread; CallTimeout once ``timeout_s`` has passed (the call is abandoned)."""
+        fut = self.submit(fn, *args)
+        try:
+            return fut.result(timeout=timeout_s)
+        except FutureTimeout:
+            self.abandon(fut)
+            raise CallTimeout(f"{getattr(fn, '__qualname__', fn)!s} did not return within {timeout_s:g}s") from None
+
+    def abandon(self, fut: Future) -> None:
+        """Give up on ``fut``: cancelled if it has not started, else its thread is left behind and replaced."""
+        if fut.cancel():
+            return
+        with self._lock:
+            # done() under the lock: a call that finished just now keeps its thread (see _work)
+            if fut.done():
+                return
+            self._lost.add(id(fut))
+            self._live -= 1
+            self.abandoned += 1
+            over = self.abandoned > self.max_abandoned
+        if over:
+            raise HungCalls(f"{self.abandoned} calls of the {self.name} pool never returned (over "
+                            f"{self.max_abandoned}); exiting so that a fresh process takes over")
+
+    def _work(self) -> None:
+        while True:
+            fut, fn, args = self._queue.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who decides
+                fut.set_exception(exc)
+            with self._lock:   # abandon() marks a call lost only while it is not done, under this lock
+                if id(fut) in self._lost:   # abandoned while it ran: a replacement serves the queue now
+                    self._lost.discard(id(fut))
+                    return
+
+
+class CallTimeout(TimeoutError):
+    """A call of a DeadlinePool ran past its deadline and was abandoned."""
+
+
+_POOL = DeadlinePool(STEP_CONCURRENCY, "env-step")
+
+
+def env_call(fn: Callable, *args, timeout_s: float):
+    """One call into the environment other than ``step`` (``start``), on the step pool, bounded by ``timeout_s``."""
+    return _POOL.call(fn, *args, timeout_s=timeout_s)
 
 
 @dataclass(frozen=True)
@@ -67,6 +158,8 @@ class Reply:
     (None: nothing); ``done`` ends the episode, with ``finish`` as its reason
     (and no text is inserted after the last turn).
     ``tool_call`` counts the step as a tool call in the metrics.
+    ``error`` (set by ``respond``, not by ``step``): the step raised on every
+    try; the episode ends and its group goes to the dead-letter stream.
     """
 
     text: str | None = None
@@ -75,6 +168,7 @@ class Reply:
     tool_call: bool = False
     latency_s: float = 0.0
     timed_out: bool = False
+    error: str = ""  # set by ``respond`` when ``step`` raised on every try: the episode's group is dead-lettered
 
 
 class RewardError(RuntimeError):
@@ -116,9 +210,14 @@ class Environment:
         for key in ("prompt_id", "prompt"):
             if not isinstance(record.get(key), str):
                 raise ValueError(f"missing field {key!r}" if key not in record else f"field {key!r} must be str")
-        if not record["prompt_id"]:
+        prompt_id = record["prompt_id"]
+        if not prompt_id:
             raise ValueError("empty prompt_id")
-        return Task(record["prompt_id"], record["prompt"], record.get("answer"))
+        # The id names the group's Redis marks (JobKeys.seen) and every trajectory id: no control
+        # characters, and a bound on its length.
+        if len(prompt_id) > MAX_PROMPT_ID or any(ord(c) < 32 or ord(c) == 127 for c in prompt_id):
+            raise ValueError(f"prompt_id must be at most {MAX_PROMPT_ID} characters, none a control character")
+        return Task(prompt_id, record["prompt"], record.get("answer"))
 
     def read_prompts(self, path: str | Path) -> Iterator[Task | BadLine]:
         """Each line's task, or a ``BadLine`` saying why not; blank lines are skipped."""
@@ -132,6 +231,8 @@ class Environment:
                     yield BadLine(lineno, f"bad JSON: {exc.msg}")
                 except ValueError as exc:
                     yield BadLine(lineno, str(exc))
+                except RecursionError:   # json recurses once per nesting level
+                    yield BadLine(lineno, "bad JSON: nested too deeply")
 
     def make_tasks(self, seed: int, n: int, split: str) -> list[Task]:
         """``n`` tasks of ``split`` ("train" | "eval"), for environments that generate their own."""
@@ -155,20 +256,28 @@ class Environment:
         """What a step that ran past its deadline answers."""
         return Reply(text="timeout", tool_call=True, timed_out=True)
 
-    def respond(self, calls: Sequence[tuple[Any, Task, str, str]], timeout_s: float) -> list[Reply]:
-        """``step`` for several episodes at once, concurrently, each bounded by ``timeout_s``."""
+    def respond(self, calls: Sequence[tuple[Any, Task, str, str]], timeout_s: float,
+                retries: int = 0) -> list[Reply]:
+        """``step`` for several episodes at once, concurrently, each bounded by ``timeout_s``.
+
+        A step that raises is tried again, up to ``retries`` more times within
+        the same deadline; one that raised on every try is answered with a
+        Reply whose ``error`` names the exception. A step still running at
+        the deadline is answered ``timeout_reply`` and its thread abandoned
+        (``DeadlinePool``).
+        """
         start = time.monotonic()
         pending: list[tuple[Future[Reply], list[float]]] = []
         for call in calls:
             done_at: list[float] = []
-            pending.append((_POOL.submit(_timed_step, self, call, done_at), done_at))
+            pending.append((_POOL.submit(_timed_step, self, call, done_at, retries), done_at))
         out = []
         for (fut, done_at), (state, task, _turn, _finish) in zip(pending, calls):
             remaining = max(0.0, start + timeout_s - time.monotonic())
             try:
                 reply = fut.result(timeout=remaining)
             except FutureTimeout:
-                fut.cancel()
+                _POOL.abandon(fut)
                 timed = self.timeout_reply(state, task)
                 out.append(_with_latency(timed, time.monotonic() - start))
                 continue
@@ -198,8 +307,19 @@ def write_prompt_file(path: str | Path, tasks: Iterable[Task]) -> None:
                      for t in tasks)
 
 
-def _timed_step(env: Environment, call: tuple[Any, Task, str, str], done_at: list[float]) -> Reply:
-    reply = env.step(*call)
+def _timed_step(env: Environment, call: tuple[Any, Task, str, str], done_at: list[float], retries: int) -> Reply:
+    for attempt in range(retries + 1):
+        try:
+            reply = env.step(*call)
+            break
+        # The step is user code: whatever it raises is the tool's failure, retried and then reported with
+        # its type and message (the group is dead-lettered), never turned into a reply the model trains on.
+        except Exception as exc:  # noqa: BLE001
+            if attempt == retries:
+                reply = Reply(done=True, finish="error", tool_call=True,
+                              error=f"env.step raised on {retries + 1} tries: {type(exc).__name__}: {exc}")
+                break
+            time.sleep(min(0.05 * 2 ** attempt, 1.0))
     done_at.append(time.monotonic())
     return reply
 
@@ -207,7 +327,7 @@ def _timed_step(env: Environment, call: tuple[Any, Task, str, str], done_at: lis
 def _with_latency(reply: Reply, latency_s: float) -> Reply:
     if not reply.tool_call:
         return reply
-    return Reply(reply.text, reply.done, reply.finish, reply.tool_call, latency_s, reply.timed_out)
+    return Reply(reply.text, reply.done, reply.finish, reply.tool_call, latency_s, reply.timed_out, reply.error)
 
 
 def cut_at_stop(text: str, stops: Iterable[str]) -> tuple[str, str | None]:

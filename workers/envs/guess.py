@@ -70,10 +70,13 @@ class GuessNumber(Environment):
     def parse_task(self, record) -> Task:
         task = super().parse_task(record)
         answer = task.answer
-        if not isinstance(answer, dict) or not isinstance(answer.get("secret"), int):
+        if not isinstance(answer, dict) or not _is_int(answer.get("secret")):
             raise ValueError("field 'answer' must be a map with an integer 'secret'")
-        if not 1 <= answer["secret"] <= answer.get("high", self.high):
-            raise ValueError(f"secret {answer['secret']} is outside 1..{answer.get('high', self.high)}")
+        high = answer.get("high", self.high)
+        if not _is_int(high):
+            raise ValueError(f"field 'answer': 'high' must be an integer, not {type(high).__name__}")
+        if not 1 <= answer["secret"] <= high:
+            raise ValueError(f"secret {answer['secret']} is outside 1..{high}")
         return task
 
     def make_tasks(self, seed: int, n: int, split: str) -> list[Task]:
@@ -139,3 +142,7 @@ class GuessNumber(Environment):
             game.low, game.high = (max(game.low, guess + 1), game.high) if guess < secret else \
                 (game.low, min(game.high, guess - 1))
         return turns
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)   # true/false is not a number
