@@ -51,6 +51,7 @@ from pipeline.dataplane.streams import ensure_groups
 from pipeline.redaction import is_redacted, open_private, redact, write_private
 
 STOP_GRACE_S = 20.0
+CHILD_RESTARTS = 20       # restarts of the feeder before the run gives up on it
 RATE_WINDOW_S = 30.0
 EVAL_TIMEOUT_S = 300.0
 
@@ -60,6 +61,8 @@ class Child:
     worker_id: str
     role: str
     proc: subprocess.Popen
+    module: str = ""
+    restarts: int = 0
 
 
 class RunFailed(RuntimeError):
@@ -137,12 +140,13 @@ class Orchestrator:
     # --- processes ---------------------------------------------------------------------------
 
     def spawn(self, role: str, module: str, worker_id: str) -> None:
+        self.children.append(Child(worker_id, role, self._popen(module, worker_id), module))
+
+    def _popen(self, module: str, worker_id: str) -> subprocess.Popen:
         env = dict(os.environ, **{ENV_URL: self.url, "PYTHONUNBUFFERED": "1"})   # the URL never goes on argv
-        log = open_private(self.run_dir / "logs" / f"{worker_id}.out")
-        proc = spawn([sys.executable, "-m", module, "--run-dir", str(self.run_dir), "--worker-id", worker_id],
-                     env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        self.children.append(Child(worker_id, role, proc))
+        with open_private(self.run_dir / "logs" / f"{worker_id}.out") as log:
+            return spawn([sys.executable, "-m", module, "--run-dir", str(self.run_dir), "--worker-id", worker_id],
+                         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def start_workers(self) -> None:
         """The feeder here; the stage workers through the controller and agents on this Redis, or our own."""
@@ -171,8 +175,8 @@ class Orchestrator:
         print(("\n" if self.tty else "") + line, file=self.out, flush=True)
 
     def check_children(self) -> None:
-        """Restart a dead controller or agent (the agent restarts workers); fail the run when the feeder
-        dies, or on a crash loop of the controller or the agent."""
+        """Restart a dead controller, agent or feeder (the agent restarts workers); fail the run on a crash
+        loop of the controller or the agent, or after ``CHILD_RESTARTS`` restarts of the feeder."""
         if self.control is not None:
             try:
                 self.control.check()
@@ -182,9 +186,12 @@ class Orchestrator:
             code = c.proc.poll()
             if code == 0:
                 continue  # the feeder ends by itself once training is done
-            if code is not None:
+            if code is not None and c.restarts >= CHILD_RESTARTS:
                 tail = _tail(self.run_dir / "logs" / f"{c.worker_id}.out")
-                raise RunFailed(f"{c.worker_id} exited with code {code}; last output:\n{tail}")
+                raise RunFailed(f"{c.worker_id} exited with code {code} ({c.restarts} restarts); last output:\n{tail}")
+            if code is not None:   # the feeder's cursor and counters are in Redis: a new one goes on from there
+                self.say(f"{c.worker_id} exited with code {code}; restarting it")
+                c.proc, c.restarts = self._popen(c.module, c.worker_id), c.restarts + 1
 
     def stop_children(self) -> None:
         if self.control is not None:
