@@ -37,6 +37,7 @@ COMMAND_MODULES: list[str] = [
     "pipeline.control.agent",       # agent
     "pipeline.control.commands",    # scale, drain, events
     "pipeline.sim.job",             # sim-job
+    "pipeline.verify_resume",       # verify-resume
 ]
 
 
