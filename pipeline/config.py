@@ -126,7 +126,7 @@ class LearnerConfig:
 class StreamsConfig:
     max_queue_size: int = _f(256, "trajectories waiting downstream before the feeder and rollout pause")
     max_message_bytes: int = _f(8 << 20, "larger messages are dead-lettered")
-    block_ms: int = _f(500, "how long a consumer blocks on an empty stream")
+    block_ms: int = _f(500, "how long a consumer blocks on an empty stream (at most 10000: the socket timeout is 15 s)")
     rollout_min_idle_s: float = _f(300.0, "a prompt pending this long is reclaimed by another rollout worker; "
                                    "must exceed the slowest engine call")
     reward_min_idle_s: float = _f(60.0, "a group pending this long is reclaimed by another reward worker")
@@ -141,6 +141,7 @@ class RedisConfig:
     url: str = _f("", "redis://, rediss:// or unix:// URL; empty: $LIBRA_REDIS_URL, else an embedded server")
     maxmemory: str = _f("2gb", "memory limit of the embedded server (noeviction: writes wait when full)")
     appendfsync: str = _f("everysec", "AOF fsync of the embedded server: everysec loses up to 1 s, always none")
+    outage_s: float = _f(60.0, "how long every process waits for an unreachable Redis (backing off) before it fails")
 
 
 @dataclass(frozen=True)
@@ -326,6 +327,9 @@ def validate(cfg: Config) -> None:
     need(st.max_deliveries >= 1, "streams.max_deliveries", "must be >= 1")
     need(min(st.rollout_min_idle_s, st.reward_min_idle_s) > 0, "streams.*_min_idle_s", "must be > 0")
     need(cfg.redis.appendfsync in ("always", "everysec", "no"), "redis.appendfsync", "use always, everysec or no")
+    need(cfg.redis.outage_s > 0, "redis.outage_s", "must be > 0, e.g. 60")
+    need(0 <= st.block_ms <= 10_000, "streams.block_ms",
+         f"{st.block_ms}: use 0..10000 (a longer block would outlast the client's socket timeout)")
     url = cfg.redis.url
     need(not url or url.startswith(("redis://", "rediss://", "unix://")), "redis.url",
          f"{url!r} is not a redis://, rediss:// or unix:// URL")

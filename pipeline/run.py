@@ -6,6 +6,14 @@ the feeder and the stage workers as child processes, shows a live progress
 line, evaluates the policy on held-out prompts at the start and the end, and
 writes ``summary.json``. Ctrl-C stops the children, then Redis, in order.
 
+A SIGKILL of this process (which cannot stop anything in order) leaves
+nothing behind: every child dies with it within a second or two
+(``dataplane.lifeline``), the stage workers too (they watch this process,
+which names itself in ``$LIBRA_OWNER``), and the embedded Redis keeps its
+AOF; ``libra-ctl resume`` takes the run up from there. Inside the run, a
+controller or agent that dies is restarted (``control.local``), and the
+supervision loop waits out an unreachable Redis up to ``redis.outage_s``.
+
 The stage workers come from the controller and the node agents on the job's
 Redis: a controller holding the lease and live agents already there (a
 Procfile's, a cluster's) are joined; only a missing one is started here, as
@@ -35,7 +43,9 @@ from pipeline.control.local import start_local_control
 from pipeline.dataplane.keys import CONTROLLER_LEASE, JOBS, JobKeys
 from pipeline.observe.metrics import start_sampler
 from pipeline.observe.report import write_report
-from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect, resolve_url
+from pipeline.dataplane.lifeline import own_runs, spawn
+from pipeline.dataplane.redisconn import (ENV_OUTAGE, ENV_URL, UNAVAILABLE, EmbeddedRedis, Outage, RedisUnavailable,
+                                         connect, resolve_url)
 from pipeline.dataplane.jobs import JobRunning, live_owner, reset_job
 from pipeline.dataplane.streams import ensure_groups
 
@@ -121,15 +131,15 @@ class Orchestrator:
         self.rate_samples: collections.deque = collections.deque()
         self.t0 = time.monotonic()
         self.tty = out.isatty()
+        self.outage = Outage(_Say(out))
 
     # --- processes ---------------------------------------------------------------------------
 
     def spawn(self, role: str, module: str, worker_id: str) -> None:
         env = dict(os.environ, **{ENV_URL: self.url, "PYTHONUNBUFFERED": "1"})
         log = open(self.run_dir / "logs" / f"{worker_id}.out", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", module, "--run-dir", str(self.run_dir),
-                                 "--worker-id", worker_id], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = spawn([sys.executable, "-m", module, "--run-dir", str(self.run_dir), "--worker-id", worker_id],
+                     env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self.children.append(Child(worker_id, role, proc))
 
@@ -139,7 +149,7 @@ class Orchestrator:
         controller, agents = self.find_control()
         if not (controller and agents):
             self.control = start_local_control(self.cfg, self.run_dir, self.url, controller=not controller,
-                                               agent=not agents)
+                                               agent=not agents, say=self.say)
         joined = (["the controller"] if controller else []) + ([f"agents {', '.join(sorted(agents))}"] if agents else [])
         said = ["joined " + " and ".join(joined) + " on this Redis"] if joined else []
         if self.control:
@@ -156,8 +166,12 @@ class Orchestrator:
                 return controller, agents
             time.sleep(0.2)
 
+    def say(self, line: str) -> None:
+        print(("\n" if self.tty else "") + line, file=self.out, flush=True)
+
     def check_children(self) -> None:
-        """Fail the run when the feeder, the controller or the agent dies (the agent restarts workers)."""
+        """Restart a dead controller or agent (the agent restarts workers); fail the run when the feeder
+        dies, or on a crash loop of the controller or the agent."""
         if self.control is not None:
             try:
                 self.control.check()
@@ -200,10 +214,10 @@ class Orchestrator:
     def wait_eval(self, tag: str, timeout_s: float = EVAL_TIMEOUT_S) -> dict:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            res = self.eval_result(tag)
+            self.check_children()
+            res = self.redis_call(self.eval_result, tag)
             if res is not None:
                 return res
-            self.check_children()
             time.sleep(0.2)
         raise RunFailed(f"no {tag} evaluation within {timeout_s:.0f}s")
 
@@ -241,15 +255,30 @@ class Orchestrator:
         last_plain = 0.0
         while True:
             self.check_children()
-            phase = self.r.hget(self.keys.state, "phase")
+            phase = self.redis_call(self.r.hget, self.keys.state, "phase")
             if phase == b"trained":
-                self.show(self.progress_line(), final=True)
+                self.show(self.redis_call(self.progress_line), final=True)
                 return
             now = time.monotonic()
             if self.tty or now - last_plain >= 10:
-                self.show(self.progress_line())
+                line = self.redis_call(self.progress_line)
+                if line is not None:
+                    self.show(line)
                 last_plain = now
             time.sleep(self.cfg.run.progress_s)
+
+    def redis_call(self, fn, *args):
+        """``fn(*args)``; None while Redis is unreachable (logged once), RunFailed past ``redis.outage_s``."""
+        try:
+            out = fn(*args)
+        except UNAVAILABLE as exc:
+            try:
+                self.outage.wait(exc)
+            except RedisUnavailable as gone:
+                raise RunFailed(str(gone)) from None
+            return None
+        self.outage.ok()
+        return out
 
     # --- the run ---------------------------------------------------------------------------------
 
@@ -287,7 +316,20 @@ class Orchestrator:
             "policy_version": end["version"], "steps": s.get("step", 0),
             "dropped_stale": c.get("dropped_stale", 0), "dead_lettered": c.get("dead_lettered", 0),
             "wall_s": round(wall, 1), "trajectories_per_s": round(c.get("trained", 0) / max(wall, 1e-6), 2),
+            "restarts": self.control.restarts if self.control else {},
         }
+
+
+class _Say:
+    """The run's terminal as the log of its ``Outage``."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def warning(self, event: str, **fields) -> None:
+        print(f"\n{event}: {fields}", file=self.out, flush=True)
+
+    info = warning
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -323,6 +365,8 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
     # honcho and systemd stop us with SIGTERM: take it as Ctrl-C, so the controller, the agent,
     # the workers and the embedded Redis are stopped in order instead of being orphaned.
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    own_runs()   # every process started below this one ends with it, also after a SIGKILL of ours
+    os.environ[ENV_OUTAGE] = str(cfg.redis.outage_s)   # for the controller and the agent
     try:
         bad_lines = check_prompt_files(cfg, out)
         run_dir = resume_dir or manifest_mod.new_run_dir(cfg)

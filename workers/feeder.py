@@ -15,6 +15,7 @@ import random
 import time
 
 from pipeline.dataplane import messages
+from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
 from pipeline.dataplane.streams import ensure_groups, execute_with_backpressure
 from pipeline.dataplane.worker import WorkerContext, finish_worker, start_worker
 from workers.envs import env_from_config
@@ -65,20 +66,29 @@ def run(ctx: WorkerContext) -> None:
         raise SystemExit(f"feeder: no usable prompt in {cfg.job.train_prompts}")
     group = cfg.rollout.group_size
     limit = admission_limit(cfg)
-    ensure_groups(ctx.r, ctx.keys)
-    ctx.publish_state("running")
-    while not ctx.stopping() and job_phase(ctx) == "running":
-        if in_flight(ctx) + group > limit:
-            ctx.state = "waiting"
-            time.sleep(0.1)
+    outage = Outage(ctx.log, stop=ctx.stopping)
+    outage.call(ensure_groups, ctx.r, ctx.keys)
+    outage.call(ctx.publish_state, "running")
+    while not ctx.stopping():
+        try:
+            if job_phase(ctx) != "running":
+                break
+            if in_flight(ctx) + group > limit:
+                ctx.state = "waiting"
+                time.sleep(0.1)
+                continue
+            outage.ok()
+        except UNAVAILABLE as exc:
+            outage.wait(exc)
             continue
         ctx.state = "running"
-        issue_one(ctx, problems, group)
+        issue_one(ctx, problems, group, outage)
 
 
-def issue_one(ctx: WorkerContext, problems: list[Task], group: int) -> None:
-    """Issue the prompt under the cursor; cursor and stream entry move together."""
-    cursor = int(ctx.r.hget(ctx.keys.feeder, "cursor") or 0)
+def issue_one(ctx: WorkerContext, problems: list[Task], group: int, outage: Outage | None = None) -> None:
+    """Issue the prompt under the cursor; cursor and stream entry move together, once
+    (``execute_with_backpressure`` also waits out an unreachable Redis)."""
+    cursor = int((outage or Outage(ctx.log)).call(ctx.r.hget, ctx.keys.feeder, "cursor") or 0)
     epoch, idx = divmod(cursor, len(problems))
     # A fresh, seeded order per epoch: reproducible from the manifest's seed.
     order = random.Random(ctx.cfg.job.seed * 1_000_003 + epoch).sample(range(len(problems)), len(problems))

@@ -40,6 +40,7 @@ import torch
 from pipeline.dataplane import messages
 from pipeline.observe.diversity import diversity_metrics
 from pipeline.dataplane.keys import GROUP_LEARNER
+from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
 from pipeline.observe.measures import tool_stats
 from pipeline.observe.trace import span
 from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
@@ -174,7 +175,7 @@ class Learner:
         while batch.trajectories < need and not self.ctx.stopping():
             t0 = time.monotonic()
             want = max(1, (need - batch.trajectories) // gs)
-            entries = self.read_entries(want, streams.block_ms, held)
+            entries = self.read_waiting(want, streams.block_ms, held)
             held.update(entry_id for entry_id, _p in entries)
             batch.wait_s += time.monotonic() - t0
             good, bad = decode_entries(entries, streams.max_message_bytes)
@@ -206,6 +207,19 @@ class Learner:
         ids = _ids(group)
         in_batch = {tid for g in batch.groups for tid in _ids(g)}
         return any(tid in self.trained_ids or tid in in_batch for tid in ids)
+
+    def read_waiting(self, count: int, block_ms: int, held: set[bytes]) -> list:
+        """``read_entries``, waiting out an unreachable Redis (``redis.outage_s``); after an outage the
+        pending list is looked over again, since a read whose reply was lost delivered its entries to us."""
+        outage = Outage(self.ctx.log, stop=self.ctx.stopping)
+        while True:
+            try:
+                entries = self.read_entries(count, block_ms, held)
+                outage.ok()
+                return entries
+            except UNAVAILABLE as exc:
+                outage.wait(exc)
+                self.replay_from = "-"
 
     def read_entries(self, count: int, block_ms: int, held: set[bytes]) -> list:
         """Entries pending at us that we do not hold (``held``) while there are any, then new ones.

@@ -26,6 +26,13 @@ process start time), and a signal goes only to a process whose start time
 still matches, so a reused pid is never mistaken for ours. A restarted agent
 adopts the live workers its predecessor recorded instead of starting second
 copies. SIGTERM or SIGINT to the agent drains all its workers, then it exits.
+
+Its workers do not die with it (no PDEATHSIG): an agent restarted by
+``libra-ctl run`` or by systemd adopts them. They die with the run that
+owns them (``lifeline.watch_owner``), and the agent of a local run dies
+with its run (``lifeline.watch_parent``). While Redis is unreachable the
+agent keeps its workers and waits, up to ``$LIBRA_REDIS_OUTAGE_S``; then it
+exits non-zero (its supervisor restarts it; the workers are adopted).
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ import structlog
 from pipeline.control import actions
 from pipeline.control.actions import STATE_DRAIN, STATE_GONE, STATE_RUN
 from pipeline.dataplane.keys import AGENTS, ROLES, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
-from pipeline.dataplane.redisconn import ENV_URL, connect
+from pipeline.dataplane.lifeline import process_start, watch_parent
+from pipeline.dataplane.redisconn import ENV_URL, UNAVAILABLE, Outage, connect
 
 TICK_S = 0.2
 HEARTBEAT_S = 1.0
@@ -106,19 +114,6 @@ def nvml_gpu_count() -> int:
             pynvml.nvmlShutdown()
     except pynvml.NVMLError:
         return 0
-
-
-def process_start(pid: int) -> int | None:
-    """A live process's start time (clock ticks since boot, /proc/PID/stat field 22); None if gone or a zombie."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # the command name (field 2) may hold spaces and parentheses: split after its last ')'
-    rest = raw[raw.rindex(")") + 2:].split()
-    if rest[0] in ("Z", "X"):
-        return None
-    return int(rest[19])
 
 
 def worker_argv(backend: str, role: str, run_dir: str, worker: str) -> list[str]:
@@ -270,8 +265,12 @@ class Agent:
 
     # --- life ------------------------------------------------------------------------------------
 
-    def start(self) -> "Agent":
-        if not self.lock.acquire():
+    def start(self, lock_wait_s: float = LOCK_TTL_S + 2) -> "Agent":
+        # a predecessor killed without releasing the lock holds it until its TTL runs out: wait that long
+        deadline = time.monotonic() + lock_wait_s
+        while not self.lock.acquire() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if not self.lock.held:
             raise SystemExit(f"agent: another agent holds node name {self.node!r} "
                              f"({(self.r.get(agent_lock(self.node)) or b'').decode()}); pick another --node")
         self.adopt()
@@ -281,13 +280,17 @@ class Agent:
         return self
 
     def run(self) -> None:
+        # Redis away or stalled: the workers go on, and so does the agent, until the outage limit
+        outage = Outage(self.log, stop=self.stop_event.is_set)
         while not self.stop_event.is_set():
             try:
                 self.step()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                # Redis away or stalled: the workers go on; so does the agent, on the next tick
-                self.log.warning("redis_unavailable", error=str(exc))
-                self.stop_event.wait(1.0)
+                outage.ok()
+            except UNAVAILABLE as exc:
+                if self.stop_event.is_set():
+                    break
+                outage.wait(exc)   # RedisUnavailable past the limit: we exit, our workers stay (adopted)
+                continue
             self.stop_event.wait(TICK_S)
         self.shutdown()
 
@@ -552,6 +555,7 @@ def run_agent(url: str, node: str, slots: list[Slot], grace_s: float) -> int:
 
     structlog.contextvars.bind_contextvars(role="agent", node=node)
     log = logs.configure(None, f"agent-{node}")
+    watch_parent()   # under libra-ctl run: end (draining, as on SIGTERM) when the run is gone
     agent = Agent(connect(url), url, node, slots, grace_s=grace_s, log=log).start()
 
     def on_signal(signum, _frame):

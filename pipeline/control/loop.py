@@ -53,6 +53,7 @@ from pipeline.control.placement import agents_share, external_floor, fit, place
 from pipeline.dataplane.keys import (CONTROLLER_EPOCH, CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, LEARNER, JobKeys,
                                      agent_desired)
 from pipeline.dataplane.keys import ROLES
+from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
 
 RESEND_S = 15.0          # an action not reflected in the agent's desired state after this is sent again
 
@@ -79,15 +80,19 @@ class Controller:
         self.stop_event = threading.Event()
 
     def run(self) -> None:
+        # Redis away or stalled: nothing is decided (the lease may lapse to another controller), until the
+        # outage limit ($LIBRA_REDIS_OUTAGE_S); then RedisUnavailable ends the process, non-zero
+        outage = Outage(self.log, stop=self.stop_event.is_set)
         try:
             while not self.stop_event.is_set():
                 try:
                     self.tick()
                     self.wait()
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    # Redis away or stalled: nothing is decided; the lease may lapse to another controller
-                    self.log.warning("redis_unavailable", error=str(exc))
-                    self.stop_event.wait(1.0)
+                    outage.ok()
+                except UNAVAILABLE as exc:
+                    if self.stop_event.is_set():
+                        break
+                    outage.wait(exc)
         finally:
             try:
                 self.lease.release()

@@ -179,3 +179,14 @@ def agent_log(node: str) -> str:  # stream capped by length: every process the a
 def job_pattern(job_glob: str) -> str:
     """SCAN MATCH pattern of every key of the jobs whose names match ``job_glob`` (e.g. ``bench-streams-*``)."""
     return JobKeys(job_glob).pattern
+
+
+def txn_mark(key: str, token: str) -> str:
+    """String, SET with a TTL inside a transaction: that transaction has run (``streams.execute_once``).
+
+    It takes the hash tag of ``key`` (a key the transaction writes), so that a
+    Redis Cluster keeps the mark on the shard of the transaction's keys.
+    """
+    start, end = key.find("{"), key.find("}")
+    tag = key[start:end + 1] if 0 <= start < end else "{txn}"
+    return f"{PREFIX}:{tag}:txn:{token}"

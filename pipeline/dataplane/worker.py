@@ -34,7 +34,8 @@ import structlog
 
 from pipeline import config as config_mod, logs
 from pipeline.dataplane.keys import LEARNER, JobKeys
-from pipeline.dataplane.redisconn import ENV_URL, connect
+from pipeline.dataplane.lifeline import watch_owner, watch_parent
+from pipeline.dataplane.redisconn import ENV_OUTAGE, ENV_URL, UNAVAILABLE, Outage, connect
 
 HEARTBEAT_S = 2.0
 STALE_S = 10.0           # a record without a heartbeat for this long belongs to a gone (or stuck) process
@@ -174,6 +175,8 @@ def start_worker(role: str) -> WorkerContext:
     if not url:
         raise SystemExit(f"{role}: {ENV_URL} is not set; workers are started by libra-ctl run, a node agent "
                          f"or libra-ctl worker {role} --job JOB")
+    # every Outage of this process (streams, stage loops) waits as long as the job's config says
+    os.environ[ENV_OUTAGE] = str(cfg.redis.outage_s)
     structlog.contextvars.bind_contextvars(job=cfg.job.name, role=role, worker=args.worker_id,
                                            policy_version=0)
     log = logs.configure(args.run_dir / "logs", args.worker_id, console=False)
@@ -187,7 +190,11 @@ def start_worker(role: str) -> WorkerContext:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    register(ctx)
+    # stop (as on SIGTERM) when the run we belong to is gone (an agent's worker outlives its agent, to be
+    # adopted by the next one), or the process that started us (the feeder, under libra-ctl run)
+    watch_owner()
+    watch_parent()
+    Outage(log).call(register, ctx)
     threading.Thread(target=_heartbeat, args=(ctx,), daemon=True, name="heartbeat").start()
     log.info("worker_started", pid=os.getpid())
     return ctx
@@ -394,5 +401,9 @@ class CostMeter:
         self.publish()
 
     def publish(self) -> None:
+        """Write the record; skipped while Redis is unreachable (the record is cumulative: the next one covers it)."""
         self.rec["at"] = time.time()
-        self.r.hset(self.keys.worker_costs, self.worker, json.dumps(self.rec))
+        try:
+            self.r.hset(self.keys.worker_costs, self.worker, json.dumps(self.rec))
+        except UNAVAILABLE:
+            pass

@@ -51,7 +51,9 @@ import numpy as np
 
 from pipeline.dataplane import messages
 from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT, ROLES
-from pipeline.dataplane.streams import dead_letter, decode_entries, ensure_groups, read, run_stage
+from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
+from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
+                                        run_stage)
 from pipeline.dataplane.worker import CostMeter, claim_policy, dedup_for, finish_worker, room_downstream, start_worker
 from pipeline.sim.workload import Workload, load_workload
 
@@ -257,6 +259,7 @@ class SimLearner:
         self.cfg = ctx.cfg.learner
         self.ckpt_dir = ctx.run_dir / "checkpoints"
         self.replay_cursor: str | bytes | None = "0"   # our own pending entries first (after a restart)
+        self.outage = Outage(ctx.log, stop=ctx.stopping)
         self.restore()
 
     def restore(self) -> None:
@@ -276,6 +279,22 @@ class SimLearner:
         self.ctx.set_version(self.version)
 
     def read_entries(self, count: int) -> list:
+        """Our own pending entries first, then new ones; waits out an unreachable Redis.
+
+        After an outage the pending list is read again from the start: a read
+        whose reply was lost has delivered its entries to us all the same.
+        ``collect`` skips the ones already in its batch.
+        """
+        while True:
+            try:
+                entries = self._read_entries(count)
+                self.outage.ok()
+                return entries
+            except UNAVAILABLE as exc:
+                self.outage.wait(exc)
+                self.replay_cursor = "0"
+
+    def _read_entries(self, count: int) -> list:
         k = self.ctx.keys
         if self.replay_cursor is not None:
             reply = self.ctx.r.xreadgroup(GROUP_LEARNER, self.ctx.worker_id, {k.scored: self.replay_cursor},
@@ -297,8 +316,10 @@ class SimLearner:
             good, bad = decode_entries(entries, self.ctx.cfg.streams.max_message_bytes)
             if bad:
                 self.dead_letter(bad)
-            good = [(i, g) for i, g in good if self.admissible(i, g)]
-            trained = self.ctx.r.smismember(self.ctx.keys.sim_trained, [g.prompt_id for _i, g in good]) if good else []
+            in_batch = set(batch.entry_ids)
+            good = [(i, g) for i, g in good if i not in in_batch and self.admissible(i, g)]
+            trained = self.outage.call(self.ctx.r.smismember, self.ctx.keys.sim_trained,
+                                       [g.prompt_id for _i, g in good]) if good else []
             taken = {g.prompt_id for g in batch.groups}
             for (entry_id, g), before in zip(good, trained):
                 batch.entry_ids.append(entry_id)
@@ -319,11 +340,15 @@ class SimLearner:
 
     def dead_letter(self, bad) -> None:
         k = self.ctx.keys
-        pipe = self.ctx.r.pipeline(transaction=True)
-        for entry_id, payload, reason in bad:
-            dead_letter(pipe, k, k.scored, entry_id, reason, payload)
-            pipe.xack(k.scored, GROUP_LEARNER, entry_id)
-        pipe.execute()
+
+        def build():
+            pipe = self.ctx.r.pipeline(transaction=True)
+            for entry_id, payload, reason in bad:
+                dead_letter(pipe, k, k.scored, entry_id, reason, payload)
+                pipe.xack(k.scored, GROUP_LEARNER, entry_id)
+            return pipe
+
+        execute_with_backpressure(build, self.ctx.log, self.ctx.stopping)
 
     def train_step(self, batch: _Batch) -> dict:
         tokens = sum(float(g.extra.get("sim_tokens", 0.0)) for g in batch.groups)
@@ -358,21 +383,26 @@ class SimLearner:
         """The step's record, then acks, counters, step and version in one transaction."""
         k, r = self.ctx.keys, self.ctx.r
         self.write_record(batch, m)
-        pipe = r.pipeline(transaction=True)
-        if batch.entry_ids:
-            pipe.xack(k.scored, GROUP_LEARNER, *batch.entry_ids)
-        if batch.groups:
-            pipe.sadd(k.sim_trained, *[g.prompt_id for g in batch.groups])
-        pipe.hincrby(k.counters, "trained", m["trajectories"])
-        pipe.hincrby(k.counters, "dropped_stale", m["dropped_stale"])
-        if batch.duplicates:
-            pipe.hincrby(k.counters, "duplicates_dropped_learner", batch.duplicates)
-        pipe.hset(k.sim_learner, mapping={"step": m["step"], "version": m["policy_version"]})
-        pipe.hset(k.policy, mapping={"version": m["policy_version"], "step": m["step"],
-                                     "published_at": time.time()})
-        pipe.hset(k.learner_stats, mapping={a: json.dumps(b) for a, b in m.items()})
-        pipe.xadd(k.metrics, {"kind": "learner_step", "data": json.dumps(m)}, maxlen=100_000, approximate=True)
-        pipe.execute()
+
+        def build():
+            pipe = r.pipeline(transaction=True)
+            if batch.entry_ids:
+                pipe.xack(k.scored, GROUP_LEARNER, *batch.entry_ids)
+            if batch.groups:
+                pipe.sadd(k.sim_trained, *[g.prompt_id for g in batch.groups])
+            pipe.hincrby(k.counters, "trained", m["trajectories"])
+            pipe.hincrby(k.counters, "dropped_stale", m["dropped_stale"])
+            if batch.duplicates:
+                pipe.hincrby(k.counters, "duplicates_dropped_learner", batch.duplicates)
+            pipe.hset(k.sim_learner, mapping={"step": m["step"], "version": m["policy_version"]})
+            pipe.hset(k.policy, mapping={"version": m["policy_version"], "step": m["step"],
+                                         "published_at": time.time()})
+            pipe.hset(k.learner_stats, mapping={a: json.dumps(b) for a, b in m.items()})
+            pipe.xadd(k.metrics, {"kind": "learner_step", "data": json.dumps(m)}, maxlen=100_000, approximate=True)
+            return pipe
+
+        # once, even when the EXEC reply is lost (a retry would count the step twice); waits out an outage
+        execute_with_backpressure(build, self.ctx.log, self.ctx.stopping)
         self.step, self.version = m["step"], m["policy_version"]
         self.ctx.set_version(self.version)
         with open(self.ctx.run_dir / "metrics.jsonl", "a") as f:
@@ -392,7 +422,7 @@ class SimLearner:
             self.commit(batch, self.train_step(batch))
             self.ctx.log.info("trained", step=self.step, gpus=self.gpus, dropped=len(_ids(batch.dropped)))
         if self.step >= steps:
-            self.ctx.r.hset(self.ctx.keys.state, "phase", "trained")
+            self.outage.call(self.ctx.r.hset, self.ctx.keys.state, "phase", "trained")
             self.ctx.log.info("training_done", step=self.step, version=self.version)
 
 

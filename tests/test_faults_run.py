@@ -1,0 +1,162 @@
+"""Processes that outlive their run (issue 13, item 6).
+
+A ``libra-ctl run`` killed with SIGKILL leaves no process behind, and its
+embedded Redis is a single server per run directory, so ``libra-ctl resume``
+finishes the job; a controller or agent that dies inside a run is restarted
+and the run finishes with its audit ok. The run tests use the tiny policy
+with a handful of steps (slow); the embedded-Redis tests are fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pipeline.dataplane.redisconn import EmbeddedRedis, connect
+from pipeline.observe.audit import audit
+from tests.test_dataplane import wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = ["job.eval_size=16", "job.eval_every=0", "learner.batch_size=32",
+            "learner.checkpoint_every=1", "rollout.groups_per_call=4", "streams.max_queue_size=96"]
+
+
+def _gone(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` that still run (a zombie has ended: only its parent has not reaped it yet)."""
+    alive = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _owner_script(data_dir: Path) -> str:
+    return textwrap.dedent(f"""
+        import time
+        from pipeline.dataplane.redisconn import EmbeddedRedis, connect
+        e = EmbeddedRedis({str(data_dir)!r}, appendfsync="always").start()
+        connect(e.url).set("kept", "yes")
+        print(e.url, flush=True)
+        time.sleep(600)
+    """)
+
+
+def test_the_embedded_redis_of_a_directory_is_single_and_dies_with_its_owner(tmp_path):
+    data = tmp_path / "redis"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    owner = subprocess.Popen([sys.executable, "-c", _owner_script(data)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        url = owner.stdout.readline().strip()
+        server_pid = int((data / "redis.lock").read_text())
+        server = psutil.Process(server_pid)
+        with pytest.raises(RuntimeError, match=f"pid {server_pid}"):
+            EmbeddedRedis(data).start(timeout_s=1.0)   # a second server on the same AOF: refused
+        assert connect(url).get("kept") == b"yes"      # and the first one untouched
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        wait_for(lambda: not _gone([server]), 30, "the embedded redis-server to end with its owner")
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+    with EmbeddedRedis(data) as again:   # the dead server's lock and socket are no obstacle
+        assert connect(again.url).get("kept") == b"yes"
+
+
+def _start_run(tmp_path: Path, job: str, steps: int) -> tuple[subprocess.Popen, Path, dict]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LIBRA_REDIS_URL",)}
+    env["PYTHONPATH"] = str(ROOT)
+    runs = tmp_path / "runs"
+    cache = Path(os.environ.get("LIBRA_TEST_POLICY_CACHE", str(ROOT / ".cache" / "policies")))
+    args = [sys.executable, "-m", "pipeline.cli", "run", "examples/quickstart.toml",
+            "--set", f"run.runs_dir={json.dumps(str(runs))}", "--set", f"policy.cache_dir={json.dumps(str(cache))}",
+            "--set", f"job.name={job}", "--set", f"job.steps={steps}", *sum((["--set", s] for s in SETTINGS), [])]
+    log = open(tmp_path / f"{job}.out", "a")
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    run_dir = wait_for(lambda: next(iter(runs.glob("*/redis.url")), None), 600, "the run's Redis").parent
+    return proc, run_dir, env
+
+
+def _trained(run_dir: Path, job: str) -> int:
+    try:
+        r = connect((run_dir / "redis.url").read_text().strip(), socket_timeout=5)
+        return int(r.hget(f"libra:{{{job}}}:counters", "trained") or 0)
+    except Exception:   # noqa: BLE001 - not up yet, or going away
+        return 0
+
+
+def _audit(run_dir: Path, job: str) -> dict:
+    with EmbeddedRedis(run_dir / "redis") as server:
+        return audit(connect(server.url), job, str(run_dir))
+
+
+def _by_name(procs: list[psutil.Process], word: str) -> list[psutil.Process]:
+    return [p for p in procs if word in " ".join(p.cmdline())]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_kill_9_of_a_run_leaves_nothing_behind_and_resume_finishes(tmp_path):
+    job, steps = "kill9", 6
+    proc, run_dir, env = _start_run(tmp_path, job, steps)
+    try:
+        wait_for(lambda: _trained(run_dir, job) > 0, 900, "a first learner step")
+        family = psutil.Process(proc.pid).children(recursive=True)
+        names = " ".join(" ".join(p.cmdline()) for p in family)
+        assert all(w in names for w in ("redis-server", "controller", "agent", "workers.feeder",
+                                        "workers.rollout", "workers.reward", "workers.learner")), names
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        wait_for(lambda: not _gone(family), 60, "every process of the killed run to end")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in _gone(psutil.Process().children(recursive=True)):
+            p.kill()
+    resumed = subprocess.run([sys.executable, "-m", "pipeline.cli", "resume", str(run_dir)], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    a = _audit(run_dir, job)
+    assert a["ok"], a["problems"]
+    assert a["duplicates_trained"] == 0 and a["trained"] >= steps * 32
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_killed_controller_and_agent_are_restarted_and_the_run_finishes(tmp_path):
+    job, steps = "restart", 16   # enough steps left for the restarts to happen before the end
+    proc, run_dir, _env = _start_run(tmp_path, job, steps)
+    try:
+        wait_for(lambda: _trained(run_dir, job) > 0, 900, "a first learner step")
+        family = psutil.Process(proc.pid).children(recursive=True)
+        workers = _by_name(family, "--worker-id")
+        for word in ("pipeline.cli controller", "pipeline.cli agent"):
+            (p,) = _by_name(family, word)
+            p.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=900) == 0, (tmp_path / f"{job}.out").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = (tmp_path / f"{job}.out").read_text()
+    assert "controller restarted" in out and "agent restarted" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restarts"]["controller"] >= 1 and summary["restarts"]["agent"] >= 1
+    assert workers and not _gone(workers)   # the old agent's workers were adopted, then stopped with the run
+    assert "adopted" in (run_dir / "logs" / "agent.out").read_text()
+    a = _audit(run_dir, job)
+    assert a["ok"], a["problems"]
+    assert a["duplicates_trained"] == 0 and a["trained"] >= steps * 32
