@@ -109,8 +109,9 @@ def check_steps(s: Split) -> Check:
         problems.append(f"the kill came at step {k}, on checkpoint {c}: nothing was replayed")
     if problems:
         return Check("steps", False, "; ".join(problems), figures)
+    replayed = f"step {k}" if k == c + 1 else f"steps {c + 1}-{k}"
     return Check("steps", True, f"1-{k} before the kill, {c + 1}-{n} after the resume from checkpoint {c}: "
-                 f"steps {c + 1}-{k} replayed once, none repeated beyond them, none skipped", figures)
+                 f"{replayed} replayed once, none repeated beyond them, none skipped", figures)
 
 
 def check_versions(s: Split, checkpoint_version: int) -> Check:
