@@ -166,7 +166,7 @@ def step_level(final: dict[int, dict], steps: list[int], key: str) -> Level | No
         std = float(r["reward_std"]) if key == "reward_mean" else math.sqrt(_smoothed(v, n) * (1 - _smoothed(v, n)))
         var.append(std * std / n)
     se = math.sqrt(sum(var)) / len(rows)
-    return Level(sum(vals) / len(vals), se, f"steps {steps[0]}-{steps[-1]}")
+    return Level(sum(vals) / len(vals), se, _steps_text(steps))
 
 
 def eval_level(ev: dict) -> Level:
@@ -221,6 +221,8 @@ def _smoothed(p: float, n: int) -> float:
 def _steps_text(steps: list[int]) -> str:
     if not steps:
         return "no step"
+    if len(steps) == 1:
+        return f"step {steps[0]}"
     if steps == list(range(steps[0], steps[-1] + 1)):
         return f"steps {steps[0]}-{steps[-1]}"
     return "steps " + ",".join(map(str, steps))
