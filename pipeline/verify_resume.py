@@ -279,8 +279,8 @@ def verify_resume(config: str, overrides: list[str], *, hard: bool = False, at_s
         return 2
     how = "SIGKILL of the whole run" if hard else "SIGKILL of the learner"
     print(f"verify-resume: running {config}; {how} once step {target} is trained", file=err, flush=True)
-    run = Child(["run", config, *sum((["--set", s] for s in overrides), [])], err)
-    run_dir, kill = None, None
+    children = [Child(["run", config, *sum((["--set", s] for s in overrides), [])], err)]
+    run, run_dir, kill = children[0], None, None
     try:
         run_dir = find_run_dir(run, cfg, timeout_s)
         wait_for_kill_point(run, run_dir, target, timeout_s)
@@ -288,18 +288,33 @@ def verify_resume(config: str, overrides: list[str], *, hard: bool = False, at_s
         print(f"verify-resume: killed {kill.killed} process(es) after step "
               f"{max(r['step'] for r in rc.learner_steps(run_dir))}; checkpoint {kill.checkpoint_step} "
               f"to restore", file=err, flush=True)
-        finished = finish(run, run_dir, hard, timeout_s, err)
+        finished = finish(children, run_dir, hard, timeout_s, err)
         checks, split, evals = judge(cfg, run_dir, kill, finished)
     except VerifyError as exc:
-        if run.proc.poll() is None:
-            kill_tree(run.proc.pid)
-            run.proc.wait()
+        _end(children, signal.SIGKILL)
         checks, split, evals = [rc.Check("run", False, str(exc))], None, []
+    except KeyboardInterrupt:
+        # the children run in their own sessions: Ctrl-C reaches only us. SIGTERM stops a run in order.
+        _end(children, signal.SIGTERM)
+        print(f"\nverify-resume: interrupted; the run was stopped{f' ({run_dir})' if run_dir else ''}", file=err)
+        return 130
     return report(cfg, config, overrides, run_dir, kill, checks, split, evals, json_out, out)
 
 
-def finish(run: Child, run_dir: Path, hard: bool, timeout_s: float, err) -> rc.Check:
+def _end(children: list[Child], sig: int) -> None:
+    """Stop the children still running: SIGTERM lets a run stop its workers; SIGKILL takes the whole tree."""
+    for c in children:
+        if c.proc.poll() is None:
+            if sig == signal.SIGKILL:
+                kill_tree(c.proc.pid)
+            else:
+                c.proc.send_signal(sig)
+            c.proc.wait()
+
+
+def finish(children: list[Child], run_dir: Path, hard: bool, timeout_s: float, err) -> rc.Check:
     """Let the run finish (the learner restarted by its agent), or resume it after a hard kill."""
+    run = children[0]
     if not hard:
         code = run.wait(timeout_s)
         if code != 0:
@@ -307,6 +322,7 @@ def finish(run: Child, run_dir: Path, hard: bool, timeout_s: float, err) -> rc.C
         return rc.Check("run", True, "finished after the learner was killed (its agent restarted it)")
     print(f"verify-resume: libra-ctl resume {run_dir}", file=err, flush=True)
     resumed = Child(["resume", str(run_dir)], err)
+    children.append(resumed)
     code = resumed.wait(timeout_s)
     if code != 0:
         raise VerifyError(f"libra-ctl resume exited with {code}:\n{resumed.tail()}")

@@ -24,6 +24,7 @@ told apart. The windows are chosen by ``windows``.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -337,8 +338,6 @@ def _complete_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def _read_json(path: Path) -> dict:
-    import json
-
     return json.loads(path.read_text())
 
 
