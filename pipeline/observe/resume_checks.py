@@ -193,7 +193,7 @@ def check_level(name: str, initial: Level | None, ckpt: Level | None, resumed: L
             f"|resumed-initial| {d_init:.3f}, tol {tol:.3f}")
     if not ok:
         return Check(name, False, f"restarted: nearer the initial level than the checkpoint's; {nums}", figures)
-    apart = abs(ckpt.mean - initial.mean) > tol
+    apart = abs(ckpt.mean - initial.mean) > max(TOL_SIGMAS * math.hypot(ckpt.se, initial.se), TOL_FLOOR)
     how = "continues from the checkpoint" if apart else "continues (the run had not moved past the noise yet)"
     return Check(name, True, f"{how}; {nums}", figures)
 
