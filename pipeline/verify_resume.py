@@ -224,8 +224,11 @@ def open_job_redis(cfg: Config, run_dir: Path):
     """A client of the finished run's Redis: its embedded server restarted from its AOF, or the external one."""
     recorded = json.loads((run_dir / "manifest.json").read_text()).get("redis", {})
     if recorded.get("embedded", resolve_url(cfg.redis.url) is None):
-        server = EmbeddedRedis(run_dir / "redis", maxmemory=cfg.redis.maxmemory,
-                               appendfsync=cfg.redis.appendfsync).start()
+        try:
+            server = EmbeddedRedis(run_dir / "redis", maxmemory=cfg.redis.maxmemory,
+                                   appendfsync=cfg.redis.appendfsync).start()
+        except RuntimeError as exc:   # another server holds the directory, or the AOF does not load
+            raise VerifyError(f"cannot restart the run's Redis for the checks: {exc}") from None
         return connect(server.url), server
     return connect(resolve_url(cfg.redis.url) or recorded["url"]), None
 
