@@ -40,6 +40,7 @@ COMMAND_MODULES: list[str] = [
     "pipeline.control.commands",    # scale, drain, events
     "pipeline.sim.job",             # sim-job
     "pipeline.chaos",               # chaos
+    "pipeline.verify_resume",       # verify-resume
 ]
 
 

@@ -126,9 +126,9 @@ def check_prompt_files(cfg: Config, out=sys.stderr) -> list[dict]:
 
 class Orchestrator:
     def __init__(self, cfg: Config, run_dir: Path, r: redis.Redis, url: str, out=sys.stderr,
-                 join_wait_s: float = 0.0):
+                 join_wait_s: float = 0.0, join: bool = True):
         self.cfg, self.run_dir, self.r, self.url, self.out = cfg, run_dir, r, url, out
-        self.join_wait_s = join_wait_s
+        self.join_wait_s, self.join = join_wait_s, join
         self.keys = JobKeys(cfg.job.name)
         self.children: list[Child] = []
         self.control = None
@@ -164,6 +164,8 @@ class Orchestrator:
 
     def find_control(self) -> tuple[bool, dict]:
         """Whether a controller holds the lease, and the live agents; waits up to ``join_wait_s`` for both."""
+        if not self.join:
+            return False, {}
         deadline = time.monotonic() + self.join_wait_s
         while True:
             controller, agents = bool(self.r.exists(CONTROLLER_LEASE)), live_agents(self.r)
@@ -393,8 +395,10 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
         else:
             _start_new_job(r, cfg, run_dir, argv=argv, redis_url=url, embedded=bool(embedded),
                            policy_dir=policy_dir, bad_prompt_lines=bad_lines)
-        # nothing else can be on an embedded server we just started
-        orch = Orchestrator(cfg, run_dir, r, url, out, join_wait_s=0.0 if embedded else join_wait_s)
+        # Nothing else can be on an embedded server we just started: a controller lease or agent record
+        # in it is a killed run's (restored from the AOF, not yet expired), never one to join.
+        orch = Orchestrator(cfg, run_dir, r, url, out, join_wait_s=0.0 if embedded else join_wait_s,
+                            join=not embedded)
         _run_and_summarise(orch)
         return 0
     except RunFailed as exc:
