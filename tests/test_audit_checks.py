@@ -35,7 +35,7 @@ from pipeline.dataplane.redisconn import ENV_URL
 from pipeline.dataplane.streams import Reject, ensure_groups
 from pipeline.observe.audit import audit
 from pipeline.run import policy_spec
-from tests.test_dataplane import feeder_run, wait_for
+from tests.test_dataplane import feeder_process, feeder_run, wait_for
 from tests.test_faults_data import JOB, one_round
 from tests.test_learner_recovery import feed, learner_step, scored_groups, setup_run
 from workers import feeder
@@ -188,10 +188,8 @@ def test_feeder_check_catches_the_in_flight_count_leaked_by_a_dead_letter(tmp_pa
     keys = JobKeys(JOB)
     ensure_groups(r, keys)
     run_dir, cfg = feeder_run(tmp_path, r, redis_url, job=JOB)
-    proc = subprocess.Popen([sys.executable, "-m", "workers.feeder", "--run-dir", str(run_dir),
-                             "--worker-id", "feeder-0"], cwd=ROOT, env=dict(os.environ, **{ENV_URL: redis_url}))
     limit = feeder.admission_limit(cfg)
-    try:
+    with feeder_process(run_dir, redis_url) as proc:
         wait_for(lambda: int(r.hget(keys.counters, "issued") or 0) == limit, 30, "the feeder to fill its window")
         # the old build: _size, 0 for anything but a group
         monkeypatch.setattr(streams, "trajectories_of", lambda msg, _group_size: streams._size(msg))
@@ -199,10 +197,6 @@ def test_feeder_check_catches_the_in_flight_count_leaked_by_a_dead_letter(tmp_pa
                   handle=lambda prompts: [Reject("prompt too long") for _p in prompts])
         r.hset(keys.state, "phase", "done")
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     a = audit(r, JOB)
     assert a["trained"] + a["dropped_stale"] + a["dead_lettered"] + a["in_flight"] == a["issued"]  # old audit: ok
     assert not a["ok"]

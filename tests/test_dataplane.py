@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -356,14 +357,25 @@ def feeder_run(tmp_path: Path, r, redis_url: str, job: str = JOB) -> tuple[Path,
     return run_dir, cfg
 
 
+@contextlib.contextmanager
+def feeder_process(run_dir: Path, redis_url: str):
+    """A ``workers.feeder`` process on the run; killed on the way out unless it has exited."""
+    proc = subprocess.Popen([sys.executable, "-m", "workers.feeder", "--run-dir", str(run_dir),
+                             "--worker-id", "feeder-0"], cwd=ROOT, env=dict(os.environ, **{ENV_URL: redis_url}))
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
 def test_the_feeder_stops_at_the_admission_limit_and_resumes_as_the_learner_trains(tmp_path, r, redis_url):
     run_dir, cfg = feeder_run(tmp_path, r, redis_url)
     keys = JobKeys(JOB)
     limit = admission_limit(cfg)
     assert limit == 16  # (max_staleness + 1) x batch_size, under max_queue_size
-    proc = subprocess.Popen([sys.executable, "-m", "workers.feeder", "--run-dir", str(run_dir),
-                             "--worker-id", "feeder-0"], cwd=ROOT, env=dict(os.environ, **{ENV_URL: redis_url}))
-    try:
+    with feeder_process(run_dir, redis_url) as proc:
         def issued() -> int:
             return int(r.hget(keys.counters, "issued") or 0)
 
@@ -378,9 +390,6 @@ def test_the_feeder_stops_at_the_admission_limit_and_resumes_as_the_learner_trai
         wait_for(lambda: issued() == limit + 12, 10, "room from a dead letter")
         r.hset(keys.state, "phase", "done")
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     ids = [m.decode(f[m.FIELD], 1 << 20).prompt_id for _i, f in r.xrange(keys.prompts)]
     assert len(ids) == len(set(ids)) == (limit + 12) // 4
 

@@ -14,9 +14,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,11 +24,10 @@ import pytest
 from pipeline import config as config_mod
 from pipeline.dataplane import messages as m
 from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT, JobKeys
-from pipeline.dataplane.redisconn import ENV_URL
 from pipeline.dataplane.streams import ClaimPolicy, Reject, ensure_groups, read, reclaim, run_stage
 from pipeline.observe.audit import audit, dlq_entries, dlq_replay
 from pipeline.run import policy_spec
-from tests.test_dataplane import feeder_run, wait_for
+from tests.test_dataplane import feeder_process, feeder_run, wait_for
 from tests.test_learner_recovery import feed, learner_step, scored_groups, setup_run, start_learner
 from workers import feeder
 from workers.tiny_policy import ensure_policy
@@ -75,18 +71,12 @@ def take_prompt(r, keys: JobKeys, consumer: str) -> tuple[bytes, m.Prompt]:
     return entry_id, m.decode(payload, 1 << 20)
 
 
-def start_feeder(tmp_path: Path, r, redis_url: str) -> tuple[subprocess.Popen, int]:
-    run_dir, cfg = feeder_run(tmp_path, r, redis_url, job=JOB)
-    assert cfg.rollout.group_size == G
-    proc = subprocess.Popen([sys.executable, "-m", "workers.feeder", "--run-dir", str(run_dir),
-                             "--worker-id", "feeder-0"], cwd=ROOT, env=dict(os.environ, **{ENV_URL: redis_url}))
-    return proc, feeder.admission_limit(cfg)
-
-
 def test_every_dead_letter_gives_the_feeder_back_the_trajectories_its_entry_stood_for(tmp_path, r, redis_url):
     keys = JobKeys(JOB)
     ensure_groups(r, keys)
-    proc, limit = start_feeder(tmp_path, r, redis_url)
+    run_dir, cfg = feeder_run(tmp_path, r, redis_url, job=JOB)
+    assert cfg.rollout.group_size == G
+    limit = feeder.admission_limit(cfg)
     ctx = SimpleNamespace(r=r, keys=keys)  # what feeder.in_flight reads
 
     def issued() -> int:
@@ -96,7 +86,7 @@ def test_every_dead_letter_gives_the_feeder_back_the_trajectories_its_entry_stoo
         wait_for(lambda: issued() == limit + n_dead * G, 15, f"the feeder to admit again after {what}")
         assert feeder.in_flight(ctx) == limit
 
-    try:
+    with feeder_process(run_dir, redis_url) as proc:
         wait_for(lambda: issued() == limit, 30, "the feeder to fill the admission window")
         assert feeder.in_flight(ctx) == limit == 4 * G
 
@@ -144,10 +134,6 @@ def test_every_dead_letter_gives_the_feeder_back_the_trajectories_its_entry_stoo
         assert issued() == limit + 4 * G  # over the limit now: nothing more admitted
         r.hset(keys.state, "phase", "done")
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
     a = audit(r, JOB)
     assert a["ok"], a["problems"]
