@@ -116,8 +116,11 @@ class RolloutConfig:
                             "temperature-scaled distribution, and the learner scales its logits by the same 1/T")
     max_turns: int = _f(4, "model turns per episode (each tool call ends a turn)")
     max_tokens_per_turn: int = _f(48, "tokens generated per turn at most")
-    tool_timeout_s: float = _f(2.0, "a tool call that takes longer is answered with a timeout (its thread is "
-                               "abandoned; past 64 hung calls the worker exits and its agent restarts it)")
+    tool_timeout_s: float = _f(2.0, "the longest one tool call (environment step) may take; its thread is then "
+                               "abandoned (past 64 hung calls the worker exits and its agent restarts it)")
+    on_tool_timeout: str = _f("dead_letter", "a tool call past tool_timeout_s: dead_letter (the episode ends and its "
+                              "group is dead-lettered with the error) or reply (the environment's timeout_reply is "
+                              "inserted and the episode goes on: for tools whose slowness is the policy's doing)")
     tool_retries: int = _f(2, "retries of a tool call (environment step) that raises, within tool_timeout_s; "
                            "then the group is dead-lettered with the error")
     gpu_memory_utilization: float = _f(0.02, "share of device memory (host RAM on CPU) the engine reserves")
@@ -346,6 +349,7 @@ def _need(ok: bool, key: str, msg: str) -> None:
 
 MAX_INT = (1 << 63) - 1   # Redis integers and numpy seeds are 64-bit
 MAX_TEXT = 4096           # the longest string setting (a path, a URL)
+TOOL_TIMEOUT_ACTIONS = ("dead_letter", "reply")   # rollout.on_tool_timeout
 _ENTRY_POINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
@@ -424,6 +428,8 @@ def validate(cfg: Config) -> None:
     need(not (cfg.reward.entry and cfg.reward.model), "reward.model", "set reward.entry or reward.model, not both")
     need(cfg.metrics.interval_s > 0, "metrics.interval_s", "must be > 0")
     need(ro.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0, e.g. 2.0")
+    need(ro.on_tool_timeout in TOOL_TIMEOUT_ACTIONS, "rollout.on_tool_timeout",
+         f"{ro.on_tool_timeout!r}: one of {', '.join(TOOL_TIMEOUT_ACTIONS)}")
     need(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0, e.g. 30.0")
     need(lr.step_budget_s > 0, "learner.step_budget_s", "must be > 0, e.g. 60.0")
     need(cfg.streams.block_ms >= 1, "streams.block_ms", "must be >= 1 (0 would block a consumer forever)")

@@ -131,12 +131,13 @@ class Flaky(Environment):
         return 1.0
 
 
-def play(env, retries):
+def play(env, retries, tool_timeout_s=5.0, on_tool_timeout="reply"):
     from tests.test_envs import CharTokenizer, Scripted
 
     task = Task("q", "q:")
     return run_episodes(Scripted({"q:": ["call!"] * 4}), CharTokenizer(), [(task, 0)], greedy=True, max_turns=2,
-                        max_tokens_per_turn=8, tool_timeout_s=5.0, seed=0, env=env, tool_retries=retries)[0]
+                        max_tokens_per_turn=8, tool_timeout_s=tool_timeout_s, seed=0, env=env, tool_retries=retries,
+                        on_tool_timeout=on_tool_timeout)[0]
 
 
 def test_a_tool_that_raises_is_retried_then_the_episode_carries_the_error():
@@ -146,6 +147,27 @@ def test_a_tool_that_raises_is_retried_then_the_episode_carries_the_error():
     failed = play(env, retries=2)
     assert len(env.calls) == 3   # the first try and two retries, then no more
     assert failed.finish == "error" and "ValueError: tool broke" in failed.error and "3 tries" in failed.error
+
+
+class Slow(Flaky):
+    """Answers after ``delay_s``: past a short deadline, a late tool."""
+
+    def __init__(self, delay_s: float):
+        super().__init__()
+        self.delay_s = delay_s
+
+    def step(self, state, task, turn, finish):
+        time.sleep(self.delay_s)
+        return Reply(text="late", tool_call=True)
+
+
+def test_a_late_tool_call_dead_letters_its_episode_unless_told_to_reply():
+    failed = play(Slow(2.0), retries=2, tool_timeout_s=0.2, on_tool_timeout="dead_letter")
+    assert failed.finish == "error" and "tool call timed out after 0.2s (Slow.step)" in failed.error
+    assert failed.tool_timeouts == 1 and failed.turns == 1   # not tried again: the late call may still run
+    answered = play(Slow(2.0), retries=2, tool_timeout_s=0.2, on_tool_timeout="reply")
+    assert not answered.error and answered.finish == "max_turns" and answered.tool_timeouts == 1
+    assert "timeout" in answered.text   # timeout_reply, read by the second turn
 
 
 class BadStart(Flaky):

@@ -94,6 +94,7 @@ class Loop:
     step_timeout_s: float
     max_total_tokens: int | None
     tool_retries: int = 0  # tries of a step that raises, after the first, within its timeout
+    on_tool_timeout: str = "reply"  # a late step: "reply" (timeout_reply, the episode goes on) or "dead_letter"
 
     def new_episode(self, task: Task, sample_idx: int) -> Episode:
         """A fresh episode; ``env.start`` is bounded (START_TIMEOUT_S), and its failure is the episode's ``error``."""
@@ -122,10 +123,11 @@ class Loop:
     def answer(self, episodes: list[Episode], tasks: list[Task], outs: list[TurnOutput], last_turn: bool) -> list[int]:
         """The environment's replies to these turns; returns the indices of the episodes that go on."""
         calls = [(ep.state, task, out.text, out.finish_reason) for ep, task, out in zip(episodes, tasks, outs)]
-        replies = self.env.respond(calls, self.step_timeout_s, retries=self.tool_retries)
+        replies = self.env.respond(calls, self.step_timeout_s, retries=self.tool_retries,
+                                   on_timeout=self.on_tool_timeout)
         going = []
         for k, (ep, out, reply) in enumerate(zip(episodes, outs, replies)):
-            if reply.error:   # the tool failed on every try: the episode ends, and its group is dead-lettered
+            if reply.error:   # the tool failed on every try, or ran late: the episode ends, its group dead-lettered
                 _count_call(ep, reply)
                 ep.finish, ep.error = "error", reply.error
                 continue
@@ -172,13 +174,14 @@ def _append(ep: Episode, token_ids: list[int], logprobs: list[float], text: str,
 
 
 def make_loop(tokenizer, *, env: Environment | None, max_turns: int, max_tokens_per_turn: int, tool_timeout_s: float,
-              max_total_tokens: int | None, chat_template: bool | None = None, tool_retries: int = 0) -> Loop:
+              max_total_tokens: int | None, chat_template: bool | None = None, tool_retries: int = 0,
+              on_tool_timeout: str = "reply") -> Loop:
     env = env if env is not None else load_env(DEFAULT_ENV)
     return Loop(env=env, tokenizer=tokenizer,
                 fmt=ChatFormat.for_tokenizer(tokenizer, env.reply_role, chat_template),
                 max_turns=env.max_turns or max_turns, max_tokens_per_turn=max_tokens_per_turn,
                 step_timeout_s=env.step_timeout_s or tool_timeout_s, max_total_tokens=max_total_tokens,
-                tool_retries=tool_retries)
+                tool_retries=tool_retries, on_tool_timeout=on_tool_timeout)
 
 
 def run_episodes(
@@ -195,6 +198,7 @@ def run_episodes(
     max_total_tokens: int | None = None,
     chat_template: bool | None = None,
     tool_retries: int = 0,
+    on_tool_timeout: str = "reply",
 ) -> list[Episode]:
     """Play one episode per (task, sample_idx), all advanced turn by turn in batches.
 
@@ -204,13 +208,15 @@ def run_episodes(
     ``max_model_len`` if it has one. ``chat_template``: render through the
     tokenizer's chat template (None: when it has one). ``tool_retries``: tries
     of an environment step that raises, after the first; an episode whose
-    step raised on every try ends with ``finish = "error"`` and its ``error``.
+    step raised on every try ends with ``finish = "error"`` and its ``error``;
+    so does one whose step ran past its deadline with ``on_tool_timeout =
+    "dead_letter"`` (the rollout worker's setting; evaluations keep "reply").
     """
     if max_total_tokens is None:
         max_total_tokens = getattr(generator, "max_model_len", None)
     loop = make_loop(tokenizer, env=env, max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
                      tool_timeout_s=tool_timeout_s, max_total_tokens=max_total_tokens, chat_template=chat_template,
-                     tool_retries=tool_retries)
+                     tool_retries=tool_retries, on_tool_timeout=on_tool_timeout)
     tasks = [t for t, _ in items]
     episodes = [loop.new_episode(t, i) for t, i in items]
     active = [i for i, ep in enumerate(episodes) if not ep.error]

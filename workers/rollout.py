@@ -151,6 +151,7 @@ class Rollout:
                                     chat_template=self.chat_template, max_turns=self.cfg.max_turns,
                                     max_tokens_per_turn=self.cfg.max_tokens_per_turn,
                                     tool_timeout_s=self.cfg.tool_timeout_s, tool_retries=self.cfg.tool_retries,
+                                    on_tool_timeout=self.cfg.on_tool_timeout,
                                     seed=self.ctx.cfg.job.seed)
         gen_s = time.monotonic() - t0
         gen_tokens = sum(int(sum(e.completion_mask)) for e in episodes)

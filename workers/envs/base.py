@@ -257,14 +257,16 @@ class Environment:
         return Reply(text="timeout", tool_call=True, timed_out=True)
 
     def respond(self, calls: Sequence[tuple[Any, Task, str, str]], timeout_s: float,
-                retries: int = 0) -> list[Reply]:
+                retries: int = 0, on_timeout: str = "reply") -> list[Reply]:
         """``step`` for several episodes at once, concurrently, each bounded by ``timeout_s``.
 
         A step that raises is tried again, up to ``retries`` more times within
         the same deadline; one that raised on every try is answered with a
         Reply whose ``error`` names the exception. A step still running at
-        the deadline is answered ``timeout_reply`` and its thread abandoned
-        (``DeadlinePool``).
+        the deadline has its thread abandoned (``DeadlinePool``) and is
+        answered ``timeout_reply`` (``on_timeout="reply"``) or with a Reply
+        whose ``error`` says so (``"dead_letter"``). A late step is not tried
+        again: its abandoned thread may still be changing the episode's state.
         """
         start = time.monotonic()
         pending: list[tuple[Future[Reply], list[float]]] = []
@@ -278,7 +280,9 @@ class Environment:
                 reply = fut.result(timeout=remaining)
             except FutureTimeout:
                 _POOL.abandon(fut)
-                timed = self.timeout_reply(state, task)
+                timed = (self.timeout_reply(state, task) if on_timeout == "reply" else
+                         Reply(done=True, finish="error", tool_call=True, timed_out=True,
+                               error=f"tool call timed out after {timeout_s:g}s ({type(self).__name__}.step)"))
                 out.append(_with_latency(timed, time.monotonic() - start))
                 continue
             out.append(_with_latency(reply, done_at[0] - start))
