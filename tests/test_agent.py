@@ -21,7 +21,7 @@ from pipeline.control import actions
 from pipeline.dataplane import messages
 from pipeline.control.agent import Agent, Slot, SlotError, detect_slots, process_start, worker_argv
 from pipeline.control.actions import worker_key
-from pipeline.dataplane.keys import CONTROLLER_EPOCH, GROUP_ROLLOUT, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
+from pipeline.dataplane.keys import AGENTS, CONTROLLER_EPOCH, GROUP_ROLLOUT, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
 from pipeline.dataplane.streams import group_pending
 try:  # pytest imports tests/ as a package when it has an __init__.py, else as a directory on sys.path
     from tests.test_sim_workers import sim_job, wait_for
@@ -135,6 +135,26 @@ def test_worker_commands_come_from_a_fixed_table():
 def test_one_agent_per_node_name(r, redis_url, stop_agents):
     stop_agents.append(make_agent(r, redis_url))
     with pytest.raises(SystemExit, match="another agent"):
+        make_agent(r, redis_url)
+
+
+def test_an_agent_frees_the_lock_of_a_dead_predecessor_instead_of_waiting_out_its_ttl(r, redis_url, stop_agents):
+    """An agent killed with SIGKILL leaves its node lock behind for LOCK_TTL_S; its successor (the same
+    host, the same node name) frees it at once, since the holder's process is gone."""
+    env = dict(os.environ, LIBRA_REDIS_URL=redis_url)
+    env.pop("LIBRA_PARENT_PID", None)
+    first = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "agent", "--node", NODE, "--slots", "1"], env=env)
+    try:
+        wait_for(lambda: r.hget(AGENTS, NODE) and json.loads(r.hget(AGENTS, NODE)).get("pid") == first.pid, 60,
+                 "the first agent's heartbeat")
+    finally:
+        first.kill()
+        first.wait()
+    assert r.pttl(agent_lock(NODE)) > 5000   # the dead agent's lock would hold the name for seconds more
+    successor = Agent(r, redis_url, NODE, [Slot(0, None)], grace_s=10.0).start(lock_wait_s=2.0)
+    stop_agents.append(successor)
+    assert successor.lock.held
+    with pytest.raises(SystemExit, match="another agent"):   # a live holder is still refused
         make_agent(r, redis_url)
 
 

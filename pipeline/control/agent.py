@@ -309,11 +309,15 @@ class Agent:
     # --- life ------------------------------------------------------------------------------------
 
     def start(self, lock_wait_s: float = LOCK_TTL_S + 2) -> "Agent":
-        # a predecessor killed on this host without releasing the lock holds it until its TTL runs out:
-        # wait that long for it (a live holder is refused at once)
+        # A predecessor killed on this host left its lock behind: free it (only while that dead agent's
+        # token is still the value) rather than wait out its TTL. A live holder is refused at once.
         deadline = time.monotonic() + lock_wait_s
-        while not self.lock.acquire() and self.predecessor_dead() and time.monotonic() < deadline:
-            time.sleep(0.5)
+        while not self.lock.acquire() and time.monotonic() < deadline:
+            dead = self.dead_predecessor()
+            if dead is None:
+                break
+            self.lock.free(dead)
+            self.log.info("freed_dead_agents_lock", token=dead)
         if not self.lock.held:
             raise SystemExit(f"agent: another agent holds node name {self.node!r} "
                              f"({(self.r.get(agent_lock(self.node)) or b'').decode()}); pick another --node")
@@ -323,14 +327,15 @@ class Agent:
         self.log.info("agent_started", slots=[s.as_dict() for s in self.slots], pid=os.getpid())
         return self
 
-    def predecessor_dead(self) -> bool:
-        """Whether the node's lock is held by an agent of this host whose process is gone."""
+    def dead_predecessor(self) -> str | None:
+        """The token of the node's lock when an agent of this host whose process is gone holds it, else None."""
         token, raw = self.r.get(agent_lock(self.node)), self.r.hget(AGENTS, self.node)
         if not token or not raw:
-            return False
+            return None
         rec, pid = json.loads(raw), token.decode().split(":")[1]
-        return (rec.get("host") == socket.gethostname() and str(rec.get("pid")) == pid
+        dead = (rec.get("host") == socket.gethostname() and str(rec.get("pid")) == pid
                 and process_start(int(pid)) is None)
+        return token.decode() if dead else None
 
     def run(self) -> None:
         # Redis away or stalled: the workers go on, and so does the agent, until the outage limit

@@ -68,6 +68,10 @@ class Lease:
             self.r.eval(_RELEASE, 1, self.key, self.token)
         self.token, self.epoch = None, 0
 
+    def free(self, token: str) -> bool:
+        """Delete the lease if ``token`` (a holder known to be dead) still holds it; never another's."""
+        return bool(self.r.eval(_RELEASE, 1, self.key, token))
+
     @property
     def held(self) -> bool:
         return self.token is not None
