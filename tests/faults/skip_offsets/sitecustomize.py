@@ -36,10 +36,10 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 def _skip_first_group(module) -> None:
     write = module.write_checkpoint
 
-    def write_skipping(ckpt_dir, model, optimizer, consumed, dropped, state, source_dir):
+    def write_skipping(ckpt_dir, model, optimizer, consumed, *args, **kwargs):
         first = consumed[0].rsplit("/", 1)[0] if consumed else None
         kept = [i for i in consumed if i.rsplit("/", 1)[0] != first]
-        return write(ckpt_dir, model, optimizer, kept, dropped, state, source_dir)
+        return write(ckpt_dir, model, optimizer, kept, *args, **kwargs)
 
     module.write_checkpoint = write_skipping
 
