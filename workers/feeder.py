@@ -40,10 +40,15 @@ def in_flight(ctx: WorkerContext) -> int:
     entry: one group of ``group_size``; a group: its trajectories, see
     ``streams.trajectories_of``); one replayed onto its stream
     (``libra-ctl dlq replay``) is in flight again.
+
+    The learner's stale drops count as soon as it judges them (``dropped_held``,
+    the drops of the batch it is filling), not only when its step commits
+    them: after a restore it may replay more stale work than the window holds,
+    and its step would otherwise wait for prompts the feeder holds back.
     """
     c = {k.decode(): int(v) for k, v in ctx.r.hgetall(ctx.keys.counters).items()}
     dead = c.get("dead_lettered", 0) - c.get("dead_lettered_replayed", 0)
-    return c.get("issued", 0) - (c.get("trained", 0) + c.get("dropped_stale", 0) + dead)
+    return c.get("issued", 0) - (c.get("trained", 0) + c.get("dropped_stale", 0) + c.get("dropped_held", 0) + dead)
 
 
 def admission_limit(cfg) -> int:

@@ -136,6 +136,8 @@ class Learner:
         learner starts again from the initial policy, not from those weights.
         """
         latest = latest_checkpoint(self.ckpt_dir)
+        # drops a dead learner held in its unfinished batch: replayed and judged again
+        self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, "dropped_held", 0))
         info = self.ctx.r.hgetall(self.ctx.keys.policy)
         published = int(info[b"version"]) if info else 0
         stored = load_segments(self.ctx.r, self.ctx.keys)
@@ -199,6 +201,7 @@ class Learner:
         batch, need = Batch(), self.cfg.batch_size
         streams, gs = self.ctx.cfg.streams, self.ctx.cfg.rollout.group_size
         held = set(self.unacked)  # pending at us for the next checkpoint, and below, this batch's
+        held_drops = 0   # this batch's stale drops, published as the counter dropped_held until the step commits
         self.replay_from = "-"
         while batch.trajectories < need and not self.ctx.stopping():
             t0 = time.monotonic()
@@ -223,6 +226,9 @@ class Learner:
                 if staleness is not None:
                     batch.groups.append(group)
                     batch.staleness.append(staleness)
+            if batch.dropped_trajectories != held_drops:   # room for the feeder now, not at the step's end
+                held_drops = batch.dropped_trajectories
+                self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, "dropped_held", held_drops))
         return batch
 
     def admit(self, group: messages.Group, batch: Batch) -> int | None:
@@ -664,6 +670,7 @@ def _step_writes(r, keys, batch: Batch, metrics: dict):
     pipe = r.pipeline(transaction=True)
     pipe.hincrby(keys.counters, "trained", metrics["trajectories"])
     pipe.hincrby(keys.counters, "dropped_stale", batch.dropped_trajectories)
+    pipe.hset(keys.counters, "dropped_held", 0)   # the held drops, counted above
     if batch.dropped_branch_ids:
         pipe.hincrby(keys.counters, "dropped_branch", len(batch.dropped_branch_ids))
     if batch.duplicates:

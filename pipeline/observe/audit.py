@@ -290,7 +290,8 @@ def feeder_check(r: redis.Redis, keys: JobKeys, c: dict[str, int], group_size: i
     dead letters whose record gave back less than their entry carried.
     """
     dead_lettered = c.get("dead_lettered", 0) - c.get("dead_lettered_replayed", 0)
-    believes = c.get("issued", 0) - (c.get("trained", 0) + c.get("dropped_stale", 0) + dead_lettered)
+    believes = c.get("issued", 0) - (c.get("trained", 0) + c.get("dropped_stale", 0) + c.get("dropped_held", 0)
+                                     + dead_lettered)
     problems = []
     if believes > measured:
         named = "".join(f"; dead letter {d['dead_letter']} gave back {d['recorded']} of {d['carried']} "
