@@ -388,10 +388,16 @@ def test_the_feeder_stops_at_the_admission_limit_and_resumes_as_the_learner_trai
         assert issued() == limit + 8
         r.hincrby(keys.counters, "dead_lettered", 4)  # dead letters are accounted for too
         wait_for(lambda: issued() == limit + 12, 10, "room from a dead letter")
+        r.hset(keys.counters, "dropped_held", 4)  # the learner's batch holds a stale group: room before its step
+        wait_for(lambda: issued() == limit + 16, 10, "room from a held drop")
+        pipe = r.pipeline(transaction=True)  # the step commits the held drop: no more room than before
+        pipe.hincrby(keys.counters, "dropped_stale", 4).hset(keys.counters, "dropped_held", 0).execute()
+        time.sleep(0.5)
+        assert issued() == limit + 16
         r.hset(keys.state, "phase", "done")
         assert proc.wait(timeout=30) == 0
     ids = [m.decode(f[m.FIELD], 1 << 20).prompt_id for _i, f in r.xrange(keys.prompts)]
-    assert len(ids) == len(set(ids)) == (limit + 12) // 4
+    assert len(ids) == len(set(ids)) == (limit + 16) // 4
 
 
 # --- the benchmark delivers every group exactly once ---------------------------------------------------
