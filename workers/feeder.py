@@ -16,7 +16,7 @@ import time
 
 from pipeline.dataplane import messages
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
-from pipeline.dataplane.streams import ensure_groups, execute_with_backpressure
+from pipeline.dataplane.streams import counted_in_flight, ensure_groups, execute_with_backpressure
 from pipeline.dataplane.worker import WorkerContext, finish_worker, start_worker
 from workers.envs import env_from_config
 from workers.envs.base import BadLine, Environment, Task
@@ -46,9 +46,7 @@ def in_flight(ctx: WorkerContext) -> int:
     them: after a restore it may replay more stale work than the window holds,
     and its step would otherwise wait for prompts the feeder holds back.
     """
-    c = {k.decode(): int(v) for k, v in ctx.r.hgetall(ctx.keys.counters).items()}
-    dead = c.get("dead_lettered", 0) - c.get("dead_lettered_replayed", 0)
-    return c.get("issued", 0) - (c.get("trained", 0) + c.get("dropped_stale", 0) + c.get("dropped_held", 0) + dead)
+    return counted_in_flight({k.decode(): int(v) for k, v in ctx.r.hgetall(ctx.keys.counters).items()})
 
 
 def admission_limit(cfg) -> int:

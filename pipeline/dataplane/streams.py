@@ -628,6 +628,19 @@ def job_group_size(r: redis.Redis, keys: JobKeys) -> int:
     return int(r.hget(keys.feeder, "group_size") or 0)
 
 
+def counted_in_flight(c: dict[str, int]) -> int:
+    """Trajectories issued and not yet accounted for downstream, from the job's counters.
+
+    What the feeder admits against (``workers.feeder.in_flight``) and what the
+    audit's feeder check compares with the streams. A dead letter counts what
+    its entry stood for, and one replayed onto its stream is in flight again;
+    the learner's stale drops count as soon as it judges them (``dropped_held``,
+    moved into ``dropped_stale`` when its step commits).
+    """
+    dead = c.get("dead_lettered", 0) - c.get("dead_lettered_replayed", 0)
+    return c.get("issued", 0) - (c.get("trained", 0) + c.get("dropped_stale", 0) + c.get("dropped_held", 0) + dead)
+
+
 def trajectories_of(msg, group_size: int) -> int:
     """Trajectories a stream entry stands for: a decoded group's own count, else one group's worth.
 

@@ -39,6 +39,7 @@ import redis
 
 from pipeline.dataplane import messages
 from pipeline.dataplane.keys import JobKeys, check_path
+from pipeline.dataplane.streams import counted_in_flight
 from pipeline.dataplane.worker import record_alive
 
 NAMED_MAX = 50  # ids named per finding (the counts are always whole)
@@ -289,9 +290,7 @@ def feeder_check(r: redis.Redis, keys: JobKeys, c: dict[str, int], group_size: i
     exceed them: room the feeder would hold back for good. A leak names the
     dead letters whose record gave back less than their entry carried.
     """
-    dead_lettered = c.get("dead_lettered", 0) - c.get("dead_lettered_replayed", 0)
-    believes = c.get("issued", 0) - (c.get("trained", 0) + c.get("dropped_stale", 0) + c.get("dropped_held", 0)
-                                     + dead_lettered)
+    believes = counted_in_flight(c)
     problems = []
     if believes > measured:
         named = "".join(f"; dead letter {d['dead_letter']} gave back {d['recorded']} of {d['carried']} "
