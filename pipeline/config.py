@@ -246,6 +246,15 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class TrackingConfig:
+    tensorboard: bool = _f(True, "write the run's metrics as TensorBoard event files under runs/<id>/tensorboard")
+    wandb: str = _f("auto", "W&B: auto (when wandb is installed: offline unless $WANDB_MODE says otherwise), "
+                    "offline, online or off; the run directory stays the source of truth")
+    run_name: str = _f("", "the run's name in TensorBoard and W&B; empty: <job.name>-seed<job.seed>")
+    group: str = _f("", "the W&B group of the run (libra-ctl baseline and experiment set it to their own id)")
+
+
+@dataclass(frozen=True)
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -258,6 +267,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -439,6 +449,8 @@ def validate(cfg: Config) -> None:
     need(st.max_deliveries >= 1, "streams.max_deliveries", "must be >= 1")
     need(min(st.rollout_min_idle_s, st.reward_min_idle_s) > 0, "streams.*_min_idle_s", "must be > 0")
     need(cfg.redis.appendfsync in ("always", "everysec", "no"), "redis.appendfsync", "use always, everysec or no")
+    need(cfg.tracking.wandb in ("auto", "offline", "online", "off"), "tracking.wandb",
+         f"{cfg.tracking.wandb!r}: use auto, offline, online or off")
     need(cfg.redis.outage_s > 0, "redis.outage_s", "must be > 0, e.g. 60")
     need(0 <= st.block_ms <= 10_000, "streams.block_ms",
          f"{st.block_ms}: use 0..10000 (a longer block would outlast the client's socket timeout)")
