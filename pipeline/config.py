@@ -169,8 +169,29 @@ class LearnerConfig:
     clip_eps: float = _f(0.2, "PPO clip range of the importance ratio")
     max_grad_norm: float = _f(1.0, "gradient norm clip")
     max_staleness: int = _f(2, "groups generated more than this many learner updates ago (along the version tree, so a "
-                                    "restore adds none) are dropped")
-    publish_every: int = _f(1, "steps between weight publications (at most max_staleness)")
+                                    "restore adds none) are dropped; 0 is synchronous (on-policy): the feeder issues one "
+                                    "batch per version and rollout generates it with that version's weights")
+    publish_every: int = _f(1, "steps between weight publications (at most max_staleness; 1 when it is 0)")
+    objective: str = _f("decoupled", "the policy loss: decoupled (PPO clipped against the proximal policy, the "
+                        "learner's weights before the update, times the behaviour importance weight truncated at "
+                        "is_cap) or behaviour (PPO clipped against the behaviour policy's log-probs, one "
+                        "optimizer step per batch, kept for comparison)")
+    mini_batches: int = _f(1, "optimizer steps per batch (decoupled only): the batch is cut into this many "
+                           "mini-batches of whole groups, each clipped against the same proximal policy")
+    is_cap: float = _f(2.0, "decoupled: the behaviour importance weight pi_prox / pi_behaviour is truncated "
+                       "at this value")
+    is_mask: float = _f(0.0, "decoupled: tokens whose behaviour importance weight is above this or below its "
+                        "inverse are masked out of the loss (0: no masking)")
+    dual_clip: float = _f(3.0, "for a negative advantage the clipped term is bounded below by dual_clip x "
+                          "advantage (dual-clip PPO), so a large ratio cannot weigh without limit (0: off)")
+    advantage: str = _f("grpo", "grpo: (r - mean) / std within each group, loss averaged over the batch's policy "
+                        "tokens; dr_grpo: r - mean (no std division), loss divided by a constant (batch "
+                        "trajectories x rollout.max_turns x rollout.max_tokens_per_turn)")
+    dynamic_sampling: bool = _f(False, "groups whose rewards are all equal (no signal) do not count towards "
+                                "batch_size: the learner reads on until the batch holds batch_size trajectories "
+                                "of groups with signal (the others are consumed and counted as filtered)")
+    dynamic_sampling_max: float = _f(4.0, "dynamic sampling reads at most this many batch_size's worth of "
+                                     "trajectories for one step, then trains what it has")
     checkpoint_every: int = _f(10, "steps between checkpoints (model, optimizer, consumed ids)")
     keep_published: int = _f(4, "published weight versions kept on disk")
     threads: int = _f(1, "torch CPU threads of the learner")
@@ -400,9 +421,22 @@ def validate(cfg: Config) -> None:
     need(lr.batch_size >= ro.group_size and lr.batch_size % ro.group_size == 0, "learner.batch_size",
          f"{lr.batch_size} is not a positive multiple of rollout.group_size ({ro.group_size}); "
          f"try {max(1, round(lr.batch_size / ro.group_size)) * ro.group_size}")
-    need(lr.max_staleness >= 1, "learner.max_staleness", "must be >= 1 for an asynchronous pipeline")
-    need(1 <= lr.publish_every <= lr.max_staleness, "learner.publish_every",
-         f"{lr.publish_every} must be between 1 and learner.max_staleness ({lr.max_staleness})")
+    need(lr.max_staleness >= 0, "learner.max_staleness", "must be >= 0 (0: synchronous, on-policy)")
+    need(1 <= lr.publish_every <= max(1, lr.max_staleness), "learner.publish_every",
+         f"{lr.publish_every} must be between 1 and max(1, learner.max_staleness) ({max(1, lr.max_staleness)})")
+    need(lr.objective in ("decoupled", "behaviour"), "learner.objective",
+         f"{lr.objective!r}: use decoupled or behaviour")
+    need(lr.mini_batches >= 1, "learner.mini_batches", "must be >= 1")
+    need(lr.mini_batches == 1 or lr.objective == "decoupled", "learner.mini_batches",
+         "several optimizer steps per batch need learner.objective = \"decoupled\" (the clip must be anchored "
+         "at the weights before the update)")
+    need(lr.mini_batches <= lr.batch_size // ro.group_size, "learner.mini_batches",
+         f"{lr.mini_batches} is more than the batch's groups ({lr.batch_size // ro.group_size})")
+    need(lr.is_cap >= 1.0, "learner.is_cap", f"{lr.is_cap:g}: the truncation must be >= 1, e.g. 2")
+    need(lr.is_mask == 0.0 or lr.is_mask > 1.0, "learner.is_mask", f"{lr.is_mask:g}: use 0 (off) or a bound > 1, e.g. 5")
+    need(lr.dual_clip == 0.0 or lr.dual_clip > 1.0, "learner.dual_clip", f"{lr.dual_clip:g}: use 0 (off) or > 1, e.g. 3")
+    need(lr.advantage in ("grpo", "dr_grpo"), "learner.advantage", f"{lr.advantage!r}: use grpo or dr_grpo")
+    need(lr.dynamic_sampling_max >= 1.0, "learner.dynamic_sampling_max", "must be >= 1 (batches' worth read per step)")
     need(lr.checkpoint_every >= 1, "learner.checkpoint_every", "must be >= 1")
     need(lr.max_train_attempts >= 1, "learner.max_train_attempts", "must be >= 1")
     need(lr.workers >= 1, "learner.workers", "the learner needs at least 1 slot; set 1 or more")

@@ -14,6 +14,12 @@ def test_defaults_and_overrides():
         cfg.learner.lr = 1.0  # frozen
 
 
+def test_synchronous_and_objective_settings_load():
+    cfg = c.load("examples/quickstart.toml", ["learner.max_staleness=0", "learner.mini_batches=4",
+                                              "learner.advantage=dr_grpo", "learner.dynamic_sampling=true"])
+    assert (cfg.learner.max_staleness, cfg.learner.publish_every, cfg.learner.objective) == (0, 1, "decoupled")
+
+
 def test_quickstart_config_loads():
     cfg = c.load("examples/quickstart.toml")
     assert cfg.learner.batch_size % cfg.rollout.group_size == 0
@@ -28,6 +34,15 @@ def test_quickstart_config_loads():
     (["rollout.temperature=0"], "rollout.temperature"),
     (["job.steps=-3"], "job.steps"),
     (["oops"], "expected dotted.key=value"),
+    (["learner.max_staleness=-1"], "learner.max_staleness"),
+    (["learner.max_staleness=0", "learner.publish_every=2"], "learner.publish_every"),
+    (["learner.objective=ppo"], "learner.objective"),
+    (["learner.objective=behaviour", "learner.mini_batches=2"], "anchored at the weights before the update"),
+    (["learner.mini_batches=100"], "more than the batch's groups"),
+    (["learner.is_cap=0.5"], "learner.is_cap"),
+    (["learner.is_mask=1"], "learner.is_mask"),
+    (["learner.advantage=rloo"], "learner.advantage"),
+    (["tracking.wandb=yes"], "tracking.wandb"),
 ])
 def test_bad_values_name_the_key(override, needle):
     with pytest.raises(c.ConfigError) as exc:

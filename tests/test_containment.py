@@ -290,7 +290,9 @@ def test_a_poison_entry_is_dead_lettered_and_a_nonfinite_step_is_skipped(tmp_pat
     cfg0 = config_mod.load(None)
     policy_dir = ensure_policy(ROOT / cfg0.policy.cache_dir, policy_spec(cfg0))
     run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True,
-                              extra=("learner.max_train_attempts=2", "learner.checkpoint_every=1"))
+                              extra=("learner.max_train_attempts=2", "learner.checkpoint_every=1",
+                                     # the objective whose ratio against the behaviour policy can overflow
+                                     "learner.objective=behaviour"))
     keys = JobKeys("rec")
     groups = scored_groups(policy_dir, 24)   # 6 steps x 4 groups
     poison = poisoned(groups[1], 10 ** 6)
@@ -340,16 +342,23 @@ def test_a_nonfinite_loss_skips_the_optimizer_step(tmp_path):
     from workers.tiny_policy import ensure_policy, load_model
     from workers.update import make_optimizer, plan_shares, train_share
 
-    cfg = config_mod.load(None)
+    cfg = config_mod.load(None, ["learner.objective=behaviour"])
     policy_dir = ensure_policy(ROOT / cfg.policy.cache_dir, policy_spec(cfg))
     model = load_model(policy_dir)
     opt = make_optimizer(model, cfg.learner)
     before = [p.detach().clone() for p in model.parameters()]
-    [share] = plan_shares([exploding(scored_groups(policy_dir, 1)[0])], [0], version=0, step=0, world=1)
+    group = exploding(scored_groups(policy_dir, 1)[0])
+    [share] = plan_shares([group], [0], version=0, step=0, world=1)
     sums = train_share(model, opt, share, cfg.learner, temperature=1.0)
     assert sums.skipped_nonfinite == 1 and not math.isfinite(sums.loss * sums.grad_norm)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert not opt.state   # AdamW's moments never saw the NaN
+
+    # The decoupled objective truncates the same importance weight at is_cap: a finite step.
+    cfg = config_mod.load(None, ["learner.objective=decoupled"])
+    sums = train_share(model, opt, share, cfg.learner, temperature=1.0)
+    assert sums.skipped_nonfinite == 0 and math.isfinite(sums.loss * sums.grad_norm)
+    assert sums.counts.truncated == sums.counts.tokens > 0 and sums.optimizer_steps == 1
 
 
 # --- out of memory -------------------------------------------------------------------------------

@@ -394,10 +394,25 @@ def test_the_feeder_stops_at_the_admission_limit_and_resumes_as_the_learner_trai
         pipe.hincrby(keys.counters, "dropped_stale", 4).hset(keys.counters, "dropped_held", 0).execute()
         time.sleep(0.5)
         assert issued() == limit + 16
+        r.hset(keys.policy, mapping={"version": 5, "path": "x"})   # the learner publishes version 5
+        r.hset(keys.counters, "filtered_held", 4)  # dynamic sampling holds a group without signal: room too
+        wait_for(lambda: issued() == limit + 20, 10, "room from a held group without signal")
+        pipe = r.pipeline(transaction=True)  # the step commits it as trained: no more room than before
+        pipe.hincrby(keys.counters, "trained", 4).hset(keys.counters, "filtered_held", 0).execute()
+        time.sleep(0.5)
+        assert issued() == limit + 20
         r.hset(keys.state, "phase", "done")
         assert proc.wait(timeout=30) == 0
-    ids = [m.decode(f[m.FIELD], 1 << 20).prompt_id for _i, f in r.xrange(keys.prompts)]
-    assert len(ids) == len(set(ids)) == (limit + 16) // 4
+    prompts = [m.decode(f[m.FIELD], 1 << 20) for _i, f in r.xrange(keys.prompts)]
+    ids = [p.prompt_id for p in prompts]
+    assert len(ids) == len(set(ids)) == (limit + 20) // 4
+    # each prompt carries the version published when it was issued (rollout generates it with that or newer)
+    assert [p.min_version for p in prompts] == [0] * ((limit + 16) // 4) + [5]
+
+
+def test_at_max_staleness_0_the_feeder_admits_one_batch():
+    cfg = config_mod.load(None, ["learner.max_staleness=0", "learner.batch_size=64", "streams.max_queue_size=512"])
+    assert admission_limit(cfg) == 64
 
 
 # --- the benchmark delivers every group exactly once ---------------------------------------------------

@@ -36,13 +36,14 @@ SETTINGS = [
 ]
 
 
-def run_job(tmp_path: Path, redis_url: str | None, prompts: Path | None = None):
+def run_job(tmp_path: Path, redis_url: str | None, prompts: Path | None = None, extra: tuple[str, ...] = ()):
     env = {k: v for k, v in os.environ.items() if k != ENV_URL}
     if redis_url:
         env[ENV_URL] = redis_url
     runs = tmp_path / "runs"
     args = [sys.executable, "-m", "pipeline.cli", "run", "examples/quickstart.toml",
-            "--set", f"run.runs_dir={json.dumps(str(runs))}", "--set", "job.name=e2e", *sum((["--set", s] for s in SETTINGS), [])]
+            "--set", f"run.runs_dir={json.dumps(str(runs))}", "--set", "job.name=e2e",
+            *sum((["--set", s] for s in [*SETTINGS, *extra]), [])]
     if prompts:
         args += ["--set", f"job.train_prompts={json.dumps(str(prompts))}"]
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -143,3 +144,28 @@ def test_e2e_redis_server(tmp_path, server_redis_url):
     assert f"{bad}:3:" in out and f"{bad}:6:" in out and "line skipped" in out
     assert connect(server_redis_url).info("server")["redis_version"].startswith("7")
     check_greedy_matches_learner(run_dir, server_redis_url)
+
+
+@pytest.mark.slow
+def test_e2e_synchronous_with_dynamic_sampling(tmp_path, server_redis_url):
+    """max_staleness = 0: every trained token comes from the weights being trained, nothing is dropped, and
+    dynamic sampling's refills (issued while a batch fills) are generated with that batch's weights too."""
+    from pipeline.observe.audit import audit
+
+    run_dir, out, _statuses = run_job(tmp_path, server_redis_url, extra=(
+        "learner.max_staleness=0", "learner.dynamic_sampling=true", "learner.mini_batches=2"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s["kind"] == "learner_step"]
+    assert len(steps) == 6 and summary["dropped_stale"] == 0
+    assert all(set(s["staleness_hist"]) == {"0"} for s in steps), "an off-policy group was trained"
+    # each step trained a full batch of groups with signal (or read dynamic_sampling_max batches' worth)
+    for s in steps:
+        assert s["trajectories"] - s["filtered_no_signal"] >= 64 or s["trajectories"] >= 4 * 64
+        assert s["optimizer_steps"] == 2 and s["ratio_fresh_max_abs_log"] < LOGPROB_TOL_MAX
+    assert sum(s["filtered_no_signal"] for s in steps) > 0, "no group without signal: dynamic sampling untested"
+    r = connect(server_redis_url)
+    a = audit(r, "e2e", str(run_dir))
+    assert a["ok"], a["problems"]
+    assert a["duplicates_trained"] == 0
+    assert int(r.hget(JobKeys("e2e").counters, "filtered_no_signal")) == sum(s["filtered_no_signal"] for s in steps)

@@ -24,6 +24,7 @@ from workers import learner as ln
 from workers import tiny_policy as tp
 from workers.checkpoint import read_optimizer, write_checkpoint, write_published
 from workers.grpo import clipped_loss
+from workers.update import Row
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -49,7 +50,7 @@ def _rows(n: int, vocab: int, seed: int = 0) -> list[tuple]:
         # Behaviour log-probs near the policy's (about -log vocab), so some ratios clip and some do not.
         logprobs = (-np.log(vocab) + rng.normal(0, 0.3, width)).astype(np.float32) * mask
         traj = SimpleNamespace(completion=rng.integers(3, vocab, width).astype(np.int32), mask=mask, logprobs=logprobs)
-        rows.append((prompt, traj, float(rng.normal()), i % 3))
+        rows.append(Row(prompt, traj, float(rng.normal()), i % 3))
     return rows
 
 
@@ -63,7 +64,8 @@ def _rel_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def _accumulate(model, rows, temperature: float = 1.0, **cfg):
     model.zero_grad(set_to_none=True)
-    out = ln.accumulate_gradients(model, rows, LearnerConfig(**cfg), temperature)
+    # the behaviour objective: what these tests compare with clipped_loss over full logits
+    out = ln.accumulate_gradients(model, rows, LearnerConfig(**{"objective": "behaviour", **cfg}), temperature)
     return out, _grads(model)
 
 

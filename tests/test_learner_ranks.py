@@ -131,12 +131,44 @@ def test_share_gradients_add_up_to_the_batch_gradient(policy_dir, groups):
     assert gap < 1e-5
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_mini_batches_deal_whole_groups_and_carry_their_normalisers(groups, world):
+    cfg = _cfg("learner.mini_batches=3").learner
+    shares = update.plan_shares(groups, fresh(groups), 0, 5, world, cfg, max_completion=80)
+    placed = [(g.prompt_id, s.mini_of(i)) for s in shares for i, g in enumerate(s.groups)]
+    assert sorted(p for p, _m in placed) == sorted(g.prompt_id for g in groups)
+    assert {m for _p, m in placed} == {0, 1, 2}
+    tokens = {g.prompt_id: sum(int(r.traj.mask.sum()) for r in update.active_rows(update.group_rows([g], [0])))
+              for g in groups}
+    for s in shares:
+        assert len(s.norms) == 3 and all(s.actives) and s.norms == shares[0].norms
+    for m in range(3):   # grpo: a mini-batch's normaliser is its policy tokens with a gradient, over all ranks
+        assert shares[0].norms[m] == sum(tokens[p] for p, k in placed if k == m)
+    dr = update.plan_shares(groups, fresh(groups), 0, 5, world, _cfg("learner.advantage=dr_grpo").learner, 80)
+    assert dr[0].norms == (80.0 * sum(len(g.trajectories) for g in groups),)   # one mini-batch, constant per trajectory
+
+
+def test_several_mini_batches_take_several_optimizer_steps_clipped_at_the_proximal_policy(policy_dir, groups):
+    cfg = _cfg("learner.mini_batches=4", "learner.lr=0.01").learner
+    model = _model(policy_dir)
+    opt = update.make_optimizer(model, cfg)
+    sums = update.train_share(model, opt, update.plan_shares(groups, fresh(groups), 0, 0, 1, cfg, 80)[0], cfg, 1.0)
+    assert sums.optimizer_steps == 4 and sums.skipped_nonfinite == 0
+    # later mini-batches move away from the proximal policy (a large lr), and the clip acts on them
+    assert sums.counts.clipped > 0 and sums.counts.log_ratio_max > 0
+    # the fresh-sample check reads the proximal log-probs, taken before any update: as close as one step's
+    assert sums.fresh_n == sums.tokens and sums.fresh_max < 1e-3
+
+
 def test_frames_carry_a_share_and_stop(groups):
     share = update.plan_shares(groups, [2] * len(groups), 2, 7, 2)[1]
     pipe = io.BytesIO(ranks.encode_share(share) + ranks.encode_stop())
     got = ranks.read_frame(pipe, 1 << 24)
     assert (got.step, got.version, got.total_tokens, got.any_active) == (7, 2, share.total_tokens, True)
     assert got.staleness == share.staleness == (2,) * len(share.groups)
+    mini = update.plan_shares(groups, [0] * len(groups), 2, 7, 2, _cfg("learner.mini_batches=2").learner)[1]
+    back = ranks.read_frame(io.BytesIO(ranks.encode_share(mini)), 1 << 24)
+    assert (back.mini, back.norms, back.actives) == (mini.mini, mini.norms, mini.actives) and len(mini.norms) == 2
     assert [g.prompt_id for g in got.groups] == [g.prompt_id for g in share.groups]
     assert all(np.array_equal(a.completion, b.completion) and np.array_equal(a.logprobs, b.logprobs)
                for ga, gb in zip(got.groups, share.groups) for a, b in zip(ga.trajectories, gb.trajectories))
@@ -161,9 +193,19 @@ def test_two_ranks_make_the_one_rank_update(tmp_path, policy_dir):
     print(out.stdout)
 
 
-def two_ranks_vs_one(tmp_path: Path, policy_dir: Path) -> None:
+def test_two_ranks_make_the_one_rank_update_with_mini_batches(tmp_path, policy_dir):
+    """The same with two mini-batches (two optimizer steps per batch) and Dr. GRPO's constant normaliser."""
+    code = (f"import sys, pathlib; sys.path.insert(0, {str(ROOT)!r}); "
+            f"from tests.test_learner_ranks import two_ranks_vs_one; "
+            f"two_ranks_vs_one(pathlib.Path({str(tmp_path)!r}), pathlib.Path({str(policy_dir)!r}), "
+            f"('learner.mini_batches=2', 'learner.advantage=dr_grpo'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def two_ranks_vs_one(tmp_path: Path, policy_dir: Path, extra: tuple[str, ...] = ()) -> None:
     groups = scored_groups(policy_dir, 8, seed=3)
-    cfg = _cfg()
+    cfg = _cfg(*extra)
     lr = cfg.learner.lr
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
@@ -175,17 +217,21 @@ def two_ranks_vs_one(tmp_path: Path, policy_dir: Path) -> None:
     group = ranks.RankGroup.start(run_dir, "learner-0", 2, model, policy_dir, None, structlog.get_logger())
     try:
         for step in range(2):
-            one = update.train_share(ref, ref_opt, update.plan_shares(groups, fresh(groups), 0, step, 1)[0], cfg.learner, 1.0)
-            shares = update.plan_shares(groups, fresh(groups), 0, step, 2)
+            one = update.train_share(ref, ref_opt, update.plan_shares(groups, fresh(groups), 0, step, 1, cfg.learner, 80)[0],
+                                     cfg.learner, 1.0)
+            shares = update.plan_shares(groups, fresh(groups), 0, step, 2, cfg.learner, 80)
             group.send(shares[1:])
             two = update.train_share(model, opt, shares[0], cfg.learner, 1.0, distributed=True)
             assert two.weight_spread == 0.0               # rank 1 holds exactly rank 0's weights
+            assert two.optimizer_steps == one.optimizer_steps == cfg.learner.mini_batches
             assert (two.tokens, two.fresh_n) == (one.tokens, one.fresh_n) and two.tokens > 0
             assert two.loss == pytest.approx(one.loss, rel=1e-5, abs=1e-7)
             assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
             assert two.clip_weighted / two.clip_weight == pytest.approx(one.clip_weighted / one.clip_weight, abs=1e-6)
             if step == 0:
-                _assert_same_update(model, ref, lr)
+                # With several mini-batches the last one's gradient is taken at weights one AdamW step
+                # apart by rounding (up to 0.08 lr, see _assert_same_update): measured 8.7e-6 of its scale.
+                _assert_same_update(model, ref, lr, GRAD_TOL if cfg.learner.mini_batches == 1 else 1e-4)
     finally:
         group.close()
     assert not dist.is_initialized() and [p.returncode for p in group.procs] == [0]
@@ -194,7 +240,7 @@ def two_ranks_vs_one(tmp_path: Path, policy_dir: Path) -> None:
     assert float(diff.max()) <= 0.25 * lr
 
 
-def _assert_same_update(model, ref, lr: float) -> None:
+def _assert_same_update(model, ref, lr: float, grad_tol: float = GRAD_TOL) -> None:
     """The first step: the same summed gradient to float rounding, and AdamW's step from it.
 
     Measured: the gradients differ by 2e-7 of their scale. AdamW's first step
@@ -211,7 +257,7 @@ def _assert_same_update(model, ref, lr: float) -> None:
     print(f"step 1, 1 vs 2 ranks: gradient gap {grad_gap / scale:.2g} of its scale; parameters: max |diff| "
           f"{float(diff.max()):.2g} ({float(diff.max()) / lr:.2g} lr), {int((diff > 1e-3 * lr).sum())} of "
           f"{diff.numel()} above 1e-3 lr")
-    assert grad_gap <= GRAD_TOL * scale
+    assert grad_gap <= grad_tol * scale
     assert float(diff.max()) <= 0.25 * lr and int((diff > 1e-3 * lr).sum()) <= 1e-4 * diff.numel()
 
 

@@ -31,6 +31,14 @@ def test_group_round_trip_keeps_arrays_as_bytes():
 def test_prompt_round_trip():
     p = m.Prompt("p@0", "Q:1+2\n", 3, 2.0)
     assert m.decode(m.encode(p), 1000) == p
+    stamped = m.Prompt("p@1", "Q:1+2\n", 3, 2.0, min_version=7)
+    assert m.decode(m.encode(stamped), 1000).min_version == 7
+    # a prompt from a feeder that did not stamp it: any weights will do
+    legacy = {"v": 1, "kind": "prompt", "prompt_id": "p", "prompt": "x", "answer": 1, "issued_at": 0.0}
+    assert m.decode(msgpack.packb(legacy), 1000).min_version == 0
+    for bad in (-1, "3", 1.5):
+        with pytest.raises(m.BadMessage, match="min_version"):
+            m.decode(msgpack.packb({**legacy, "min_version": bad}), 1000)
 
 
 @pytest.mark.parametrize("payload,reason", [

@@ -52,7 +52,10 @@ def in_flight(ctx: WorkerContext) -> int:
 def admission_limit(cfg) -> int:
     """Trajectories allowed in flight: the queue bound, and no more than the learner consumes
     within ``max_staleness`` versions (plus the batch it is filling), so that admitted work is
-    not generated only to be dropped as stale."""
+    not generated only to be dropped as stale. At ``max_staleness = 0`` that is one batch: the
+    next is issued once the learner has trained this one and published its weights (it publishes
+    before it commits the step's counters), and each prompt carries that version
+    (``Prompt.min_version``), which rollout waits for."""
     lr = cfg.learner
     return min(cfg.streams.max_queue_size, (lr.max_staleness + 1) * lr.batch_size)
 
@@ -96,8 +99,9 @@ def issue_one(ctx: WorkerContext, problems: list[Task], group: int, outage: Outa
     # A fresh, seeded order per epoch: reproducible from the manifest's seed.
     order = random.Random(ctx.cfg.job.seed * 1_000_003 + epoch).sample(range(len(problems)), len(problems))
     p = problems[order[idx]]
+    version = int((outage or Outage(ctx.log)).call(ctx.r.hget, ctx.keys.policy, "version") or 0)
     msg = messages.Prompt(prompt_id=f"{p.prompt_id}@{epoch}", prompt=p.prompt, answer=p.answer,
-                          issued_at=time.time())
+                          issued_at=time.time(), min_version=version)
 
     def build():
         pipe = ctx.r.pipeline(transaction=True)

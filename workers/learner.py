@@ -74,12 +74,17 @@ class Batch:
     dropped_branch_ids: list[str] = field(default_factory=list)  # of those, the ones from a discarded branch
     staleness: list[int] = field(default_factory=list)  # per admitted group: updates along the version tree
     duplicates: int = 0  # trajectories of groups already trained, skipped
+    no_signal: int = 0  # trajectories of admitted groups whose rewards are all equal (learner.dynamic_sampling)
     wait_s: float = 0.0
     raw: dict[bytes, bytes] = field(default_factory=dict)  # entry id -> payload as read (for dead letters)
 
     @property
     def trajectories(self) -> int:
         return sum(len(g.trajectories) for g in self.groups)
+
+    def counted(self, dynamic_sampling: bool) -> int:
+        """Trajectories that count towards ``batch_size``: with dynamic sampling, only groups with signal."""
+        return self.trajectories - (self.no_signal if dynamic_sampling else 0)
 
 
 class Learner:
@@ -137,7 +142,7 @@ class Learner:
         """
         latest = latest_checkpoint(self.ckpt_dir)
         # drops a dead learner held in its unfinished batch: replayed and judged again
-        self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, "dropped_held", 0))
+        self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={"dropped_held": 0, "filtered_held": 0}))
         info = self.ctx.r.hgetall(self.ctx.keys.policy)
         published = int(info[b"version"]) if info else 0
         stored = load_segments(self.ctx.r, self.ctx.keys)
@@ -197,15 +202,26 @@ class Learner:
     # --- reading ------------------------------------------------------------------------------
 
     def collect(self) -> Batch:
-        """Read scored groups until a batch is admitted; stale groups are dropped whole."""
+        """Read scored groups until a batch is admitted; stale groups are dropped whole.
+
+        With ``learner.dynamic_sampling``, groups without signal (all rewards
+        equal) are admitted but do not count towards ``batch_size``: reading
+        goes on until the batch holds ``batch_size`` trajectories of groups
+        with signal, or ``dynamic_sampling_max`` batches' worth in all. Like
+        stale drops, they are published at once (``filtered_held``) so that
+        the feeder issues their replacements while the batch fills.
+        """
         batch, need = Batch(), self.cfg.batch_size
+        dyn = self.cfg.dynamic_sampling
+        cap = int(self.cfg.dynamic_sampling_max * need) if dyn else need
         streams, gs = self.ctx.cfg.streams, self.ctx.cfg.rollout.group_size
         held = set(self.unacked)  # pending at us for the next checkpoint, and below, this batch's
         held_drops = 0   # this batch's stale drops, published as the counter dropped_held until the step commits
+        held_filtered = 0  # this batch's groups without signal (dynamic sampling), as the counter filtered_held
         self.replay_from = "-"
-        while batch.trajectories < need and not self.ctx.stopping():
+        while batch.counted(dyn) < need and batch.trajectories < cap and not self.ctx.stopping():
             t0 = time.monotonic()
-            want = max(1, (need - batch.trajectories) // gs)
+            want = max(1, (need - batch.counted(dyn)) // gs)
             entries = self.read_waiting(want, streams.block_ms, held)
             held.update(entry_id for entry_id, _p in entries)
             batch.raw.update(entries)
@@ -226,9 +242,14 @@ class Learner:
                 if staleness is not None:
                     batch.groups.append(group)
                     batch.staleness.append(staleness)
+                    if len(set(group.rewards)) == 1:
+                        batch.no_signal += len(group.trajectories)
             if batch.dropped_trajectories != held_drops:   # room for the feeder now, not at the step's end
                 held_drops = batch.dropped_trajectories
                 self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, "dropped_held", held_drops))
+            if dyn and batch.no_signal != held_filtered:
+                held_filtered = batch.no_signal
+                self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, "filtered_held", held_filtered))
         return batch
 
     def admit(self, group: messages.Group, batch: Batch) -> int | None:
@@ -350,8 +371,10 @@ class Learner:
 
     def train(self, batch: Batch) -> dict:
         """One GRPO update on the admitted groups, over every rank; returns the step's metrics."""
-        rows = group_rows(batch.groups, batch.staleness)
-        shares = plan_shares(batch.groups, batch.staleness, self.version, self.step, self.world)
+        rows = group_rows(batch.groups, batch.staleness, self.cfg.advantage)
+        ro = self.ctx.cfg.rollout
+        shares = plan_shares(batch.groups, batch.staleness, self.version, self.step, self.world, self.cfg,
+                             max_completion=ro.max_turns * ro.max_tokens_per_turn)
         if self.ranks is not None:
             self.ranks.send(shares[1:])
         sums = train_share(self.model, self.optimizer, shares[0], self.cfg, self.ctx.cfg.rollout.temperature,
@@ -443,7 +466,7 @@ class Learner:
 
     def probe(self, group: messages.Group, staleness: int) -> str | None:
         """The error of a forward and backward pass on ``group`` alone (None: it trains); grads are cleared."""
-        active = active_rows(group_rows([group], [staleness]))
+        active = active_rows(group_rows([group], [staleness], self.cfg.advantage))
         try:
             accumulate_gradients(self.model, active, self.cfg, self.ctx.cfg.rollout.temperature)
             return None
@@ -635,12 +658,15 @@ def step_metrics(batch: Batch, rows, active, sums: StepSums, *, step: int, versi
     masks_all = [r[1].mask.astype(bool) for r in rows]
     behaviour = np.concatenate([r[1].logprobs[m] for r, m in zip(rows, masks_all)]) if rows else np.zeros(1)
     equal_groups = sum(1 for g in batch.groups if len(set(g.rewards)) == 1)
+    rates = sums.counts.rates()
     return {
         "step": step, "policy_version": version, "loss": sums.loss,
         "reward_mean": float(rewards.mean()) if rows else 0.0,
         "reward_std": float(rewards.std()) if rows else 0.0,
         "success_rate": float((rewards >= 1.0).mean()) if rows else 0.0,
-        "entropy": float(-behaviour.mean()),
+        # the current policy's entropy at the trained tokens (the learner's forward pass, before the update)
+        "entropy": rates["entropy"] if rates["entropy"] is not None else float(-behaviour.mean()),
+        "behaviour_neg_logprob": float(-behaviour.mean()),
         "staleness_mean": float(stale.mean()) if rows else 0.0,
         "staleness_max": int(stale.max()) if rows else 0,
         "staleness_hist": {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))},
@@ -648,6 +674,10 @@ def step_metrics(batch: Batch, rows, active, sums: StepSums, *, step: int, versi
         "zero_signal_groups": equal_groups, "groups": len(batch.groups),
         "dropped_stale": batch.dropped_trajectories, "grad_norm": sums.grad_norm,
         "clip_frac": sums.clip_weighted / sums.clip_weight if sums.clip_weight else 0.0,
+        "clip_frac_pos": rates["clip_frac_pos"], "clip_frac_neg": rates["clip_frac_neg"],
+        "is_masked_frac": rates["is_masked_frac"], "is_truncated_frac": rates["is_truncated_frac"],
+        "is_weight_mean": rates["is_weight_mean"], "optimizer_steps": sums.optimizer_steps,
+        "filtered_no_signal": batch.no_signal,
         "ratio_fresh_tokens": sums.fresh_n,
         "ratio_fresh_max_abs_log": sums.fresh_max if sums.fresh_n else None,
         "ratio_fresh_mean_abs_log": sums.fresh_sum / sums.fresh_n if sums.fresh_n else None,
@@ -671,6 +701,9 @@ def _step_writes(r, keys, batch: Batch, metrics: dict):
     pipe.hincrby(keys.counters, "trained", metrics["trajectories"])
     pipe.hincrby(keys.counters, "dropped_stale", batch.dropped_trajectories)
     pipe.hset(keys.counters, "dropped_held", 0)   # the held drops, counted above
+    pipe.hset(keys.counters, "filtered_held", 0)  # the held groups without signal, counted in trained above
+    if metrics.get("filtered_no_signal"):
+        pipe.hincrby(keys.counters, "filtered_no_signal", metrics["filtered_no_signal"])
     if batch.dropped_branch_ids:
         pipe.hincrby(keys.counters, "dropped_branch", len(batch.dropped_branch_ids))
     if batch.duplicates:

@@ -56,7 +56,7 @@ from workers.checkpoint import read_optimizer
 from workers.update import Share, load_policy, make_optimizer, train_share
 
 SLOTS_ENV = "LIBRA_SLOTS"  # set by the node agent: the slots this worker holds, e.g. "2,3"
-FRAME_VERSION = 2  # 2: a step carries each group's staleness along the version tree
+FRAME_VERSION = 3  # 2: each group's staleness along the version tree; 3: mini-batches (mini, norms, actives)
 # The longest a step's collective waits for a slower rank, and rank 0 for its ranks to load their model.
 RANK_TIMEOUT_S = 600.0
 STOP_WAIT_S = 30.0  # a rank told to stop that has not exited by then is killed
@@ -95,6 +95,7 @@ def encode_share(share: Share) -> bytes:
     body = {"v": FRAME_VERSION, "op": "step", "step": share.step, "version": share.version,
             "staleness": list(share.staleness),
             "total_tokens": share.total_tokens, "any_active": share.any_active,
+            "mini": list(share.mini), "norms": list(share.norms), "actives": list(share.actives),
             "groups": [messages.encode(g) for g in share.groups]}
     return _frame(body)
 
@@ -124,8 +125,8 @@ def read_frame(stream, max_group_bytes: int) -> Share | None:
         return None
     groups = tuple(messages.decode(g, max_group_bytes) for g in body["groups"])
     return Share(step=body["step"], version=body["version"], staleness=tuple(body["staleness"]),
-                 total_tokens=body["total_tokens"],
-                 any_active=body["any_active"], groups=groups)
+                 total_tokens=body["total_tokens"], any_active=body["any_active"], groups=groups,
+                 mini=tuple(body["mini"]), norms=tuple(body["norms"]), actives=tuple(body["actives"]))
 
 
 # --- rank 0's side ----------------------------------------------------------------------------------

@@ -92,6 +92,19 @@ class Rollout:
         self.ctx.set_version(version)
         self.ctx.log.info("weights_reloaded", version=version, reload_s=round(time.monotonic() - t0, 2))
 
+    def catch_up(self, version: int) -> None:
+        """Load weights at least as new as ``version`` before generating (the prompts' ``min_version``).
+
+        The feeder stamps each prompt with the version published when it was
+        issued, so the weights are on disk already; a read that blocked from
+        before the publication would otherwise generate with the old ones.
+        """
+        if self.ctx.policy_version >= version:
+            return
+        self.maybe_reload()
+        if self.ctx.policy_version < version:   # published versions only grow: should not happen
+            self.ctx.log.warning("behind_prompt_version", version=self.ctx.policy_version, wanted=version)
+
     def serve_eval_requests(self) -> None:
         reply = self.ctx.r.xread({self.ctx.keys.eval_requests: self.eval_cursor}, count=10)
         for _stream, entries in reply or ():
@@ -142,6 +155,7 @@ class Rollout:
     def generate(self, prompts: list[messages.Prompt]) -> list[messages.Group | Reject]:
         """Run group_size episodes per prompt in one batched multi-turn loop (a Reject for a failed tool)."""
         self.meter.got_input()
+        self.catch_up(max((p.min_version for p in prompts), default=0))
         g = self.cfg.group_size
         tasks = [Task(p.prompt_id, p.prompt, p.answer) for p in prompts]
         items = [(task, i) for task in tasks for i in range(g)]

@@ -249,8 +249,17 @@ def _token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, temperat
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
+def _token_logprobs_entropy(model, hidden: torch.Tensor, targets: torch.Tensor,
+                            temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_token_logprobs`` and the entropy of each row's whole distribution (N,), without grad."""
+    logp_all = torch.log_softmax(head_logits(model, hidden).float() / temperature, dim=-1)  # (N, V)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
+
+
 def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *,
-                        temperature: float = 1.0, chunk_tokens: int | None = None) -> list[torch.Tensor]:
+                        temperature: float = 1.0, chunk_tokens: int | None = None, entropy: bool = False):
     """Log-prob of each completion token given all tokens before it, with grad.
 
     Right padding needs no attention mask: pads come after every real token,
@@ -262,7 +271,9 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
     (None: all at once). With grad, each chunk's logits are recomputed in
     the backward pass instead of kept, so memory holds one chunk x vocab,
     never batch x length x vocab. Returns one float32 tensor of
-    len(completion) per row, on the model's device.
+    len(completion) per row, on the model's device; with ``entropy``, also
+    the entropy (nats, no grad) of the policy's distribution at each of those
+    positions, as a second list.
     """
     _check_head(model)
     device = next(model.parameters()).device
@@ -276,16 +287,21 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
     picked, targets = hidden[rows, cols], ids[rows, cols + 1]  # (N, H), (N,)
     step = chunk_tokens or max(1, len(targets))
     recompute = torch.is_grad_enabled() and picked.requires_grad
+    fn = _token_logprobs_entropy if entropy else _token_logprobs
     parts = []
     for i in range(0, len(targets), step):
         h, t = picked[i:i + step], targets[i:i + step]
         if recompute:
-            parts.append(checkpoint(_token_logprobs, model, h, t, temperature, use_reentrant=False,
-                                    preserve_rng_state=False))
+            parts.append(checkpoint(fn, model, h, t, temperature, use_reentrant=False, preserve_rng_state=False))
         else:
-            parts.append(_token_logprobs(model, h, t, temperature))
-    logp = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
-    return list(logp.split([len(c) for c in completions]))
+            parts.append(fn(model, h, t, temperature))
+    sizes = [len(c) for c in completions]
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    if not entropy:
+        return list((torch.cat(parts) if parts else empty).split(sizes))
+    logp = torch.cat([p[0] for p in parts]) if parts else empty
+    ent = torch.cat([p[1] for p in parts]) if parts else empty
+    return list(logp.split(sizes)), list(ent.split(sizes))
 
 
 # --- torch reference generator ---------------------------------------------

@@ -265,7 +265,8 @@ def _signals(m: Metrics, job: JobSpec, cfg: PlanConfig) -> tuple[str, ...]:
         out.append("rollout_short")      # learner idle > 20% of the window
     if m.backlog > cfg.backlog_batches * job.batch_size and m.backlog_trend_per_s > 0:
         out.append("learner_short")      # scored data piling up
-    if m.trained and m.staleness_p50 >= job.max_staleness:
+    # (synchronous, max_staleness 0: all data is as old as allowed by construction, which says nothing)
+    if m.trained and job.max_staleness > 0 and m.staleness_p50 >= job.max_staleness:
         out.append("at_staleness_bound")   # half the data trained is as old as allowed: rollout runs ahead
     return tuple(out)
 

@@ -41,6 +41,9 @@ class Prompt:
     prompt: str
     answer: Any  # ground truth for the reward (any JSON value); the policy never sees it
     issued_at: float
+    # the policy version published when it was issued: rollout generates it with these weights or newer
+    # (what makes learner.max_staleness = 0 on-policy: no group made by weights older than its batch's)
+    min_version: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class Group:
 def encode(msg: Prompt | Group) -> bytes:
     if isinstance(msg, Prompt):
         body = {"kind": "prompt", "prompt_id": msg.prompt_id, "prompt": msg.prompt,
-                "answer": msg.answer, "issued_at": msg.issued_at}
+                "answer": msg.answer, "issued_at": msg.issued_at, "min_version": msg.min_version}
     else:
         body = {
             "kind": "group", "prompt_id": msg.prompt_id, "prompt": msg.prompt,
@@ -156,7 +159,10 @@ def decode(payload: bytes, max_bytes: int) -> Prompt | Group:
     if kind == "prompt":
         prompt_id, prompt, issued_at = _fields(body, _PROMPT_FIELDS, _PROMPT_TYPES)
         _finite("issued_at", issued_at)
-        return Prompt(prompt_id, prompt, _json_field(body, "answer"), issued_at)
+        min_version = body.get("min_version", 0)
+        if type(min_version) is not int or min_version < 0:
+            raise BadMessage(f"field 'min_version' must be an int >= 0, not {min_version!r}")
+        return Prompt(prompt_id, prompt, _json_field(body, "answer"), issued_at, min_version)
     if kind == "group":
         return _decode_group(body)
     raise BadMessage(f"unknown message kind {kind!r}")

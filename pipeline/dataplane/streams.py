@@ -635,10 +635,13 @@ def counted_in_flight(c: dict[str, int]) -> int:
     audit's feeder check compares with the streams. A dead letter counts what
     its entry stood for, and one replayed onto its stream is in flight again;
     the learner's stale drops count as soon as it judges them (``dropped_held``,
-    moved into ``dropped_stale`` when its step commits).
+    moved into ``dropped_stale`` when its step commits), and so do the groups
+    without signal that dynamic sampling leaves out of the batch's count
+    (``filtered_held``, moved into ``trained`` when its step commits).
     """
     dead = c.get("dead_lettered", 0) - c.get("dead_lettered_replayed", 0)
-    return c.get("issued", 0) - (c.get("trained", 0) + c.get("dropped_stale", 0) + c.get("dropped_held", 0) + dead)
+    held = c.get("dropped_held", 0) + c.get("filtered_held", 0)
+    return c.get("issued", 0) - (c.get("trained", 0) + c.get("dropped_stale", 0) + held + dead)
 
 
 def trajectories_of(msg, group_size: int) -> int:
