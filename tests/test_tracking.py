@@ -329,6 +329,7 @@ def test_wandb_offline_holds_the_history_and_a_resumed_run_keeps_its_id(run_dir,
 
     run, rows, summary = wandb_run(offline)
     assert (run.run_id, run.display_name, run.run_group, list(run.tags)) == (run_id, "exp-a", "sweep-1", ["t"])
+    assert run.project == "libra"
     config_doc = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config_doc["job"]["name"] == "t" and config_doc["tracking"]["group"] == "sweep-1"
     assert "hunter2" not in json.dumps(config_doc)   # the resolved config, secrets redacted

@@ -199,12 +199,13 @@ class WandbSink:
 
     name = "wandb"
 
-    def __init__(self, run_dir: Path, mode: str, run_id: str, *, name: str, group: str, job: str, config: dict):
+    def __init__(self, run_dir: Path, mode: str, run_id: str, *, project: str, name: str, group: str, job: str,
+                 config: dict):
         import wandb
 
         self.run = wandb.init(
             dir=str(run_dir), mode=mode, id=run_id, resume="allow", reinit="create_new",
-            project=os.environ.get("WANDB_PROJECT") or WANDB_PROJECT, name=name, group=group or None,
+            project=project, name=name, group=group or None,
             tags=[job], job_type="train", config=config, notes=f"libra run {run_dir.name}",
             # console="off": the run's terminal is its progress line; W&B would wrap stdout and stderr
             settings=wandb.Settings(console="off", silent=True))
@@ -288,8 +289,9 @@ class Tracker:
         if mode is not None:
             self.state["wandb_id"] = self.state["wandb_id"] or secrets.token_hex(4)
             self._add_sink("wandb", lambda: WandbSink(
-                self.run_dir, mode, self.state["wandb_id"], name=run_name(self.cfg), group=self.cfg.tracking.group,
-                job=self.cfg.job.name, config=redact_tree(self.cfg.to_dict())))
+                self.run_dir, mode, self.state["wandb_id"], project=self.env.get("WANDB_PROJECT") or WANDB_PROJECT,
+                name=run_name(self.cfg), group=self.cfg.tracking.group, job=self.cfg.job.name,
+                config=redact_tree(self.cfg.to_dict())))
         if not self.state["described"]:
             self._each(lambda s: s.describe(run_name(self.cfg), redact_tree(self.cfg.to_dict())))
             self.state["described"] = True
