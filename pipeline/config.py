@@ -271,7 +271,7 @@ class TrackingConfig:
     tensorboard: bool = _f(True, "write the run's metrics as TensorBoard event files under runs/<id>/tensorboard")
     wandb: str = _f("auto", "W&B: auto (when wandb is installed: offline unless $WANDB_MODE says otherwise), "
                     "offline, online or off; the run directory stays the source of truth")
-    run_name: str = _f("", "the run's name in TensorBoard and W&B; empty: <job.name>-seed<job.seed>")
+    run_name: str = _f("", "the run's name in W&B and in TensorBoard's text tab; empty: <job.name>-seed<job.seed>")
     group: str = _f("", "the W&B group of the run (libra-ctl baseline and experiment set it to their own id)")
 
 

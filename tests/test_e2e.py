@@ -102,6 +102,20 @@ def check_run(run_dir: Path, out: str, statuses: list[dict]) -> None:
     assert max(s["ratio_fresh_max_abs_log"] for s in fresh) < LOGPROB_TOL_MAX
     assert max(s["ratio_fresh_mean_abs_log"] for s in fresh) < LOGPROB_TOL_MEAN
     assert "held-out greedy success at start" in out and "run directory:" in out
+    check_tensorboard(run_dir)
+
+
+def check_tensorboard(run_dir: Path) -> None:
+    """The run's metrics are in TensorBoard events too: every learner step, the samples and both evaluations."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    ea.Reload()
+    tags = ea.Tags()["scalars"]
+    assert {"train/loss", "train/reward_mean", "stale/staleness_mean", "time/wait_s", "eval/success_rate",
+            "throughput/learner_samples_per_s"} <= set(tags), tags
+    assert [e.step for e in ea.Scalars("train/loss")] == list(range(1, 7))
+    assert len(ea.Scalars("eval/success_rate")) == 2   # at the start and the end
 
 
 def check_greedy_matches_learner(run_dir: Path, redis_url: str) -> None:

@@ -136,6 +136,13 @@ def test_kill_9_of_a_run_leaves_nothing_behind_and_resume_finishes(tmp_path):
     a = _audit(run_dir, job)
     assert a["ok"], a["problems"]
     assert a["duplicates_trained"] == 0 and a["trained"] >= steps * 32
+    # the resumed run went on in the same TensorBoard directory, with a new event file, up to the last step
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    ea = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    ea.Reload()
+    assert {e.step for e in ea.Scalars("train/loss")} == set(range(1, steps + 1))
 
 
 @pytest.mark.slow
