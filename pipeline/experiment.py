@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -301,8 +302,10 @@ class Progress:
             shares.append((now - started, step / spec.steps if step is not None and spec.steps else None))
         line = progress_line(done, self.total, parts, now - self.t0,
                              eta_s(self.total, done, self.parallel, self.durations, shares))
-        if self.tty:
-            print("\r\033[K" + line, end="", file=self.out, flush=True)
+        if self.tty:   # one line, cut to the terminal's width, or \r could not redraw it
+            width = shutil.get_terminal_size().columns - 1
+            print("\r\033[K" + (line if len(line) <= width else line[:width - 1] + "…"), end="", file=self.out,
+                  flush=True)
             self.drawn = True
         else:
             print(line, file=self.out, flush=True)
