@@ -41,12 +41,15 @@ COMMAND_MODULES: list[str] = [
     "pipeline.sim.job",             # sim-job
     "pipeline.chaos",               # chaos
     "pipeline.verify_resume",       # verify-resume
+    "pipeline.experiment",          # baseline, experiment
 ]
 
 
 def cmd_run(args) -> int:
+    from pipeline.dataplane.lifeline import watch_parent
     from pipeline.run import run_job
 
+    watch_parent()   # under libra-ctl experiment: stop (as on SIGTERM) when the experiment is gone
     cfg = config_mod.load(args.config, args.set or [])
     return run_job(cfg, sys.argv, join_wait_s=args.join_wait)
 

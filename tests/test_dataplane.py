@@ -276,6 +276,14 @@ def test_a_long_run_keeps_streams_and_memory_bounded(redis_url):
 # --- a full Redis is backpressure ---------------------------------------------------------------------
 
 
+def test_an_embedded_redis_under_a_path_with_equals_answers_client_info(tmp_path):
+    # A run directory named after key=value: rq's worker reads CLIENT INFO, whose laddr=<socket path>
+    # redis-py cannot parse when the path holds '='.
+    with EmbeddedRedis(tmp_path / "learner.lr=1e-3" / "redis") as server:
+        assert "=" not in str(server.socket)
+        assert connect(server.url).client_info()["laddr"].startswith(str(server.socket))
+
+
 @pytest.fixture
 def small_redis(tmp_path):
     with EmbeddedRedis(tmp_path / "full-redis") as server:

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.dataplane import messages
 from pipeline.dataplane.keys import JOBS, JobKeys
-from pipeline.observe.measures import aggregate_steps, rates, read_jsonl, tool_stats
+from pipeline.observe.measures import aggregate_steps, rates, read_jsonl, slot_busy, tool_stats
 from pipeline.observe.metrics import MetricsSampler, read_samples, start_sampler
 from pipeline.observe.resources import ResourceProbe
 from pipeline.dataplane.streams import ensure_groups
@@ -232,3 +232,61 @@ def test_no_nvml_means_no_gpu_figures(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
     assert ResourceProbe().gpus() == []
+
+
+# --- the slot busy share (measures.slot_busy), from the workers' cost reports ------------------------------
+
+
+def cost(role: str, since: float, busy: float, at: float, **kw) -> dict:
+    return {"role": role, "since": since, "at": at, "busy_s": busy, "pause_s": 0.0, "items": 0, "tokens": 0,
+            "lanes": 1, **kw}
+
+
+def worker(wid: str, role: str, slots: list[int], state: str = "running") -> dict:
+    return {"id": wid, "role": role, "slots": slots, "state": state}
+
+
+def test_slot_busy_weights_workers_by_their_slots_and_window():
+    prev = {"rollout-0": cost("rollout", 0, 10.0, 100), "learner-0": cost("learner", 0, 20.0, 100)}
+    now = {"rollout-0": cost("rollout", 0, 16.0, 108),          # 6 s of engine time in 10 s
+           "learner-0": cost("learner", 0, 28.0, 109),          # 8 rank-seconds on 2 slots: 4 s of 10
+           "rollout-1": cost("rollout", 105, 2.5, 109),         # started mid-window: 2.5 s of 5
+           "reward-0": cost("reward", 0, 3.0, 110, lanes=2)}    # beside the slots
+    workers = [worker("rollout-0", "rollout", [0]), worker("learner-0", "learner", [1, 2]),
+               worker("rollout-1", "rollout", [3]), worker("reward-0", "reward", [])]
+    b = slot_busy(prev, now, workers, 100.0, 110.0)
+    roles = b["by_role"]
+    assert roles["rollout"]["frac"] == pytest.approx((6 + 2.5) / 15, abs=1e-3)
+    assert roles["learner"]["frac"] == pytest.approx(0.4, abs=1e-3) and roles["learner"]["slots"] == 2
+    assert roles["reward"]["frac"] == pytest.approx(3 / 20, abs=1e-3) and roles["reward"]["slots"] == 0
+    assert b["slot_s"] == pytest.approx(10 + 20 + 5, abs=1e-3)             # reward holds no slot
+    assert b["frac"] == pytest.approx((6 + 8 + 2.5) / 35, abs=1e-3)
+
+
+def test_slot_busy_restarted_exited_and_overfull_workers():
+    prev = {"rollout-0": cost("rollout", 0, 50.0, 100)}
+    restarted = {"rollout-0": cost("rollout", 104, 3.0, 110)}   # a new process: its meter starts at 0
+    assert slot_busy(prev, restarted, [worker("rollout-0", "rollout", [0])], 100, 110)["frac"] == \
+        pytest.approx(0.5, abs=1e-3)
+    gone = {"rollout-0": cost("rollout", 0, 54.0, 105)}         # exited at 105: alive 5 s of the window
+    assert slot_busy(prev, gone, [worker("rollout-0", "rollout", [0], "exited")], 100, 110)["frac"] == \
+        pytest.approx(0.8, abs=1e-3)
+    long_call = {"rollout-0": cost("rollout", 0, 70.0, 110)}     # a 20 s call reported in a 10 s window
+    assert slot_busy(prev, long_call, [worker("rollout-0", "rollout", [0])], 100, 110)["frac"] == 1.0
+    assert slot_busy({}, {}, [], 100, 110)["frac"] is None
+
+
+def test_a_sample_has_the_slot_busy_share_of_the_interval(r, tmp_path):
+    keys = fake_job(r, workers={"learner-0": ("learner", "running"), "rollout-n-0": ("rollout", "running")})
+    now = time.time()
+    r.hset(keys.worker_costs, mapping={
+        "learner-0": json.dumps(cost("learner", now - 10, 0.0, now)),
+        "rollout-n-0": json.dumps(cost("rollout", now - 10, 0.0, now))})
+    sampler = MetricsSampler(r, "obs", tmp_path, probe=ResourceProbe(use_gpu=False))
+    sampler.sample()
+    time.sleep(0.2)
+    r.hset(keys.worker_costs, "rollout-n-0", json.dumps(cost("rollout", now - 10, 0.15, time.time())))
+    s = sampler.sample()["resources"]["slot_busy"]
+    # rollout busy 0.15 s of ~0.2 s, learner idle: about 0.375 of the two slots
+    assert 0.25 < s["by_role"]["rollout"]["frac"] <= 1.0 and s["by_role"]["learner"]["frac"] == 0.0
+    assert s["frac"] == pytest.approx(s["busy_s"] / s["slot_s"], abs=1e-3) and s["slot_s"] > 0

@@ -226,9 +226,11 @@ class EmbeddedRedis:
         self.data_dir = Path(data_dir).resolve()
         self.maxmemory = maxmemory
         self.appendfsync = appendfsync
-        # A unix socket path is limited to ~100 bytes; fall back to a short one.
+        # A unix socket path is limited to ~100 bytes; fall back to a short one. So too for a path with
+        # '=': CLIENT INFO shows it as laddr=PATH among key=value pairs, which redis-py cannot parse, and
+        # the agent's rq worker reads its CLIENT INFO when it starts.
         self.socket = self.data_dir / "redis.sock"
-        if len(str(self.socket)) > 100:
+        if len(str(self.socket)) > 100 or "=" in str(self.socket):
             self.socket = Path(f"/tmp/libra-redis-{os.getpid()}-{id(self)}.sock")
         self.proc: subprocess.Popen | None = None
 

@@ -103,6 +103,70 @@ def tool_stats(groups) -> dict:
     }
 
 
+# --- slot busy share, from the workers' cost reports --------------------------------------------------
+
+SLOT_ROLES = ("rollout", "learner")   # roles that always hold slots; reward does with control.reward_on_slots
+
+
+def _units(role: str, rec: dict, slots: int) -> int:
+    """How many seconds of ``busy_s`` one second of a worker's life can hold.
+
+    ``CostMeter.busy_s`` is in the worker's own units: engine-seconds for a
+    rollout worker (one engine, whatever its tensor-parallel width),
+    scorer-seconds for a reward process (``lanes`` scorers), rank-seconds for
+    the learner (one rank per slot it holds).
+    """
+    if role == "reward":
+        return max(int(rec.get("lanes", 1) or 1), 1)
+    if role == "learner":
+        return max(slots, 1)
+    return 1
+
+
+def slot_busy(prev: dict, now: dict, workers: list[dict], t0: float, t1: float) -> dict:
+    """Busy share of the slots the workers held between ``t0`` and ``t1`` (unix s), from their cost reports.
+
+    ``prev`` and ``now``: worker id -> ``CostMeter`` record at ``t0`` and at
+    ``t1`` (``JobKeys.worker_costs``); ``workers``: ``job_status``'s worker
+    rows (role, state, slots). A worker's share is its busy seconds in the
+    window over its time alive in it; a role's share, and ``frac``, the share
+    of all slots, weight each worker by the slots it holds (a rollout or
+    learner worker outside the agents, with no slot recorded, counts as one).
+    Reward workers beside the slots appear in ``by_role`` only. Work is
+    reported when it ends, so a window can hold a call that began before it:
+    shares are capped at 1. ``frac`` is None where no slot was held.
+    """
+    rows = {w["id"]: w for w in workers}
+    roles: dict[str, dict] = {}
+    for wid, rec in now.items():
+        row = rows.get(wid, {})
+        role = rec.get("role") or row.get("role", "?")
+        before = prev.get(wid) or {}
+        if before.get("since") != rec.get("since"):
+            before = {}   # a new process under this id: its meter starts from zero
+        live = row.get("state") not in (None, "exited", "lost")
+        end = t1 if live else min(t1, rec.get("at", t1))
+        alive = end - max(t0, rec.get("since", t0))
+        if alive <= 0:
+            continue
+        slots = len(row.get("slots") or []) or (1 if role in SLOT_ROLES else 0)
+        busy = max(0.0, rec.get("busy_s", 0.0) - before.get("busy_s", 0.0))
+        share = min(1.0, busy / (alive * _units(role, rec, slots)))
+        acc = roles.setdefault(role, {"busy_s": 0.0, "slot_s": 0.0, "slots": 0})
+        weight = slots or 1   # by_role of a role beside the slots: per worker
+        acc["busy_s"] += share * alive * weight
+        acc["slot_s"] += alive * weight
+        acc["slots"] += slots
+    for acc in roles.values():
+        acc["frac"] = round(acc["busy_s"] / acc["slot_s"], 4) if acc["slot_s"] > 0 else None
+    held = [acc for acc in roles.values() if acc["slots"]]
+    busy_s, slot_s = sum(a["busy_s"] for a in held), sum(a["slot_s"] for a in held)
+    for acc in roles.values():
+        acc["busy_s"], acc["slot_s"] = round(acc["busy_s"], 3), round(acc["slot_s"], 3)
+    return {"frac": round(busy_s / slot_s, 4) if slot_s > 0 else None, "busy_s": round(busy_s, 3),
+            "slot_s": round(slot_s, 3), "by_role": roles}
+
+
 # --- resources of this node -----------------------------------------------------------------------
 
 

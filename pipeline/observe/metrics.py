@@ -3,14 +3,14 @@
 ``libra-ctl run`` starts one sampler per job with ``start_sampler`` (a
 daemon thread in the orchestrator process); ``libra-ctl doctor`` builds one
 to take a few samples itself when none were recorded. Each sample reads
-Redis (counters, streams, the workers table, the learner's per-step lines
-since the previous sample) and this node's processes (psutil; nvidia-ml-py
+Redis (counters, streams, the workers table and their cost reports, the
+learner's per-step lines since the previous sample) and this node's processes (psutil; nvidia-ml-py
 where a GPU exists), then goes to two places: a line ``{"kind": "sample",
 ...}`` in ``runs/<id>/metrics.jsonl`` and an entry of the job's
 ``metric_samples`` stream, capped by length (metrics are not training data).
 The schema is in docs/observability.md; ``SCHEMA_VERSION`` changes with it.
 
-The pure parts (``rates``, ``aggregate_steps``, ``tool_stats``, ``read_jsonl``)
+The pure parts (``rates``, ``aggregate_steps``, ``slot_busy``, ``tool_stats``, ``read_jsonl``)
 are in ``observe.measures``; the process probe in ``observe.resources``.
 """
 
@@ -26,7 +26,7 @@ import redis
 import structlog
 
 from pipeline.dataplane.keys import JobKeys
-from pipeline.observe.measures import aggregate_steps, append_line, rates
+from pipeline.observe.measures import aggregate_steps, append_line, rates, slot_busy
 from pipeline.observe.resources import ResourceProbe
 from pipeline.observe.status import job_status
 
@@ -51,6 +51,7 @@ class MetricsSampler:
         self.probe = probe if probe is not None else ResourceProbe()
         self.prev_counters: dict | None = None
         self.prev_at: float | None = None
+        self.prev_costs: dict = {}   # the workers' CostMeter records at the previous sample
         # Learner steps are read from their stream since this id: all of them for a run we
         # start with, only new ones when we attach to a running job.
         self.step_cursor = "0-0" if from_start else self._last_id(self.keys.metrics)
@@ -83,14 +84,17 @@ class MetricsSampler:
         prev, prev_at = self._baseline(now)
         dt = max(now - prev_at, 1e-6)
         agg = aggregate_steps(self.new_steps())
-        self.prev_counters, self.prev_at = counters, now
+        costs = {w.decode(): json.loads(v) for w, v in self.r.hgetall(self.keys.worker_costs).items()}
+        resources = self.resources(st["workers"], dt)
+        resources["slot_busy"] = slot_busy(self.prev_costs, costs, st["workers"], prev_at, now)
+        self.prev_counters, self.prev_at, self.prev_costs = counters, now, costs
         return {
             "kind": "sample", "schema": SCHEMA_VERSION, "at": now, "job": self.job, "node": self.node,
             "dt_s": round(dt, 3), "phase": st["phase"], "policy_version": st["policy_version"],
             "allocation": st["allocation"]["roles"], "workers": _workers_by_state(st["workers"]),
             "counters": counters,
             "throughput": {**rates(prev, counters, dt), "learner_steps": agg["steps"]},
-            "resources": self.resources(st["workers"], dt),
+            "resources": resources,
             "queues": self.queues(st, agg),
             "quality": {k: agg[k] for k in QUALITY_KEYS},
         }

@@ -1,0 +1,726 @@
+"""``libra-ctl baseline`` and ``libra-ctl experiment``: one job over seeds, then one variable at a time.
+
+``baseline CONFIG --repeat K`` runs the job K times with ``job.seed`` = base,
+base+1, ... (each a real ``libra-ctl run`` in a child process), records the
+spread over seeds of the four metric kinds in
+``runs/experiments/<id>/baseline.json`` and warns when the seeds disagree on
+held-out success by more than the effect one hopes to detect: the field
+guide says to fix such an environment before tuning anything.
+
+``experiment CONFIG --vary KEY=v1,v2 --repeat K`` runs every value x seed
+(``--set KEY=v``), then judges each value against the baseline (a recorded
+one with ``--baseline DIR``, else the first value's runs): the comparison
+table, the field guide's verdict, and ``experiment.json``, ``table.md``,
+``report.html`` and ``curves.svg`` in its directory.
+
+Runs go ``--parallel`` at a time. Each has a runs directory of its own under
+the experiment's (``run.runs_dir``), hence its own embedded Redis (``libra-ctl
+run`` starts one in the run directory when no Redis URL is set), and, on a
+GPU machine, its own GPUs (``LIBRA_GPUS``); with more than one at a time the
+controllers' Prometheus port is turned off (``control.metrics_port = 0``).
+Runs on a Redis given by URL share it and its controller, so they go one at
+a time. Ctrl-C (or SIGTERM) sends SIGINT to the running runs' process groups,
+waits for them to stop their workers, and writes what finished.
+
+The figures, spread and verdict are ``pipeline.observe.compare``; the page
+and the SVG are ``pipeline.observe.compare_report``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline import config as config_mod
+from pipeline.config import Config
+from pipeline.dataplane.lifeline import spawn
+from pipeline.dataplane.redisconn import resolve_url
+from pipeline.observe import compare
+from pipeline.observe.measures import read_jsonl
+
+CORES_PER_RUN = 2       # cores one CPU run keeps busy (engine, learner, reward, feeder, Redis)
+STOP_WAIT_S = 120.0     # a run stopped with SIGINT has this long to stop its workers, then SIGKILL
+POLL_S = 0.5
+PLAIN_EVERY_S = 30.0    # a progress line this often when stderr is not a terminal
+LOG_TAIL = 15           # lines of a failed run's log shown and recorded
+STEP_TAIL_BYTES = 65536  # the end of metrics.jsonl read for the current step
+# Keys that differ between the runs of an experiment and its recorded baseline by design.
+PER_RUN_KEYS = {"job.seed", "run.runs_dir", "tracking.run_name", "tracking.group", "control.metrics_port"}
+
+
+class ExperimentError(ValueError):
+    """Bad input found before any run starts (exit 2)."""
+
+
+@dataclass
+class RunSpec:
+    """One run of an experiment: a value of the varied key (or the baseline) and a seed."""
+
+    group: str          # "learner.lr=1e-3", or "baseline"
+    value: str | None
+    seed: int
+    sets: list[str]     # every --set of the run
+    name: str           # tracking.run_name
+    home: Path          # the run's own runs directory
+    log: Path           # its output
+    steps: int
+
+    @property
+    def tag(self) -> str:
+        return f"{self.group} seed {self.seed}"
+
+
+@dataclass
+class Outcome:
+    spec: RunSpec
+    code: int | None    # None: never started (interrupted first)
+    wall_s: float = 0.0
+
+
+@dataclass
+class Plan:
+    """Everything decided before the first run starts."""
+
+    config: str
+    specs: list[RunSpec]
+    parallel: int
+    devices: list[list[str]] = field(default_factory=list)   # LIBRA_GPUS of each concurrent run; [] on CPU
+    notes: list[str] = field(default_factory=list)
+
+
+# --- planning (pure but for loading the config) ----------------------------------------------------------
+
+
+def parse_vary(text: str) -> tuple[str, list[str]]:
+    """``KEY=v1,v2,...`` -> (key, values)."""
+    key, sep, rest = text.partition("=")
+    values = [v.strip() for v in rest.split(",")] if sep else []
+    if not key.strip() or not values or any(not v for v in values):
+        raise ExperimentError(f"--vary {text!r}: expected KEY=v1,v2,..., e.g. --vary learner.lr=5e-4,1e-3")
+    if len(set(values)) != len(values):
+        raise ExperimentError(f"--vary {text!r}: a value appears twice")
+    return key.strip(), values
+
+
+def slug(text: str) -> str:
+    """A file name from a label: letters, digits and ``._-`` kept, ``=`` as ``-``, the rest ``_``."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text.replace("=", "-")).strip("_") or "run"
+
+
+def slots_per_run(cfg: Config) -> int:
+    """GPUs (or slots) one run's workers hold at the start."""
+    return (cfg.rollout.workers * cfg.rollout.tensor_parallel_size + cfg.learner.workers
+            + (cfg.reward.workers if cfg.control.reward_on_slots else 0))
+
+
+def default_parallel(per_run: int, devices: list[str], cpus: int) -> int:
+    """How many runs fit at once: the GPUs over a run's slots, else the cores over ``CORES_PER_RUN``."""
+    if devices:
+        return max(1, len(devices) // max(per_run, 1))
+    return max(1, cpus // CORES_PER_RUN)
+
+
+def choose_parallel(asked: int | None, per_run: int, devices: list[str], cpus: int,
+                    shared_redis: bool) -> tuple[int, list[list[str]], list[str]]:
+    """(runs at once, the GPUs of each, notes): ``asked`` or the default, within what the machine holds."""
+    notes = []
+    if shared_redis:
+        if asked and asked > 1:
+            notes.append("the runs share the Redis given by URL (and its controller): one at a time")
+        return 1, [], notes
+    n = asked or default_parallel(per_run, devices, cpus)
+    if not devices:
+        return n, [], notes
+    fit = len(devices) // max(per_run, 1)
+    if fit < 1:
+        return 1, [], [f"a run needs {per_run} GPUs and {len(devices)} are visible: one at a time, on all of them"]
+    if n > fit:
+        notes.append(f"--parallel {n} needs {n * per_run} GPUs, {len(devices)} visible: {fit} at a time")
+        n = fit
+    if n == 1:
+        return 1, [], notes
+    return n, [devices[i * per_run:(i + 1) * per_run] for i in range(n)], notes
+
+
+def visible_devices(env=os.environ) -> list[str]:
+    """The GPUs runs may use: ``$LIBRA_GPUS``, else those NVML counts; [] on a CPU machine."""
+    from pipeline.control.agent import GPUS_ENV, nvml_gpu_count
+
+    if env.get(GPUS_ENV, "").strip():
+        return [g.strip() for g in env[GPUS_ENV].split(",") if g.strip()]
+    return [str(i) for i in range(nvml_gpu_count())]
+
+
+def plan_runs(config: str, sets: list[str], groups: list[tuple[str, str | None, list[str]]], repeat: int,
+              exp_id: str, exp_dir: Path, parallel: int) -> list[RunSpec]:
+    """Every run: each group (label, value, its extra --set) times ``repeat`` seeds from the config's ``job.seed``.
+
+    Each config is loaded here, so a bad value stops the experiment (ConfigError,
+    exit 2) before anything runs.
+    """
+    if repeat < 1:
+        raise ExperimentError(f"--repeat {repeat}: run each value at least once")
+    specs = []
+    port_off = parallel > 1 and not any(s.partition("=")[0].strip() == "control.metrics_port" for s in sets)
+    for label, value, extra in groups:
+        cfg = config_mod.load(config, sets + extra)
+        for seed in range(cfg.job.seed, cfg.job.seed + repeat):
+            name = f"{cfg.job.name}-{label}-seed{seed}"
+            home = (exp_dir / "runs" / slug(f"{label}-seed{seed}")).resolve()
+            run_sets = sets + extra + [f"job.seed={seed}", f"run.runs_dir={json.dumps(str(home))}",
+                                       f"tracking.run_name={json.dumps(name)}",
+                                       f"tracking.group={json.dumps(exp_id)}"]
+            if port_off:   # every run starts its own controller: one port each would collide
+                run_sets.append("control.metrics_port=0")
+            specs.append(RunSpec(label, value, seed, run_sets, name, home,
+                                 exp_dir / "logs" / f"{slug(label)}-seed{seed}.log", cfg.job.steps))
+    return specs
+
+
+def make_plan(config: str, sets: list[str], groups, repeat: int, exp_id: str, exp_dir: Path,
+              asked: int | None) -> Plan:
+    cfgs = [config_mod.load(config, sets + extra) for _label, _value, extra in groups]
+    shared = any(resolve_url(c.redis.url) is not None for c in cfgs)
+    devices = [] if shared else visible_devices()
+    parallel, groups_of_devices, notes = choose_parallel(asked, max(slots_per_run(c) for c in cfgs), devices,
+                                                        os.cpu_count() or 1, shared)
+    specs = plan_runs(config, sets, groups, repeat, exp_id, exp_dir, parallel)
+    return Plan(config, specs, min(parallel, len(specs)), groups_of_devices, notes)
+
+
+def experiment_dir(out: str | None, cfg: Config, what: str) -> tuple[Path, str]:
+    """``--out`` or ``<runs_dir>/experiments/<time>-<job>-<what>``: a directory that holds no experiment yet."""
+    if out:
+        path = Path(out)
+        if (path / "experiment.json").exists() or (path / "baseline.json").exists():
+            raise ExperimentError(f"{path} already holds an experiment; choose another --out")
+        path.mkdir(parents=True, exist_ok=True)
+        return path, path.name
+    base = Path(cfg.run.runs_dir) / "experiments" / slug(f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.job.name}-{what}")
+    path, n = base, 1
+    while True:
+        try:
+            path.mkdir(parents=True)
+            return path, path.name
+        except FileExistsError:   # another experiment started this second
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
+
+
+# --- progress ---------------------------------------------------------------------------------------------
+
+
+def fmt_duration(s: float | None) -> str:
+    if s is None:
+        return "?"
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def eta_s(total: int, done: int, parallel: int, durations: list[float],
+          running: list[tuple[float, float | None]]) -> float | None:
+    """Seconds left: runs still to start, and the rest of the running ones, ``parallel`` at a time.
+
+    A run's length is the mean of the finished ones; before any finished, the
+    running ones' elapsed time over their share of steps done. ``running``:
+    (elapsed s, share of steps done or None) per running run.
+    """
+    if durations:
+        per_run = sum(durations) / len(durations)
+    else:
+        guesses = [el / share for el, share in running if share and share > 0.05]
+        if not guesses:
+            return None
+        per_run = sum(guesses) / len(guesses)
+    left = sum(max(per_run - el, 0.0) for el, _share in running)
+    queued = max(total - done - len(running), 0)
+    return (left + queued * per_run) / max(parallel, 1)
+
+
+def progress_line(done: int, total: int, running: list[str], elapsed: float, eta: float | None,
+                  width: int = 20) -> str:
+    filled = int(width * done / total) if total else width
+    now = " · ".join(running) if running else "starting"
+    return (f"[{'#' * filled}{'-' * (width - filled)}] {done}/{total} runs · {now} · "
+            f"{fmt_duration(elapsed)} elapsed · ETA {fmt_duration(eta)}")
+
+
+def current_step(home: Path) -> int | None:
+    """The last learner step of the run under ``home``, from the end of its metrics.jsonl."""
+    for path in home.glob("*/metrics.jsonl"):
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - STEP_TAIL_BYTES))
+                tail = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return None
+        for line in reversed(tail):
+            if '"learner_step"' in line:
+                try:
+                    return int(json.loads(line)["step"])
+                except (ValueError, KeyError):
+                    continue
+        return 0
+    return None
+
+
+class Progress:
+    """A progress bar redrawn in place on a terminal; a plain line every ``PLAIN_EVERY_S`` otherwise."""
+
+    def __init__(self, total: int, parallel: int, out):
+        self.total, self.parallel, self.out = total, parallel, out
+        self.tty = out.isatty()
+        self.t0 = time.monotonic()
+        self.durations: list[float] = []
+        self.last_plain = -math.inf
+        self.drawn = False
+
+    def say(self, line: str) -> None:
+        if self.tty and self.drawn:
+            print("\r\033[K", end="", file=self.out)
+            self.drawn = False
+        print(line, file=self.out, flush=True)
+
+    def show(self, done: int, running: list[tuple[RunSpec, float]]) -> None:
+        now = time.monotonic()
+        if not self.tty and now - self.last_plain < PLAIN_EVERY_S:
+            return
+        parts, shares = [], []
+        for spec, started in running:
+            step = current_step(spec.home)
+            parts.append(f"{spec.tag}: " + (f"step {step}/{spec.steps}" if step is not None else "starting"))
+            shares.append((now - started, step / spec.steps if step is not None and spec.steps else None))
+        line = progress_line(done, self.total, parts, now - self.t0,
+                             eta_s(self.total, done, self.parallel, self.durations, shares))
+        if self.tty:   # one line, cut to the terminal's width, or \r could not redraw it
+            width = shutil.get_terminal_size().columns - 1
+            print("\r\033[K" + (line if len(line) <= width else line[:width - 1] + "…"), end="", file=self.out,
+                  flush=True)
+            self.drawn = True
+        else:
+            print(line, file=self.out, flush=True)
+            self.last_plain = now
+
+
+# --- running ---------------------------------------------------------------------------------------------
+
+
+def tail(path: Path, lines: int = LOG_TAIL) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no output)"
+
+
+def start_run(config: str, spec: RunSpec, devices: list[str] | None) -> subprocess.Popen:
+    """``libra-ctl run`` of one spec in its own process group, output to its log; it dies with us (lifeline)."""
+    from pipeline.control.agent import GPUS_ENV
+
+    spec.home.mkdir(parents=True, exist_ok=True)
+    spec.log.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if devices:
+        env[GPUS_ENV] = ",".join(devices)
+    argv = [sys.executable, "-m", "pipeline.cli", "run", config, *sum((["--set", s] for s in spec.sets), [])]
+    with open(spec.log, "w") as log:
+        # start_new_session: a Ctrl-C at the terminal reaches us alone; we pass it on as SIGINT to the group
+        return spawn(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                     start_new_session=True)
+
+
+def stop_runs(procs: list[subprocess.Popen], wait_s: float | None = None) -> list[int]:
+    """SIGINT to each run's process group (a run stops its workers and Redis in order), SIGKILL after ``wait_s``.
+
+    All are asked at once, then waited for. A second Ctrl-C while waiting
+    kills the groups still there.
+    """
+    for proc in procs:
+        _signal_group(proc, signal.SIGINT)
+    deadline = time.monotonic() + (STOP_WAIT_S if wait_s is None else wait_s)
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            _signal_group(proc, signal.SIGKILL)
+            codes.append(proc.wait())
+    return codes
+
+
+def stop_run(proc: subprocess.Popen, wait_s: float | None = None) -> int:
+    return stop_runs([proc], wait_s)[0]
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)   # the run leads its group (start_new_session): only ours are reached
+    except ProcessLookupError:
+        pass   # it has ended already
+
+
+class Runner:
+    """Runs a plan's specs, ``parallel`` at a time, reporting each end; ``run()`` returns every outcome."""
+
+    def __init__(self, plan: Plan, out=None):
+        self.plan, self.out = plan, out or sys.stderr   # looked up now: a test may have replaced sys.stderr
+        self.progress = Progress(len(plan.specs), plan.parallel, self.out)
+        self.pending = deque(enumerate(plan.specs))
+        self.free: list[list[str] | None] = list(plan.devices) or [None] * plan.parallel   # GPUs of a free place
+        self.running: dict[int, tuple[RunSpec, subprocess.Popen, float, list[str] | None]] = {}
+        self.outcomes: dict[int, Outcome] = {}
+
+    def run(self) -> tuple[list[Outcome], bool]:
+        """(outcomes in plan order, interrupted); a spec never started has ``code`` None."""
+        # Ctrl-C, and SIGTERM as Ctrl-C, even when we were started with SIGINT ignored (a background job of a
+        # script): a signal we catch is reset to its default in the runs we start, so they can be stopped too.
+        previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+        interrupted = False
+        try:
+            while self.pending or self.running:
+                self._start_ready()
+                self._reap()
+                self.progress.show(len(self.outcomes), [(s, t) for s, _p, t, _d in self.running.values()])
+                if self.pending or self.running:
+                    time.sleep(POLL_S)
+        except KeyboardInterrupt:
+            interrupted = True
+            self._stop_all()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return [self.outcomes.get(i, Outcome(s, None)) for i, s in enumerate(self.plan.specs)], interrupted
+
+    def _start_ready(self) -> None:
+        while self.pending and self.free:
+            (i, spec), dev = self.pending.popleft(), self.free.pop(0)
+            self.running[i] = (spec, start_run(self.plan.config, spec, dev), time.monotonic(), dev)
+            self.progress.say(f"started {spec.tag}" + (f" on GPUs {','.join(dev)}" if dev else "")
+                              + f" (log: {spec.log})")
+
+    def _reap(self) -> None:
+        for i, (spec, proc, started, dev) in list(self.running.items()):
+            if proc.poll() is None:
+                continue
+            del self.running[i]
+            self.free.append(dev)
+            self.outcomes[i] = o = Outcome(spec, proc.returncode, time.monotonic() - started)
+            if o.code == 0:
+                self.progress.durations.append(o.wall_s)
+                self.progress.say(f"finished {spec.tag} in {fmt_duration(o.wall_s)}")
+            else:
+                self.progress.say(f"FAILED {spec.tag} (exit {o.code}); last lines of {spec.log}:\n"
+                                  + "\n".join("  | " + line for line in tail(spec.log).splitlines()))
+
+    def _stop_all(self) -> None:
+        self.progress.say(f"interrupted: stopping {len(self.running)} running run(s) (SIGINT; up to "
+                          f"{STOP_WAIT_S:.0f}s each to stop its workers)")
+        codes = stop_runs([proc for _s, proc, _t, _d in self.running.values()])
+        for (i, (spec, _proc, started, _dev)), code in zip(self.running.items(), codes):
+            self.outcomes[i] = Outcome(spec, code, time.monotonic() - started)
+            self.progress.say(f"stopped {spec.tag} (exit {code}); its run directory stays")
+        self.running.clear()
+
+
+def _raise_interrupt(signum, _frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+# --- figures of the finished runs --------------------------------------------------------------------------
+
+
+def run_dir_of(spec: RunSpec) -> Path | None:
+    dirs = sorted(p for p in spec.home.glob("*") if (p / "manifest.json").exists()) if spec.home.is_dir() else []
+    return dirs[-1] if dirs else None
+
+
+def run_record(o: Outcome) -> dict:
+    """What the experiment keeps of one run: who it was, how it ended, and its figures when it finished."""
+    spec = o.spec
+    run_dir = run_dir_of(spec)
+    rec = {"group": spec.group, "value": spec.value, "seed": spec.seed, "run_name": spec.name,
+           "run_dir": str(run_dir) if run_dir else None, "log": str(spec.log), "exit_code": o.code, "ok": False}
+    summary_path = run_dir / "summary.json" if run_dir else None
+    if o.code is None:
+        rec["error"] = "not run (interrupted)"
+    elif o.code != 0:
+        rec["error"] = tail(spec.log)
+    elif summary_path is None or not summary_path.exists():
+        rec["error"] = f"exit 0 but no summary.json under {spec.home}"
+    else:
+        lines = read_jsonl(run_dir / "metrics.jsonl")
+        rec.update(compare.run_figures(json.loads(summary_path.read_text()),
+                                       [x for x in lines if x.get("kind") == "learner_step"],
+                                       [x for x in lines if x.get("kind") == "sample"]))
+        rec["ok"] = True
+    return rec
+
+
+def noise_lines(success: list[float], effect: float) -> tuple[bool | None, float | None, list[str]]:
+    """(noisy, noise, lines to print) of the final held-out success over seeds."""
+    noisy, level = compare.is_noisy(success, effect), compare.noise(success)
+    how = "sd" if len(success) >= 3 else "half range"
+    if not success:
+        return None, None, ["noise: no run finished to measure it"]
+    if noisy is None:
+        return None, None, ["noise: one seed cannot measure it; run --repeat 2 or more (3 is the field guide's)"]
+    line = f"noise: final held-out success varies by {level:.1%} ({how} over {len(success)} seeds)"
+    if not noisy:
+        return False, level, [line + f", within the effect to detect ({effect:.1%})"]
+    return True, level, [line, f"WARNING: that is more than the effect you hope to detect ({effect:.1%}): this "
+                               "environment is too noisy to tune on. Fix it first (a larger job.eval_size, more "
+                               "job.steps, more seeds) or look for a larger effect (--effect)."]
+
+
+def print_unfinished(records: list[dict], out) -> None:
+    """A line for each run that did not finish: failed (exit code, last log line) or interrupted."""
+    for r in records:
+        if r["ok"]:
+            continue
+        how = ("not run" if r["exit_code"] is None else "interrupted" if r["exit_code"] in (130, -2)
+               else f"failed (exit {r['exit_code']})")
+        last = r["error"].splitlines()[-1] if r.get("error") else ""
+        print(f"{how}: {r['group']} seed {r['seed']}: {last} (log: {r['log']})", file=out)
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2))
+    os.replace(tmp, path)
+
+
+def _exit_code(records: list[dict], interrupted: bool) -> int:
+    return 130 if interrupted else 0 if all(r["ok"] for r in records) else 1
+
+
+# --- libra-ctl baseline -----------------------------------------------------------------------------------
+
+
+def baseline(config: str, sets: list[str], *, repeat: int = 3, out: str | None = None, parallel: int | None = None,
+             effect: float = compare.DEFAULT_EFFECT, stdout=None, err=None) -> int:
+    """The whole of ``libra-ctl baseline``; returns the exit code."""
+    stdout, err = stdout or sys.stdout, err or sys.stderr
+    cfg = config_mod.load(config, sets)
+    exp_dir, exp_id = experiment_dir(out, cfg, "baseline")
+    plan = make_plan(config, sets, [("baseline", None, [])], repeat, exp_id, exp_dir, parallel)
+    seeds = [s.seed for s in plan.specs]
+    print(f"baseline {exp_id}: {len(plan.specs)} runs of {config} (seeds {seeds[0]}..{seeds[-1]}), "
+          f"{plan.parallel} at a time; in {exp_dir}", file=err, flush=True)
+    for note in plan.notes:
+        print(f"note: {note}", file=err)
+    outcomes, interrupted = Runner(plan, err).run()
+    records = [run_record(o) for o in outcomes]
+    agg = compare.aggregate(records)
+    success = [r["success_final"] for r in records if r["ok"] and r.get("success_final") is not None]
+    noisy, level, lines = noise_lines(success, effect)
+    header, rows = compare.spread_table(agg)
+    doc = {"kind": "baseline", "id": exp_id, "config": config, "sets": sets, "seeds": seeds,
+           "resolved_config": cfg.to_dict(), "created_at": time.time(), "interrupted": interrupted,
+           "runs": records, "spread": agg, "target": agg["success_final"]["mean"],
+           "noisy": noisy, "noise": level, "effect": effect}
+    _write_json(exp_dir / "baseline.json", doc)
+    (exp_dir / "table.md").write_text(compare.render_markdown(header, rows))
+    print(f"\nbaseline {exp_id}: {agg['ok']}/{agg['runs']} runs finished"
+          f"{' (interrupted)' if interrupted else ''}; spread over seeds\n", file=stdout)
+    print(compare.render_text(header, rows) if rows else "(no run finished)", file=stdout)
+    print("\n" + "\n".join(lines), file=stdout)
+    print_unfinished(records, stdout)
+    print(f"\nrecorded: {exp_dir / 'baseline.json'}; compare against it with "
+          f"libra-ctl experiment {config} --vary KEY=v1,v2 --baseline {exp_dir}", file=stdout, flush=True)
+    return _exit_code(records, interrupted)
+
+
+# --- libra-ctl experiment ---------------------------------------------------------------------------------
+
+
+def load_baseline(path: str) -> dict:
+    f = Path(path) / "baseline.json" if Path(path).is_dir() else Path(path)
+    try:
+        doc = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise ExperimentError(f"--baseline {path}: no baseline.json there (libra-ctl baseline writes it)") from None
+    except json.JSONDecodeError as exc:
+        raise ExperimentError(f"--baseline {path}: {f} is not JSON: {exc}") from None
+    if doc.get("kind") != "baseline" or not isinstance(doc.get("runs"), list):
+        raise ExperimentError(f"--baseline {path}: {f} is not a baseline recorded by libra-ctl baseline")
+    return doc
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    """A config tree as {dotted key: value}; a table-valued field (``env.options``) stays one value."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and not prefix:
+            out.update(flat(v, f"{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_differences(base: dict, other: dict, key: str) -> list[str]:
+    """Keys (dotted) on which a run's config differs from the baseline's, besides the varied key and per-run keys."""
+    a, b = flat(base), flat(other)
+    return sorted(k for k in set(a) | set(b) if k != key and k not in PER_RUN_KEYS and a.get(k) != b.get(k))
+
+
+def judge(groups: list[dict], base: dict, target: float) -> None:
+    """Each group's runs put against ``target``, their aggregate, and the verdict against ``base``, in place."""
+    for g in [base] + [g for g in groups if g is not base]:
+        g["runs"] = [compare.with_target(r, target) if r.get("ok") else r for r in g["runs"]]
+        g["aggregate"] = compare.aggregate(g["runs"])
+    for g in groups:
+        g["verdict"] = ({"outcome": "baseline", "criteria": [], "summary": "the baseline"} if g is base
+                        else compare.verdict(base["aggregate"], g["aggregate"]))
+
+
+def experiment(config: str, sets: list[str], vary: str, *, repeat: int = 1, baseline_dir: str | None = None,
+               target: float | None = None, out: str | None = None, parallel: int | None = None,
+               effect: float = compare.DEFAULT_EFFECT, stdout=None, err=None) -> int:
+    """The whole of ``libra-ctl experiment``; returns the exit code."""
+    stdout, err = stdout or sys.stdout, err or sys.stderr
+    key, values = parse_vary(vary)
+    recorded = load_baseline(baseline_dir) if baseline_dir else None
+    cfg = config_mod.load(config, sets)
+    for v in values:   # a bad value fails here, before the experiment's directory exists
+        config_mod.load(config, sets + [f"{key}={v}"])
+    exp_dir, exp_id = experiment_dir(out, cfg, key)
+    plan = make_plan(config, sets, [(f"{key}={v}", v, [f"{key}={v}"]) for v in values], repeat, exp_id, exp_dir,
+                     parallel)
+    warnings = list(plan.notes)
+    if recorded:
+        diff = config_differences(recorded.get("resolved_config", {}),
+                                  config_mod.load(config, sets + [f"{key}={values[0]}"]).to_dict(), key)
+        if diff:
+            warnings.append(f"these runs differ from the recorded baseline in more than {key}: {', '.join(diff)}")
+    print(f"experiment {exp_id}: {key} in {{{', '.join(values)}}} x {repeat} seed(s) = {len(plan.specs)} runs, "
+          f"{plan.parallel} at a time; baseline: "
+          f"{'recorded in ' + str(baseline_dir) if recorded else f'the first value ({key}={values[0]})'}; "
+          f"in {exp_dir}", file=err, flush=True)
+    for w in warnings:
+        print(f"note: {w}", file=err)
+    outcomes, interrupted = Runner(plan, err).run()
+    records = [run_record(o) for o in outcomes]
+    groups = [{"label": f"{key}={v}", "value": v, "runs": [r for r in records if r["value"] == v]} for v in values]
+    if recorded:
+        base = {"label": "baseline", "value": None, "recorded": str(baseline_dir), "runs": recorded["runs"]}
+        groups.insert(0, base)
+        base_source = f"recorded in {baseline_dir}"
+    else:
+        base, base_source = groups[0], "the first value's runs"
+    base_success = [r["success_final"] for r in base["runs"] if r.get("ok") and r.get("success_final") is not None]
+    if target is None:
+        target = sum(base_success) / len(base_success) if base_success else 1.0
+        target_source = "the baseline's mean final held-out success"
+    else:
+        target_source = "--target"
+    judge(groups, base, target)
+    start = base["aggregate"]["success_start"]["mean"]
+    if start is not None and start >= target:
+        warnings.append(f"the target ({target:.1%}) is no higher than the baseline's held-out success at the start "
+                        f"({start:.1%}): every run reaches it at once; give a higher --target")
+    noisy, level, lines = noise_lines(base_success, effect)
+    if noisy:
+        warnings.append(" ".join(lines[1:]))
+    if interrupted:
+        warnings.append("interrupted: runs that did not finish are missing from the figures")
+    failed = [r for r in records if not r["ok"]]
+    doc = {"kind": "experiment", "id": exp_id, "config": config, "sets": sets, "key": key, "values": values,
+           "repeat": repeat, "seeds": sorted({r["seed"] for r in records}), "created_at": time.time(),
+           "interrupted": interrupted, "baseline": {"label": base["label"], "source": base_source},
+           "target": target, "target_source": target_source, "noisy": noisy, "noise": level, "effect": effect,
+           "floor": compare.NO_WORSE_FLOOR, "warnings": warnings, "groups": groups}
+    _write_json(exp_dir / "experiment.json", doc)
+    header, rows = compare.comparison_table(groups, target)
+    note = (f"\nmean ± sd over seeds {', '.join(map(str, doc['seeds']))}; target {target:.1%} held-out success "
+            f"({target_source}); baseline: {base['label']} ({base_source}).\n")
+    (exp_dir / "table.md").write_text(compare.render_markdown(header, rows) + note)
+    from pipeline.observe import compare_report
+
+    page, svg = compare_report.write(doc, exp_dir)
+    print_experiment(doc, header, rows, lines, failed, exp_dir, page, svg, stdout)
+    return _exit_code(records, interrupted)
+
+
+def print_experiment(doc: dict, header, rows, noise: list[str], failed: list[dict], exp_dir: Path, page: Path,
+                     svg: Path, out) -> None:
+    print(f"\nexperiment {doc['id']}: {doc['key']}, target {doc['target']:.1%} held-out success "
+          f"({doc['target_source']})\n", file=out)
+    print(compare.render_text(header, rows), file=out)
+    print(f"\nverdict against the baseline ({doc['baseline']['label']}, {doc['baseline']['source']}):", file=out)
+    for g in doc["groups"]:
+        if g["verdict"]["outcome"] == "baseline":
+            continue
+        print(f"  {g['label']}: {g['verdict']['summary']}", file=out)
+        for c in g["verdict"]["criteria"]:
+            mark = "ok" if c["ok"] else "??" if c["ok"] is None else "NO"
+            print(f"    [{mark}] {c['name']}: {c['detail']}", file=out)
+    print("\n" + "\n".join(noise), file=out)
+    for w in doc["warnings"]:
+        if not w.startswith("WARNING"):
+            print(f"note: {w}", file=out)
+    print_unfinished(failed, out)
+    print(f"\nwritten: {exp_dir / 'experiment.json'}, {exp_dir / 'table.md'}, {page}, {svg}", file=out, flush=True)
+
+
+# --- the commands -----------------------------------------------------------------------------------------
+
+
+def _guarded(fn, args, **kwargs) -> int:
+    try:
+        return fn(args.config, args.set or [], **kwargs)
+    except ExperimentError as exc:
+        print(f"libra-ctl {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_baseline(args) -> int:
+    return _guarded(baseline, args, repeat=args.repeat, out=args.out, parallel=args.parallel, effect=args.effect)
+
+
+def cmd_experiment(args) -> int:
+    return _guarded(experiment, args, vary=args.vary, repeat=args.repeat, baseline_dir=args.baseline,
+                    target=args.target, out=args.out, parallel=args.parallel, effect=args.effect)
+
+
+def _common(p, repeat: int) -> None:
+    p.add_argument("config", help="job TOML file, e.g. examples/quickstart.toml")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field in every run (repeatable)")
+    p.add_argument("--repeat", type=int, default=repeat, metavar="K",
+                   help=f"seeds per value: job.seed = base, base+1, ... (default {repeat})")
+    p.add_argument("--out", metavar="DIR", help="the experiment's directory (default: <run.runs_dir>/experiments/<id>)")
+    p.add_argument("--parallel", type=int, metavar="N",
+                   help="runs at once (default: as many as fit: the GPUs over a run's slots, else the cores / "
+                        f"{CORES_PER_RUN})")
+    p.add_argument("--effect", type=float, default=compare.DEFAULT_EFFECT, metavar="S",
+                   help="the held-out success difference you hope to detect; seeds that disagree by more make the "
+                        f"environment too noisy to tune on (default {compare.DEFAULT_EFFECT})")
+
+
+def add_commands(sub) -> None:
+    b = sub.add_parser("baseline", help="run a job over K seeds; the spread of the four metric kinds, a noise check",
+                       description="Run CONFIG --repeat times (job.seed = base, base+1, ...), record baseline.json "
+                                   "and print the spread over seeds of throughput, slot use, queues and quality; "
+                                   "warn when seeds disagree on held-out success by more than --effect.")
+    _common(b, repeat=3)
+    b.set_defaults(func=cmd_baseline)
+    e = sub.add_parser("experiment", help="vary one config key over values x seeds; compare with the baseline",
+                       description="Run CONFIG for every value of one key x --repeat seeds, then compare each value "
+                                   "against the baseline (--baseline DIR, else the first value): time to the "
+                                   "target success, slot busy share and its fluctuation, queues, reward and success; "
+                                   "the field guide's verdict; experiment.json, table.md, report.html, curves.svg.")
+    _common(e, repeat=3)
+    e.add_argument("--vary", required=True, metavar="KEY=v1,v2",
+                   help="the one key to vary and its values, e.g. learner.batch_size=128,256")
+    e.add_argument("--baseline", metavar="DIR", help="a baseline recorded by libra-ctl baseline (its directory)")
+    e.add_argument("--target", type=float, metavar="S",
+                   help="held-out success to time (default: the baseline's mean final held-out success)")
+    e.set_defaults(func=cmd_experiment)
