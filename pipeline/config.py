@@ -182,6 +182,9 @@ class LearnerConfig:
                        "at this value")
     is_mask: float = _f(0.0, "decoupled: tokens whose behaviour importance weight is above this or below its "
                         "inverse are masked out of the loss (0: no masking)")
+    trust_clip: float = _f(0.2, "decoupled: a token whose behaviour importance weight shows it already moved more "
+                           "than this since it was sampled, in its advantage's direction, gets no gradient (PPO's "
+                           "trust region against the behaviour policy; 0: off)")
     dual_clip: float = _f(3.0, "for a negative advantage the clipped term is bounded below by dual_clip x "
                           "advantage (dual-clip PPO), so a large ratio cannot weigh without limit (0: off)")
     advantage: str = _f("grpo", "grpo: (r - mean) / std within each group, loss averaged over the batch's policy "
@@ -434,6 +437,7 @@ def validate(cfg: Config) -> None:
          f"{lr.mini_batches} is more than the batch's groups ({lr.batch_size // ro.group_size})")
     need(lr.is_cap >= 1.0, "learner.is_cap", f"{lr.is_cap:g}: the truncation must be >= 1, e.g. 2")
     need(lr.is_mask == 0.0 or lr.is_mask > 1.0, "learner.is_mask", f"{lr.is_mask:g}: use 0 (off) or a bound > 1, e.g. 5")
+    need(0.0 <= lr.trust_clip < 1.0, "learner.trust_clip", f"{lr.trust_clip:g}: use 0 (off) or a share below 1, e.g. 0.2")
     need(lr.dual_clip == 0.0 or lr.dual_clip > 1.0, "learner.dual_clip", f"{lr.dual_clip:g}: use 0 (off) or > 1, e.g. 3")
     need(lr.advantage in ("grpo", "dr_grpo"), "learner.advantage", f"{lr.advantage!r}: use grpo or dr_grpo")
     need(lr.dynamic_sampling_max >= 1.0, "learner.dynamic_sampling_max", "must be >= 1 (batches' worth read per step)")

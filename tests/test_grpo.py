@@ -147,3 +147,16 @@ def test_token_counts_add_up_and_keep_the_max():
     a.add(b)
     assert (a.tokens, a.clipped, a.log_ratio_max) == (5, 2, 0.5)
     assert TokenCounts.from_list(a.as_list()) == a
+
+
+def test_trust_clip_stops_pushing_a_token_that_already_moved_its_advantages_way():
+    """w = prox / behaviour: 0.5 (fell) and 1.5 (rose). A negative advantage stops pushing the fallen token,
+    a positive one the risen token; each keeps the token that moved against it, with its truncated weight."""
+    new = [torch.tensor([0.0, 0.0], requires_grad=True)]
+    behav = [torch.log(torch.tensor([2.0, 1 / 1.5]))]   # prox = 0: w = 0.5, 1.5
+    for adv, kept in ((-1.0, 1), (1.0, 0)):
+        loss, st = _decoupled(new, [new[0].detach()], behav, [torch.ones(2)], [adv], trust_clip=0.2, total_tokens=2)
+        (g,) = torch.autograd.grad(loss, new)
+        assert g[1 - kept] == 0 and g[kept] != 0 and (st.counts.tokens, st.counts.masked) == (1, 1)
+    off, _ = _decoupled(new, [new[0].detach()], behav, [torch.ones(2)], [-1.0], trust_clip=0.0, total_tokens=2)
+    assert all(torch.autograd.grad(off, new)[0] != 0)

@@ -253,7 +253,8 @@ def accumulate_gradients(model, active: list, cfg: LearnerConfig, temperature: f
         if cfg.objective == "decoupled":
             prox = [r.prox.to(device) if r.prox is not None else n.detach() for r, n in zip(chunk, new)]
             loss, st = decoupled_loss(new, prox, old, masks, adv, clip_eps=cfg.clip_eps, is_cap=cfg.is_cap,
-                                      is_mask=cfg.is_mask, dual_clip=cfg.dual_clip, total_tokens=total_tokens)
+                                      is_mask=cfg.is_mask, dual_clip=cfg.dual_clip, total_tokens=total_tokens,
+                                      trust_clip=cfg.trust_clip)
         else:
             loss, st = clipped_loss(new, old, masks, adv, cfg.clip_eps, total_tokens)
         loss.backward()
