@@ -170,6 +170,23 @@ def test_time_is_not_down_when_fewer_runs_reach_the_target():
     assert by_name(neither)["time down"] is None and neither["outcome"] in ("inconclusive", "not better")
 
 
+def test_reaching_the_target_in_more_runs_counts_the_misses_at_their_wall_time():
+    """Baseline 2 of 3 runs (48 s, 82 s, one never within its 107 s), candidate 3 of 3 (40, 88, 89 s): comparing
+    only the runs that reached it says 72 s vs 65 s, slower; with the miss counted as at least 107 s the baseline
+    took at least 79 s on average, and the candidate's 72 s is down."""
+    def timed(times, walls):
+        return [{**r, "time_to_target_bound_s": t if t is not None else w, "wall_s": w}
+                for r, t, w in zip(runs(times, [0.1] * 3, [0.5] * 3, [0.45] * 3), times, walls)]
+    base = compare.aggregate(timed([48, 82, None], [111, 119, 107]))
+    cand = compare.aggregate(timed([40, 88, 89], [102, 116, 126]))
+    crit = compare.time_down(base, cand)
+    assert crit.ok is True and "at least 79 s" in crit.detail
+    slow = compare.aggregate(timed([40, 100, 110], [102, 116, 126]))   # 83 s: not below the baseline's bound
+    assert compare.time_down(base, slow).ok is None
+    bound = compare.with_target({"curve": [{"success": 0.1, "t_s": 0, "trajectories": 0}], "wall_s": 99.0}, 0.5)
+    assert bound["time_to_target_s"] is None and bound["time_to_target_bound_s"] == 99.0
+
+
 def test_unknown_fluctuation_makes_it_inconclusive_not_better():
     cand = compare.aggregate(runs([80, 90, 85], [None] * 3, [0.5] * 3, [0.42] * 3))
     v = compare.verdict(BASE, cand)
