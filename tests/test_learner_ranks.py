@@ -225,8 +225,14 @@ def two_ranks_vs_one(tmp_path: Path, policy_dir: Path, extra: tuple[str, ...] = 
             assert two.weight_spread == 0.0               # rank 1 holds exactly rank 0's weights
             assert two.optimizer_steps == one.optimizer_steps == cfg.learner.mini_batches
             assert (two.tokens, two.fresh_n) == (one.tokens, one.fresh_n) and two.tokens > 0
-            assert two.loss == pytest.approx(one.loss, rel=1e-5, abs=1e-7)
-            assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
+            # One mini-batch: the same batch gradient to float rounding. Several: every mini-batch after the
+            # first is taken at weights AdamW's steps have set apart by that rounding (see _assert_same_update),
+            # measured: the second step's gradient norm 0.404825 vs 0.40483 (1.2e-5 apart) with 2 mini-batches.
+            tol = 1e-5 if cfg.learner.mini_batches == 1 else 1e-4
+            print(f"step {step + 1}: loss {one.loss:.6g} vs {two.loss:.6g}, grad norm {one.grad_norm:.6g} vs "
+                  f"{two.grad_norm:.6g}")
+            assert two.loss == pytest.approx(one.loss, rel=tol, abs=1e-7)
+            assert two.grad_norm == pytest.approx(one.grad_norm, rel=tol)
             assert two.clip_weighted / two.clip_weight == pytest.approx(one.clip_weighted / one.clip_weight, abs=1e-6)
             if step == 0:
                 # With several mini-batches the last one's gradient is taken at weights one AdamW step
