@@ -53,7 +53,7 @@ STAT_GAUGES = (  # learner stats key -> (metric, help)
     ("reward_std", "libra_reward_std", "Standard deviation of the last learner step's rewards."),
     ("success_rate", "libra_success_ratio", "Share of the last learner step's trajectories that solved the task."),
     ("loss", "libra_learner_loss", "GRPO loss of the last learner step."),
-    ("entropy", "libra_policy_entropy_nats", "Mean negative behaviour log-prob per policy token (nats)."),
+    ("entropy", "libra_policy_entropy_nats", "Mean entropy of the current policy per trained policy token (nats)."),
     ("staleness_mean", "libra_staleness_mean_versions", "Mean staleness of the last step's trajectories."),
     ("grad_norm", "libra_learner_grad_norm", "Gradient norm of the last learner step, before clipping."),
 )
