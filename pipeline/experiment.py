@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import config as config_mod
-from pipeline.config import Config
+from pipeline.config import Config, check_path
 from pipeline.dataplane.lifeline import spawn
 from pipeline.dataplane.redisconn import resolve_url
 from pipeline.observe import compare
@@ -632,22 +632,52 @@ def experiment(config: str, sets: list[str], vary: str, *, repeat: int = 1, base
         warnings.append(" ".join(lines[1:]))
     if interrupted:
         warnings.append("interrupted: runs that did not finish are missing from the figures")
-    failed = [r for r in records if not r["ok"]]
     doc = {"kind": "experiment", "id": exp_id, "config": config, "sets": sets, "key": key, "values": values,
            "repeat": repeat, "seeds": sorted({r["seed"] for r in records}), "created_at": time.time(),
            "interrupted": interrupted, "baseline": {"label": base["label"], "source": base_source},
            "target": target, "target_source": target_source, "noisy": noisy, "noise": level, "effect": effect,
            "floor": compare.NO_WORSE_FLOOR, "warnings": warnings, "groups": groups}
+    write_experiment(doc, exp_dir, stdout)
+    return _exit_code(records, interrupted)
+
+
+def write_experiment(doc: dict, exp_dir: Path, stdout) -> None:
+    """experiment.json, table.md, report.html and curves.svg of a judged experiment (the baseline is its first
+    group), and the table and verdicts printed."""
+    groups, target = doc["groups"], doc["target"]
+    base = groups[0]
     _write_json(exp_dir / "experiment.json", doc)
     header, rows = compare.comparison_table(groups, target)
     note = (f"\nmean ± sd over seeds {', '.join(map(str, doc['seeds']))}; target {target:.1%} held-out success "
-            f"({target_source}); baseline: {base['label']} ({base_source}).\n")
+            f"({doc['target_source']}); baseline: {base['label']} ({doc['baseline']['source']}).\n")
     (exp_dir / "table.md").write_text(compare.render_markdown(header, rows) + note)
     from pipeline.observe import compare_report
 
     page, svg = compare_report.write(doc, exp_dir)
+    base_success = [r["success_final"] for r in base["runs"] if r.get("ok") and r.get("success_final") is not None]
+    _noisy, _level, lines = noise_lines(base_success, doc["effect"])
+    failed = [r for g in groups for r in g["runs"] if not r.get("ok", True)]
     print_experiment(doc, header, rows, lines, failed, exp_dir, page, svg, stdout)
-    return _exit_code(records, interrupted)
+
+
+def rejudge(exp_dir: str, target: float | None = None, stdout=None) -> int:
+    """Judge a finished experiment again from its records, with another ``target`` or this version's rules,
+    without running anything; rewrites its outputs. Returns the exit code."""
+    stdout = stdout or sys.stdout
+    home = Path(check_path("experiment directory", exp_dir))
+    path = home / "experiment.json"
+    if not path.is_file():
+        raise ExperimentError(f"{home} holds no experiment.json: give a directory libra-ctl experiment wrote")
+    doc = json.loads(path.read_text())
+    if doc.get("kind") != "experiment" or not doc.get("groups"):
+        raise ExperimentError(f"{path} is not an experiment's record")
+    if target is not None:
+        if not 0.0 < target <= 1.0:
+            raise ExperimentError(f"--target {target:g}: a held-out success rate in (0, 1]")
+        doc["target"], doc["target_source"] = target, "--target"
+    judge(doc["groups"], doc["groups"][0], doc["target"])
+    write_experiment(doc, home, stdout)
+    return 0
 
 
 def print_experiment(doc: dict, header, rows, noise: list[str], failed: list[dict], exp_dir: Path, page: Path,
@@ -691,6 +721,14 @@ def cmd_experiment(args) -> int:
                     target=args.target, out=args.out, parallel=args.parallel, effect=args.effect)
 
 
+def cmd_rejudge(args) -> int:
+    try:
+        return rejudge(args.dir, target=args.target)
+    except ExperimentError as exc:
+        print(f"libra-ctl rejudge: {exc}", file=sys.stderr)
+        return 2
+
+
 def _common(p, repeat: int) -> None:
     p.add_argument("config", help="job TOML file, e.g. examples/quickstart.toml")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field in every run (repeatable)")
@@ -724,3 +762,10 @@ def add_commands(sub) -> None:
     e.add_argument("--target", type=float, metavar="S",
                    help="held-out success to time (default: the baseline's mean final held-out success)")
     e.set_defaults(func=cmd_experiment)
+    j = sub.add_parser("rejudge", help="judge a finished experiment again from its records (another --target)",
+                       description="Recompute an experiment's figures to the target, aggregates and verdicts from "
+                                   "its experiment.json, without running anything, and rewrite its table, page "
+                                   "and curves.")
+    j.add_argument("dir", help="the experiment's directory (holding experiment.json)")
+    j.add_argument("--target", type=float, metavar="S", help="held-out success to time (default: the recorded one)")
+    j.set_defaults(func=cmd_rejudge)

@@ -289,8 +289,10 @@ def test_bad_input_exits_2_before_any_run(tmp_path, fake_runs, capsys):
 
 # --- the real thing -----------------------------------------------------------------------------------------
 
+# Samples every 0.5 s: the two training steps last a few seconds, and the fluctuation (an sd over time) needs two
+# samples taken while the job trains; at 1 s a run sometimes had one (slot_busy_sd None).
 TINY = ["job.steps=2", "job.eval_size=16", "job.eval_every=1", "learner.batch_size=32", "rollout.groups_per_call=4",
-        "metrics.interval_s=1", "learner.checkpoint_every=2"]
+        "metrics.interval_s=0.5", "learner.checkpoint_every=2"]
 
 
 def libra(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -345,3 +347,23 @@ def test_real_experiment_against_the_baseline(real_baseline, tmp_path):
     assert "verdict against the baseline" in proc.stdout and "learner.lr=1e-3" in proc.stdout
     for name in ("table.md", "report.html", "curves.svg"):
         assert (tmp_path / "e" / name).stat().st_size > 0
+
+
+def test_rejudge_recomputes_an_experiment_with_another_target_without_running(tmp_path, fake_runs, capsys):
+    assert ex.experiment(QUICK, [], "learner.lr=5e-4,1e-3", repeat=1, out=str(tmp_path / "e"), parallel=2) == 0
+    before = json.loads((tmp_path / "e" / "experiment.json").read_text())
+    started = len(fake_runs)
+    capsys.readouterr()
+    assert ex.rejudge(str(tmp_path / "e"), target=0.3) == 0
+    assert len(fake_runs) == started                                    # nothing ran
+    doc = json.loads((tmp_path / "e" / "experiment.json").read_text())
+    assert (doc["target"], doc["target_source"]) == (0.3, "--target") and before["target"] != 0.3
+    fast = doc["groups"][1]["runs"][0]
+    # the fake's seed-0 curve (1e-3): 0.1, 0.2, 0.3, ... at 5 s a version: 0.3 at version 2, 10 s after its start
+    assert fast["time_to_target_s"] == pytest.approx(10.0)
+    assert "target 30.0% held-out success (--target)" in (tmp_path / "e" / "table.md").read_text()
+    assert "learner.lr=1e-3:" in capsys.readouterr().out
+    with pytest.raises(ex.ExperimentError, match="holds no experiment.json"):
+        ex.rejudge(str(tmp_path))
+    with pytest.raises(ex.ExperimentError, match="--target"):
+        ex.rejudge(str(tmp_path / "e"), target=1.5)
