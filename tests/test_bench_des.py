@@ -190,14 +190,15 @@ def test_json_shape(tmp_path):
     assert "libra/static" in bench_allocator.format_table(res)
 
 
-def test_multi_job_parses_but_is_rejected(tmp_path):
+def test_multi_job_parses(tmp_path):
+    # the pool's modes are tested in tests/test_bench_multijob.py
     text = TINY.replace("[job]", "[[jobs]]\nmin_gpus = 1\nmax_gpus = 4\npriority = 1").replace(
         "[[phase]]", "[[jobs.phase]]")
     text += text[text.index("[[jobs]]"):]                       # a second job
     wl = parse_workload(tomllib.loads(text), "multi.toml")
-    assert len(wl.jobs) == 2 and wl.jobs[0].max_gpus == 4
-    with pytest.raises(WorkloadError, match="multi-job workloads are not supported yet"):
-        bench_allocator.run_bench(write(tmp_path, text), "ideal")
+    assert len(wl.jobs) == 2 and wl.jobs[0].max_gpus == 4 and [j.name for j in wl.jobs] == ["job0", "job1"]
+    with pytest.raises(WorkloadError, match="declares 2 \\[\\[jobs\\]\\]: this path runs one job"):
+        simulate_sync(wl, 0)
 
 
 @pytest.mark.parametrize("edit,key", [
@@ -239,6 +240,8 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert _cli(["policy", str(tmp_path / "missing.toml")]) == 2
     assert _cli(["policy", str(wl), "--modes", "sync,fastest"]) == 2
     assert "unknown mode 'fastest'" in capsys.readouterr().err
-    multi = TINY.replace("[job]", "[[jobs]]").replace("[[phase]]", "[[jobs.phase]]")
-    assert _cli(["policy", str(write(tmp_path, multi, "m.toml")), "--modes", "ideal"]) == 2
-    assert "multi-job" in capsys.readouterr().err
+    multi = write(tmp_path, TINY.replace("[job]", "[[jobs]]").replace("[[phase]]", "[[jobs.phase]]"), "m.toml")
+    assert _cli(["policy", str(multi), "--modes", "sync,static-best"]) == 2
+    assert "not applicable to multi-job workloads" in capsys.readouterr().err
+    assert _cli(["policy", str(multi), "--engine", "live"]) == 2
+    assert "the live engine runs one job" in capsys.readouterr().err

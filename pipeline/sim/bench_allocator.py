@@ -7,7 +7,8 @@ discrete-event engine (``pipeline.sim.des``), and with ``engine="live"`` also
 runs the asynchronous modes on the real control plane (``pipeline.sim.bench_live``);
 it returns the README's JSON shape, plus per-mode timelines under the extra key
 ``details`` (kept out of ``--json``). ``format_table`` is the terminal view, ``plot`` the picture of
-allocation and throughput over time.
+allocation and throughput over time. A multi-job workload (``[[jobs]]``) runs
+on the des engine through ``pipeline.sim.bench_pool``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pipeline.sim import des, fluid
+from pipeline.control.allocator import AdmissionError
+from pipeline.sim import bench_pool, des, fluid
 from pipeline.sim.result import ModeResult
 from pipeline.sim.sync import simulate_sync
 from pipeline.sim.bench_live import LIVE_MODES, LiveBench, LiveEngineError, LiveSettings
@@ -45,15 +47,20 @@ def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed:
     the modes of ``bench_live.LIVE_MODES`` run on the control plane
     (``live`` settings) after the des engine has run every mode, and the
     result adds ``engine`` and ``live_vs_des`` (each live mode's rate over
-    its des rate). Raises WorkloadError for a bad or multi-job workload,
-    BenchInputError for an unknown mode or engine or a workload the live
-    engine cannot run, LiveEngineError when a live run fails.
+    its des rate). A multi-job workload runs ``bench_pool``'s modes instead
+    and adds ``jobs`` (their names), per-job figures under each mode's
+    ``jobs``, and ``not_applicable`` (modes asked that have no multi-job
+    meaning). Raises WorkloadError for a bad workload (or job minimums the
+    pool cannot hold), BenchInputError for an unknown mode or engine or a
+    workload the live engine cannot run, LiveEngineError when a live run fails.
     """
     modes = _check_modes(modes)
     if engine not in ENGINES:
         raise BenchInputError(f"unknown engine {engine!r}: use {' or '.join(ENGINES)}")
     wl = load_workload(workload_path)
-    job = wl.job            # raises for multi-job workloads
+    if wl.multi_job:
+        return _run_pool(wl, modes, engine, seed, report or (lambda line: None))
+    job = wl.job
     seed = job.seed if seed is None else seed
     say = report or (lambda line: None)
     live = live or LiveSettings()
@@ -83,6 +90,27 @@ def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed:
         out["live_vs_des"] = {m: results[m].trajectories_per_s / by_des[m].trajectories_per_s
                               for m in modes if details[m]["engine"] == "live" and by_des[m].trajectories_per_s}
     out.update(modes={m: results[m].report() for m in modes}, ratios=_ratios(results), details=details)
+    return out
+
+
+def _run_pool(wl, modes: list[str], engine: str, seed: int | None, say: Report) -> dict:
+    """A multi-job workload on the des engine: the modes that apply to a pool, and why the others do not."""
+    if engine == "live":
+        raise BenchInputError(f"{wl.source}: the live engine runs one job; run this {len(wl.jobs)}-job workload "
+                              "with --engine des")
+    skipped = [m for m in modes if m not in bench_pool.POOL_MODES]
+    for m in skipped:
+        say(f"{m}: not applicable to multi-job workloads ({bench_pool.NOT_APPLICABLE[m]})")
+    runnable = [m for m in modes if m in bench_pool.POOL_MODES]
+    if not runnable:
+        raise BenchInputError(f"{', '.join(skipped)}: not applicable to multi-job workloads; "
+                              f"choose from {','.join(bench_pool.POOL_MODES)}")
+    try:
+        out = bench_pool.run_pool_bench(wl, runnable, seed, say)
+    except AdmissionError as exc:
+        raise WorkloadError(f"{wl.source}: {exc}: lower the jobs' min_gpus or add GPUs to [cluster]") from None
+    if skipped:
+        out["not_applicable"] = {m: bench_pool.NOT_APPLICABLE[m] for m in skipped}
     return out
 
 
@@ -172,8 +200,12 @@ def _throttled(say: Report, mode: str, every_s: float = 2.0):
 
 
 def readme_json(result: dict) -> dict:
-    """The README's JSON shape: the result without its ``details`` (a live run adds its two keys)."""
-    return {k: result[k] for k in ("workload", "engine", "live_vs_des", "modes", "ratios") if k in result}
+    """The README's JSON shape: the result without its ``details``.
+
+    A live run adds ``engine`` and ``live_vs_des``; a multi-job run ``jobs`` and ``not_applicable``.
+    """
+    return {k: result[k] for k in ("workload", "engine", "live_vs_des", "jobs", "modes", "ratios", "not_applicable")
+            if k in result}
 
 
 # --- terminal table -----------------------------------------------------------
@@ -187,6 +219,8 @@ _COLUMNS = (("mode", "{}", "mode"), ("traj/s", "{:.2f}", "trajectories_per_s"),
 
 def format_table(result: dict) -> str:
     """A fixed-width table, one row per mode, then the ratios (times are simulated seconds)."""
+    if "jobs" in result:
+        return bench_pool.format_pool_table(result)
     rows = [[c[0] for c in _COLUMNS]]
     for mode, m in result["modes"].items():
         row = []
@@ -222,11 +256,16 @@ def plot(result: dict, path: str | Path) -> None:
 
     sync is colocated (every GPU does every stage), so it has no allocation
     line and its throughput is drawn as its run average. Needs matplotlib (an
-    optional dependency): raises ImportError if it is missing.
+    optional dependency): raises ImportError if it is missing. A multi-job
+    result draws each job's GPUs and throughput instead (``bench_pool.plot_pool``).
     """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if "jobs" in result:
+        bench_pool.plot_pool(result, path, plt)
+        return
 
     fig, (ax_a, ax_r) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     end = 0.0

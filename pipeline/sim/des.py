@@ -37,12 +37,20 @@ Modes: ``sync`` and ``ideal`` need no engine (``pipeline.sim.sync``,
 ``pipeline.sim.fluid``); ``static``, ``static-best`` and ``libra`` run this
 one (``simulate_async``), libra calling ``allocator.plan`` every control
 interval with metrics measured inside the simulation.
+
+A multi-job workload runs one ``AsyncSim`` per job on one clock
+(``pipeline.sim.pool``): each sees the whole pool, with the GPUs it does not
+hold away; the pool steps them (``next_time``, ``advance_to``,
+``handle_due_events``, ``settle``), measures them (``measure``), carries out
+their new splits (``roles.moves``, ``leave``) and moves GPUs between them
+(``hand_off``, ``join``).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -52,7 +60,7 @@ from pipeline.control.allocator import Allocation
 from pipeline.control.job import plan_config
 from pipeline.sim.meter import Gauges, Meter, StepSample
 from pipeline.sim.result import ModeResult, Progress, hist_quantile
-from pipeline.sim.roles import LEARNER, ROLLOUT, SWITCHING, Roles
+from pipeline.sim.roles import AWAY, LEARNER, ROLLOUT, SWITCHING, Roles
 from pipeline.sim.stages import Admission, Groups, Grow, RewardPool, RolloutSlots
 from pipeline.sim.workload import Workload
 
@@ -80,7 +88,7 @@ def _default_dt(wl: Workload) -> float:
     return float(min(2.0, max(0.05, slot / 30)))
 
 
-def _job_spec(wl: Workload) -> allocator.JobSpec:
+def job_spec(wl: Workload) -> allocator.JobSpec:
     """The job as libra's policy sees it: reward GPUs only when reward runs on GPUs."""
     job = wl.job
     rb = allocator.RoleBounds(1, wl.cluster.gpus) if wl.reward.gpu else allocator.RoleBounds(0, 0)
@@ -96,7 +104,7 @@ class AsyncSim:
     """
 
     def __init__(self, wl: Workload, alloc: Allocation, seed: int, control: ControlConfig | None = None,
-                 dt: float | None = None, progress: Progress | None = None):
+                 dt: float | None = None, progress: Progress | None = None, held: np.ndarray | None = None):
         self.wl, self.job = wl, wl.job
         self.G, self.C = wl.cluster.gpus, wl.rollout.concurrency
         self.B, self.gs, self.m = self.job.batch_size, self.job.group_size, self.job.max_staleness
@@ -106,7 +114,9 @@ class AsyncSim:
         self.t = 0.0
         self.events: list[tuple[float, int, str, tuple]] = []   # a heap of (time, sequence, kind, payload)
         self._seq = 0
-        self.roles = Roles(alloc, self.G)
+        self.roles = Roles(alloc, self.G, held)
+        # called as hand_off(t, gpu) when a GPU has left the job (set by a pool; a lone job never gives one up)
+        self.hand_off: Callable[[float, int], None] | None = None
         self.slots = RolloutSlots(self.roles.code == ROLLOUT, self.C)
         self._init_queues()
         self._init_learner()
@@ -145,24 +155,35 @@ class AsyncSim:
         self._fill_idle()
         if self.control:
             self._push(self.control.interval_s, "control", ())
-        while self.steps_done < self.job.steps:
-            self._advance_window()
-            self._handle_due_events()
-            self._try_start_step()
-            self._fill_idle()
-            if self.t > 1e9:
-                raise RuntimeError("simulation made no progress (no rollout or learner capacity?)")
-        return self._result()
+        while not self.done:
+            self.advance_to(self.next_time())
+            self.handle_due_events()
+            self.settle()
+        return self.result()
 
-    def _advance_window(self) -> None:
-        """Move the clock on by ``dt``, or only to the next event when that comes first."""
+    @property
+    def done(self) -> bool:
+        return self.steps_done >= self.job.steps
+
+    def next_time(self) -> float:
+        """Where the next window ends: ``dt`` on, or the next event when that comes first."""
         t_ev = self.events[0][0] if self.events else math.inf
-        t1 = min(self.t + self.dt, t_ev)
+        return min(self.t + self.dt, t_ev)
+
+    def advance_to(self, t1: float) -> None:
+        """Move the clock on to t1 (at most ``next_time()``), running every rollout GPU."""
         if t1 > self.t:
             self._advance(self.t, t1)
             self.t = t1
 
-    def _handle_due_events(self) -> None:
+    def settle(self) -> None:
+        """After the events at the current time: start a learner step if a batch is ready, fill idle slots."""
+        self._try_start_step()
+        self._fill_idle()
+        if self.t > 1e9:
+            raise RuntimeError("simulation made no progress (no rollout or learner capacity?)")
+
+    def handle_due_events(self) -> None:
         while self.events and self.events[0][0] <= self.t:
             t_e, _, kind, payload = heapq.heappop(self.events)
             getattr(self, f"_on_{kind}")(t_e, *payload)
@@ -318,14 +339,18 @@ class AsyncSim:
 
     def _on_control(self, t: float) -> None:
         cc = self.control
-        self.meter.close_tick(t, self.groups.backlog())
-        m = self.meter.metrics(t, window_ticks(cc), self._gauges(t))
+        m = self.measure(t, window_ticks(cc))
         inv = allocator.Inventory(gpus=self.G, switch_cost_s=self.wl.cluster.switch_cost_s)
-        d = allocator.plan(m, inv, [_job_spec(self.wl)], plan_config(cc))
+        d = allocator.plan(m, inv, [job_spec(self.wl)], plan_config(cc))
         if d.changed:
             self.decisions.append({"t": t, **d.event(m)})
             self._apply(d.allocation, t)
         self._push(t + cc.interval_s, "control", ())
+
+    def measure(self, t: float, window: int) -> allocator.Metrics:
+        """End the meter's tick at t and read the policy's inputs over the last ``window`` ticks."""
+        self.meter.close_tick(t, self.groups.backlog())
+        return self.meter.metrics(t, window, self._gauges(t))
 
     def _gauges(self, t: float) -> Gauges:
         r = self.roles
@@ -336,12 +361,20 @@ class AsyncSim:
 
     def _apply(self, new: Allocation, t: float) -> None:
         """Move GPUs from roles above their new count to roles below it."""
-        for gpu, src, dest in self.roles.moves(new, self.slots):
-            self._leave(gpu, src, dest, t)
+        for gpu, src, dest in self.roles.moves(new, self.slots).internal:
+            self.leave(gpu, src, dest, t)
         self.roles.ordered(new, t)
 
-    def _leave(self, gpu: int, src: str, dest: int, t: float) -> None:
-        if src == "rollout":
+    def leave(self, gpu: int, src: str, dest: int, t: float) -> None:
+        """GPU ``gpu`` leaves ``src`` (a role or a ``Moves`` source) for role ``dest``, or ``AWAY`` (the pool)."""
+        if src == "switching":
+            if dest == AWAY:
+                self._begin_switch(gpu, AWAY, t)     # the switch under way is void: it leaves now
+            else:
+                self.roles.switch_dest[gpu] = dest
+        elif src == "leaving":
+            self.roles.retarget_leaving(gpu, dest)
+        elif src == "rollout":
             self._abort_rollout(gpu)
             self._begin_switch(gpu, dest, t)
         elif src == "learner":
@@ -350,9 +383,11 @@ class AsyncSim:
             else:
                 self.roles.n_learner -= 1
                 self._begin_switch(gpu, dest, t)
-        else:
+        elif src == "reward":
             self._begin_switch(gpu, dest, t)
             self.reward.resize(t, self.roles.reward_workers(self.wl.reward))
+        else:
+            raise ValueError(f"GPU {gpu}: no move from {src!r} inside the job (an inbound GPU is the pool's)")
 
     def _abort_rollout(self, gpu: int) -> None:
         """Hand the GPU's in-flight trajectories back; the work done on them is lost."""
@@ -362,11 +397,24 @@ class AsyncSim:
             self.busy -= left / self.C
 
     def _begin_switch(self, gpu: int, dest: int, t: float) -> None:
-        self.roles.code[gpu] = SWITCHING
+        """The GPU stops; it switches to role ``dest`` for ``switch_cost_s``, or leaves the job (``AWAY``)."""
+        r = self.roles
         self.slots.stop(gpu)
-        self._push(t + self.wl.cluster.switch_cost_s, "switch_done", (gpu, dest))
+        r.switch_id[gpu] += 1
+        if dest == AWAY:
+            # the pool charges the switch on the way to the GPU's next job
+            r.code[gpu] = AWAY
+            self.hand_off(t, gpu)
+            return
+        r.code[gpu], r.switch_dest[gpu] = SWITCHING, dest
+        self._push(t + self.wl.cluster.switch_cost_s, "switch_done", (gpu, int(r.switch_id[gpu])))
 
-    def _on_switch_done(self, t: float, gpu: int, dest: int) -> None:
+    def _on_switch_done(self, t: float, gpu: int, switch: int) -> None:
+        if switch == self.roles.switch_id[gpu]:      # else it was turned round or left the job meanwhile
+            self.join(t, gpu, int(self.roles.switch_dest[gpu]))
+
+    def join(self, t: float, gpu: int, dest: int) -> None:
+        """GPU ``gpu`` starts working in role ``dest`` (a switch ended, or it arrived from the pool)."""
         self.roles.code[gpu] = dest
         if dest == ROLLOUT:
             self.slots.join(gpu)
@@ -377,7 +425,8 @@ class AsyncSim:
 
     # -- result ---------------------------------------------------------------------
 
-    def _result(self) -> ModeResult:
+    def result(self) -> ModeResult:
+        """The run's figures once its last step has published; call once (it takes unfinished work off busy)."""
         T = self.free_at    # the last step's publish
         self.busy -= self.slots.work_left() / self.C    # in-flight work never finished
         return ModeResult(

@@ -165,3 +165,58 @@ def _neighbours(wl: Workload, a: Allocation, step: int) -> list[Allocation]:
                 d[dst] += step
                 out.append(Allocation(**d))
     return out
+
+
+# --- a pool of several jobs (bench/README.md, "Multi-job workloads") -----------------------------------------
+
+def job_work_gpu_s(wl: Workload) -> float:
+    """W: the job's work in GPU-seconds, every stage at its cheapest (the learner at its one-GPU rate).
+
+    Per trajectory: rollout (prompt/prefill + (response/decode + tool waits)/concurrency), reward
+    ``seconds`` when reward is on GPU, learner (prompt + response tokens)/``train_tokens_per_s``; more
+    learner GPUs only cost more per trajectory (scaling_exponent <= 1), so no allocation does it for less.
+    """
+    total = 0.0
+    for n, ph in zip(wl.job.phase_trajectories(), wl.job.phases):
+        c = phase_cost(wl, ph)
+        reward = c.reward_s if wl.reward.gpu else 0.0
+        total += n * (c.rollout_gpu_s + reward + c.tokens / wl.learner.train_tokens_per_s)
+    return total
+
+
+def ideal_makespan(work_gpu_s: list[float], alone_s: list[float], gpus: int) -> float:
+    """No allocation finishes every job sooner: the pool cannot do the work faster, nor a job its own part.
+
+    ``alone_s``: each job's time alone on its largest share at its ideal rate.
+    """
+    return max(sum(work_gpu_s) / gpus, max(alone_s))
+
+
+def proportional_shares(work: dict[str, float], lo: dict[str, int], hi: dict[str, int],
+                        gpus: int) -> dict[str, int]:
+    """A fixed partition of ``gpus`` in proportion to each job's work, each within [lo, hi].
+
+    The real-valued shares clamp(lam * W_j, lo_j, hi_j) sum to the pool for one lam (found by
+    bisection; when every job sits at its hi the pool is not filled); then each job takes the floor
+    of its share and the GPUs left go, one each, to the largest remainders still below their hi.
+    """
+    if sum(lo.values()) > gpus:
+        raise ValueError(f"the minimums ({sum(lo.values())} GPUs) do not fit the pool of {gpus}")
+
+    def shares(lam: float) -> dict[str, float]:
+        return {j: min(max(lam * w, lo[j]), hi[j]) for j, w in work.items()}
+
+    lam_lo, lam_hi = 0.0, gpus / max(min(work.values()), 1e-12)    # at lam_hi every job sits at its hi
+    for _ in range(100):
+        mid = (lam_lo + lam_hi) / 2
+        lam_lo, lam_hi = (mid, lam_hi) if sum(shares(mid).values()) <= gpus else (lam_lo, mid)
+    real = shares(lam_lo)
+    out = {j: int(s + 1e-9) for j, s in real.items()}
+    spare = gpus - sum(out.values())
+    for j in sorted(real, key=lambda j: out[j] - real[j]):
+        if spare <= 0:
+            break
+        if out[j] < hi[j]:
+            out[j] += 1
+            spare -= 1
+    return out

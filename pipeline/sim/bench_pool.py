@@ -1,0 +1,201 @@
+"""``libra-ctl bench policy`` on a multi-job workload (``[[jobs]]``): its modes, figures and table.
+
+Called by ``pipeline.sim.bench_allocator.run_bench`` when the workload has
+``[[jobs]]`` tables, in the CLI process. Definitions are those of
+``bench/README.md``, "Multi-job workloads":
+
+- ``static``: a fixed partition of the pool in proportion to each job's work
+  W_j within its [min, max] share, each job at its first phase's best split of
+  its part; a finished job's GPUs stay idle (``pipeline.sim.pool``);
+- ``libra``: the pool policy (``allocator.plan`` over every job) drives the
+  shares and splits from the shares it gives at time 0 (``pipeline.sim.pool``);
+- ``ideal``: the makespan no allocation beats, max(sum W_j / gpus, max T_j)
+  (``pipeline.sim.fluid``).
+
+Each mode reports per job its throughput (its trajectories over its finish
+time), finish time and GPU-seconds below its ``min_gpus``; for the pool the
+total rate (all trajectories over the makespan) and Jain's fairness index over
+the jobs' throughput relative to their demand (their ideal rate alone on their
+largest share).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from pipeline.control import allocator
+from pipeline.sim import des, fluid, pool
+from pipeline.sim.pool import PoolResult
+from pipeline.sim.workload import Workload
+
+POOL_MODES = ("static", "libra", "ideal")
+NOT_APPLICABLE = {
+    "sync": "colocated synchronous training gives each job the whole pool in turn, which is not a shared pool",
+    "static-best": "its hindsight search over splits of one job has no counterpart over shares of several jobs",
+}
+Report = Callable[[str], None]
+
+
+def run_pool_bench(wl: Workload, modes: list[str], seed: int | None, say: Report) -> dict:
+    """Run ``modes`` (a subset of ``POOL_MODES``) of a multi-job workload; the result of ``run_bench``.
+
+    ``seed`` None: each job uses its own [[jobs]] seed; else job i uses seed + i.
+    Raises ``allocator.AdmissionError`` when the pool cannot hold the jobs' minimums.
+    """
+    views = pool.job_views(wl)
+    specs = pool.admit(wl)
+    seeds = {name: v.job.seed if seed is None else seed + i for i, (name, v) in enumerate(views.items())}
+    demand = {name: demand_rate(views[name], specs[name], wl.cluster.gpus) for name in views}
+    modes_out: dict[str, dict] = {}
+    details: dict[str, dict] = {}
+    for mode in modes:
+        t0 = time.perf_counter()
+        if mode == "ideal":
+            modes_out[mode], details[mode] = ideal_report(wl, specs), {}
+        else:
+            r = _simulate(wl, mode, seeds)
+            modes_out[mode] = pool_report(r, demand)
+            details[mode] = {"shares": r.shares, "decisions": r.decisions, "sim_time_s": r.makespan_s,
+                             "timelines": {j: m.timeline for j, m in r.jobs.items()}}
+        details[mode]["wall_s"] = time.perf_counter() - t0
+        say(f"{mode}: {modes_out[mode]['trajectories_per_s']:.2f} trajectories/s over the pool "
+            f"({details[mode]['wall_s']:.1f} s wall)")
+    return {"workload": wl.name, "jobs": list(views), "modes": modes_out, "ratios": _ratios(modes_out),
+            "details": details}
+
+
+def _simulate(wl: Workload, mode: str, seeds: dict[str, int]) -> PoolResult:
+    if mode == "static":
+        return pool.PoolSim(wl, pool.static_shares(wl), seeds).run()
+    return pool.PoolSim(wl, pool.libra_shares(wl, des.LIBRA_CONTROL), seeds, des.LIBRA_CONTROL).run()
+
+
+def _largest_share(spec: allocator.JobSpec, gpus: int) -> int:
+    return max(allocator.min_share(spec), allocator.max_share(spec, gpus))
+
+
+def demand_rate(view: Workload, spec: allocator.JobSpec, gpus: int) -> float:
+    """A job's demand: its single-job ideal rate alone on its largest share (max_gpus, or the pool)."""
+    return fluid.ideal_rate(pool.on_gpus(view, _largest_share(spec, gpus)))
+
+
+def ideal_report(wl: Workload, specs: dict[str, allocator.JobSpec]) -> dict:
+    """The ``ideal`` entry: the makespan bound, the total rate it allows, and W_j and T_j per job."""
+    views, g = pool.job_views(wl), wl.cluster.gpus
+    work = {j: fluid.job_work_gpu_s(v) for j, v in views.items()}
+    n = {j: v.job.steps * v.job.batch_size for j, v in views.items()}
+    alone = {j: n[j] / demand_rate(views[j], specs[j], g) for j in views}
+    makespan = fluid.ideal_makespan(list(work.values()), list(alone.values()), g)
+    return {"trajectories_per_s": sum(n.values()) / makespan, "makespan_s": makespan,
+            "jobs": {j: {"work_gpu_s": work[j], "alone_s": alone[j]} for j in views}}
+
+
+def jain_index(xs: list[float]) -> float:
+    """Jain's fairness index (sum x)^2 / (n sum x^2): 1 when all are equal, 1/n when one has everything."""
+    sq = sum(x * x for x in xs)
+    return sum(xs) ** 2 / (len(xs) * sq) if sq > 0 else 1.0
+
+
+def pool_report(r: PoolResult, demand: dict[str, float]) -> dict:
+    """A simulated mode's entry: the pool's figures and, under ``jobs``, each job's."""
+    jobs = {}
+    for j, m in r.jobs.items():
+        jobs[j] = {"trajectories_per_s": m.trajectories_per_s, "finish_s": m.sim_time_s,
+                   "below_min_gpu_s": r.below_min_gpu_s[j], "relative_to_demand": m.trajectories_per_s / demand[j],
+                   **{k: v for k, v in m.report().items() if k not in ("trajectories_per_s", "gpu_busy_frac")}}
+    return {"trajectories_per_s": r.trajectories_per_s, "makespan_s": r.makespan_s,
+            "gpu_busy_frac": r.gpu_busy_frac, "below_min_gpu_s": sum(r.below_min_gpu_s.values()),
+            "jain_fairness": jain_index([v["relative_to_demand"] for v in jobs.values()]),
+            "moved_between_jobs": r.moved_between_jobs, "jobs": jobs}
+
+
+def _ratios(modes: dict[str, dict]) -> dict[str, float]:
+    if "libra" not in modes:
+        return {}
+    lib = modes["libra"]["trajectories_per_s"]
+    return {f"libra/{b}": lib / modes[b]["trajectories_per_s"] for b in ("static", "ideal") if b in modes}
+
+
+# --- terminal table -----------------------------------------------------------
+
+_POOL_COLUMNS = (("mode", "{}", "mode"), ("traj/s", "{:.2f}", "trajectories_per_s"),
+                 ("makespan s", "{:.0f}", "makespan_s"), ("gpu busy", "{:.1%}", "gpu_busy_frac"),
+                 ("below min GPU-s", "{:.0f}", "below_min_gpu_s"), ("jain", "{:.3f}", "jain_fairness"),
+                 ("moved", "{:d}", "moved_between_jobs"))
+_JOB_COLUMNS = (("mode", "{}", "mode"), ("job", "{}", "job"), ("traj/s", "{:.2f}", "trajectories_per_s"),
+                ("finish s", "{:.0f}", "finish_s"), ("below min GPU-s", "{:.0f}", "below_min_gpu_s"),
+                ("rel. demand", "{:.3f}", "relative_to_demand"), ("learner wait", "{:.1%}", "learner_wait_frac"),
+                ("stale p50", "{:.0f}", "staleness_p50"), ("stale p99", "{:.0f}", "staleness_p99"),
+                ("dropped", "{:d}", "dropped_stale"), ("reconfigs", "{:d}", "reconfigurations"),
+                ("final allocation", "{}", "final_allocation"))
+
+
+def _table(columns, rows: list[dict]) -> list[str]:
+    """Fixed-width lines: a header, a rule, then one line per row ('-' where a value is absent)."""
+    cells = [[c[0] for c in columns]]
+    for row in rows:
+        out = []
+        for _, fmt, key in columns:
+            v = row.get(key)
+            if key == "final_allocation" and v is not None:
+                v = " ".join(f"{k}={n}" for k, n in v.items() if n)
+            out.append("-" if v is None else fmt.format(v))
+        cells.append(out)
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    text = ["  ".join(c.ljust(w) if columns[j][1] == "{}" else c.rjust(w)    # text left, figures right
+                      for j, (c, w) in enumerate(zip(r, widths))).rstrip() for r in cells]
+    return text[:1] + ["  ".join("-" * w for w in widths)] + text[1:]
+
+
+def format_pool_table(result: dict) -> str:
+    """The pool's rows (one per mode), each job's rows, the ideal bound's W_j and T_j, then the ratios."""
+    modes = result["modes"]
+    lines = [f"workload {result['workload']}: {len(result['jobs'])} jobs on one pool "
+             "(trajectories per simulated second, simulated seconds)"]
+    lines += _table(_POOL_COLUMNS, [{"mode": m, **v} for m, v in modes.items()])
+    job_rows = [{"mode": m, "job": j, **jv} for m, v in modes.items() if m != "ideal" for j, jv in v["jobs"].items()]
+    if job_rows:
+        lines += [""] + _table(_JOB_COLUMNS, job_rows)
+    if "ideal" in modes:
+        lines += ["", "ideal: " + "  ".join(f"{j} W={v['work_gpu_s']:.0f} GPU-s T={v['alone_s']:.0f} s"
+                                            for j, v in modes["ideal"]["jobs"].items())]
+    if result.get("not_applicable"):
+        lines += ["", "not applicable to multi-job workloads: " + ", ".join(result["not_applicable"])]
+    if result["ratios"]:
+        lines += ["", "  ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items())]
+    return "\n".join(lines)
+
+
+# --- plot ---------------------------------------------------------------------
+
+def plot_pool(result: dict, path, plt) -> None:
+    """GPUs ordered to each job and each job's throughput per learner step, over simulated time.
+
+    One colour per job, one line style per mode; ``plt`` is matplotlib.pyplot (bench_allocator.plot
+    imports it, since matplotlib is optional).
+    """
+    fig, (ax_a, ax_r) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    colour = {j: f"C{i}" for i, j in enumerate(result["jobs"])}
+    styles = {"static": ":", "libra": "-"}
+    for mode, d in result.get("details", {}).items():
+        if mode not in styles:
+            continue
+        end = d["sim_time_s"]
+        for job in result["jobs"]:
+            pts = [(s["t"], s["shares"].get(job, 0)) for s in d["shares"]] + [(end, 0)]
+            ax_a.step([t for t, _ in pts], [n for _, n in pts], where="post", color=colour[job], ls=styles[mode],
+                      label=f"{mode} {job}")
+            tl = d["timelines"][job]
+            ax_r.plot([p["t"] for p in tl], [p["rate"] for p in tl], color=colour[job], ls=styles[mode], lw=1,
+                      label=f"{mode} {job}")
+    ax_a.set_ylabel("GPUs ordered")
+    ax_a.set_title(f"workload {result['workload']}: each job's GPUs and throughput")
+    ax_r.set_ylabel("trajectories/s (per learner step)")
+    ax_r.set_xlabel("simulated seconds")
+    for ax in (ax_a, ax_r):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
