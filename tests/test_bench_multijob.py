@@ -246,3 +246,24 @@ def test_shipped_multi_job_workloads():
     assert libra["below_min_gpu_s"] == 0 and res["ratios"]["libra/static"] >= 1.2
     wl = load_workload(BENCH / "priority2.toml")
     assert [j.priority for j in wl.jobs] == [2, 1]
+
+
+def test_a_role_shrunk_below_the_gpus_on_their_way_to_it_turns_them_round():
+    # 2 learner GPUs switch to rollout; before they arrive rollout shrinks to 1: both turn round, one more leaves
+    view = pool.on_gpus(pool.job_views(pair())["a"], 5)
+    sim = des.AsyncSim(view, Allocation(2, 3), seed=0)
+    sim._apply(Allocation(4, 1), 0.0)
+    assert sim.roles.count(3) == 2                              # switching
+    sim._apply(Allocation(1, 4), 1.0)
+    assert sim.roles.committed() == sim.roles.target == Allocation(1, 4)
+    sim.advance_to(60.0)
+    sim.handle_due_events()
+    assert sim.roles.counts() == {"rollout": 1, "learner": 4, "reward": 0, "switching": 0}
+    # a learner GPU due to leave for rollout at its step's end stays when rollout shrinks back first
+    sim = des.AsyncSim(view, Allocation(2, 3), seed=0)
+    sim.learner_busy = True
+    sim._apply(Allocation(3, 2), 0.0)
+    assert len(sim.roles.learner_leaving) == 1
+    sim._apply(Allocation(2, 3), 1.0)
+    assert sim.roles.learner_leaving == [] and sim.roles.count(3) == 0      # nothing switches
+    assert sim.roles.committed() == Allocation(2, 3)

@@ -112,7 +112,7 @@ class PoolResult:
     trajectories: dict[str, int]         # per job, trained
     below_min_gpu_s: dict[str, float]    # per job: integral of max(0, min_gpus - GPUs ordered to it) while it ran
     busy_gpu_s: float                    # stage work of every job, GPU-seconds
-    moved_between_jobs: int              # GPUs that changed job (a finished job's included)
+    moved_between_jobs: int              # GPUs bound to another job (a finished job's too; one turned round again)
     shares: list[dict] = field(default_factory=list)      # {"t", "shares": {job: GPUs ordered}} at each change
     decisions: list[dict] = field(default_factory=list)   # the pool decisions that moved GPUs
 
@@ -144,19 +144,9 @@ class PoolSim:
         self.control = control
         self.views = job_views(wl)
         self.specs = {name: pool_spec(v) for name, v in self.views.items()}
-        if sum(shares.values()) > self.G:
-            raise ValueError(f"shares {shares} hold more than the pool's {self.G} GPUs")
-        self.sims: dict[str, des.AsyncSim] = {}
-        start = 0
-        for name, view in self.views.items():
-            n = shares[name]
-            split = fluid.static_split(on_gpus(view, n))
-            sim = des.AsyncSim(view, split, seeds[name], held=np.arange(start, start + n))
-            sim.hand_off = lambda t, gpu: self._hand_off(t, gpu)
-            self.sims[name] = sim
-            start += n
+        self.sims = self._start_jobs(shares, seeds)
         self.active = list(self.sims)
-        self.free: set[int] = set(range(start, self.G))
+        self.free: set[int] = set(range(sum(shares.values()), self.G))
         self.bound_for: dict[int, tuple[str, int] | None] = {}   # GPUs between jobs: (job, role code), None: free
         self.t = 0.0
         self.events: list[tuple[float, int, str, tuple]] = []     # a heap of (time, sequence, kind, payload)
@@ -167,6 +157,21 @@ class PoolSim:
         self.moved = 0
         self.shares = [{"t": 0.0, "shares": dict(shares)}]
         self.decisions: list[dict] = []
+
+    def _start_jobs(self, shares: dict[str, int], seeds: dict[str, int]) -> dict[str, des.AsyncSim]:
+        """One engine per job, holding the next ``shares[job]`` GPUs of the pool at its first phase's best split."""
+        if sum(shares.values()) > self.G:
+            raise ValueError(f"shares {shares} hold more than the pool's {self.G} GPUs")
+        sims, start = {}, 0
+        for name, view in self.views.items():
+            n = shares[name]
+            if n < allocator.min_share(dataclasses.replace(self.specs[name], min_slots=0)):
+                raise ValueError(f"job {name!r} starts with {n} GPUs: too few for one GPU per stage")
+            split = fluid.static_split(on_gpus(view, n))
+            sims[name] = des.AsyncSim(view, split, seeds[name], held=np.arange(start, start + n))
+            sims[name].hand_off = self._hand_off
+            start += n
+        return sims
 
     # -- clock ----------------------------------------------------------------------
 

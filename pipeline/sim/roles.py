@@ -99,25 +99,25 @@ class Roles:
                      outgoing=leaving[n:], incoming=gaining[n:])
 
     def _pick_leavers(self, role: str, k: int, slots: RolloutSlots) -> list[tuple[int, str]]:
-        """Which k GPUs leave ``role``: first those not here yet, then working ones, then those on their way.
+        """Which k GPUs leave ``role``: first those not working in it yet, then working ones.
 
-        GPUs still on their way from the pool cost nothing to send elsewhere.
-        Among working ones, rollout GPUs with the least work in flight lose the
-        least. Only when the role has too few working GPUs do GPUs switching to
-        it (or learner GPUs due to leave for it) turn round.
+        A GPU on its way to the role (from the pool, switching from another
+        role, or a learner GPU due to leave for it at the step's end) turns
+        round at no cost. Among working ones, rollout GPUs with the least work
+        in flight lose the least.
         """
         code = ROLE_CODE[role]
-        out = [(g, "inbound") for g, c in sorted(self.inbound.items()) if c == code][:k]
+        out = [(g, "inbound") for g, c in sorted(self.inbound.items()) if c == code]
+        out += [(int(g), "switching") for g in np.flatnonzero((self.code == SWITCHING) & (self.switch_dest == code))]
+        out += [(g, "leaving") for g, dest in self.learner_leaving if dest == code]
         gpus = np.flatnonzero(self.code == code)
         if role == "learner":
             leaving = {g for g, _ in self.learner_leaving}
             gpus = np.array([g for g in gpus if g not in leaving], dtype=np.int64)
-        if role == "rollout":
+        if role == "rollout" and len(out) < k:
             work = slots.work_per_gpu()[gpus]
             gpus = gpus[np.argsort(work, kind="stable")]
-        out += [(int(g), role) for g in gpus[:k - len(out)]]
-        out += [(int(g), "switching") for g in np.flatnonzero((self.code == SWITCHING) & (self.switch_dest == code))]
-        out += [(g, "leaving") for g, dest in self.learner_leaving if dest == code]
+        out += [(int(g), role) for g in gpus[:max(0, k - len(out))]]
         if len(out) < k:
             raise RuntimeError(f"{role} holds {len(out)} GPUs in all, {k} were to leave: the books disagree")
         return out[:k]
@@ -135,8 +135,9 @@ class Roles:
         return Allocation(**n)
 
     def retarget_leaving(self, gpu: int, dest: int) -> None:
-        """A learner GPU due to leave at the step's end goes to ``dest`` instead."""
-        self.learner_leaving = [(g, dest if g == gpu else d) for g, d in self.learner_leaving]
+        """A learner GPU due to leave at the step's end goes to ``dest`` instead (to the learner: it stays)."""
+        self.learner_leaving = [(g, dest if g == gpu else d) for g, d in self.learner_leaving
+                                if g != gpu or dest != LEARNER]
 
     def ordered(self, new: Allocation, t: float) -> None:
         """``new`` is the allocation ordered from t on."""
