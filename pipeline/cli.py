@@ -80,9 +80,9 @@ def cmd_controller(args) -> int:
 
     from pipeline import logs
     from pipeline.control.loop import Controller
-    from pipeline.dataplane.lifeline import watch_parent
+    from pipeline.dataplane.lifeline import ORPHAN_EXIT_S, watch_parent
 
-    watch_parent()   # under libra-ctl run: end (as on SIGTERM) when the run is gone
+    watch_parent(exit_after_s=ORPHAN_EXIT_S)   # under libra-ctl run: end (as on SIGTERM) when the run is gone
     structlog.contextvars.bind_contextvars(role="controller")
     log = logs.configure(None, "controller")
     ctl = Controller(connect(find_redis_url(args.redis)), interval_s=args.interval, log=log)

@@ -257,6 +257,11 @@ class ControlConfig:
     max_learner: int = _f(1 << 30, "most learner slots (the learner runs one data-parallel rank per slot)")
     min_reward: int = _f(1, "fewest reward workers")
     max_reward: int = _f(1 << 30, "most reward workers")
+    min_slots: int = _f(0, "slots the job is guaranteed beside other jobs on the pool (raised to the smallest split "
+                        "it runs on); a job whose minimum the pool cannot hold is refused")
+    max_slots: int = _f(0, "most slots the job may hold (0: the whole pool)")
+    priority: float = _f(1.0, "weight of the job's throughput gains (relative to its demand) against other jobs' "
+                         "when spare slots are handed out or moved between jobs")
     metrics_port: int = _f(9464, "the controller serves Prometheus /metrics here (0: off)")
     metrics_host: str = _f("127.0.0.1", "address /metrics binds (0.0.0.0: every interface, for a remote Prometheus)")
 
@@ -506,6 +511,10 @@ def validate_control(ctl: ControlConfig) -> None:
     for role in ("rollout", "learner", "reward"):
         need(getattr(ctl, f"min_{role}") <= getattr(ctl, f"max_{role}"), f"control.min_{role}",
              f"exceeds control.max_{role}")
+    need(ctl.min_slots >= 0, "control.min_slots", "must be >= 0")
+    need(ctl.max_slots >= 0, "control.max_slots", "must be >= 0 (0: the whole pool)")
+    need(not ctl.max_slots or ctl.min_slots <= ctl.max_slots, "control.min_slots", "exceeds control.max_slots")
+    need(ctl.priority > 0, "control.priority", "must be > 0")
 
 
 def _section_name(cfg: Config, section) -> str:

@@ -116,13 +116,27 @@ def test_kill_9_of_a_run_leaves_nothing_behind_and_resume_finishes(tmp_path):
     try:
         wait_for(lambda: _trained(run_dir, job) > 0, 900, "a first learner step")
         family = psutil.Process(proc.pid).children(recursive=True)
-        names = " ".join(" ".join(p.cmdline()) for p in family)
+        labels = {p.pid: " ".join(p.cmdline())[:80] for p in family}
+        names = " ".join(labels.values())
         assert all(w in names for w in ("redis-server", "controller", "agent", "workers.feeder",
                                         "workers.rollout", "workers.reward", "workers.learner")), names
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         t0 = time.monotonic()
-        wait_for(lambda: not _gone(family), 60, "every process of the killed run to end")
+        ends = {}
+
+        def _track():
+            alive = _gone(family)
+            for q in family:
+                if q not in alive and q.pid not in ends:
+                    ends[q.pid] = (round(time.monotonic() - t0, 1), labels[q.pid])
+            return not alive
+        try:
+            wait_for(_track, 60, "every process of the killed run to end")
+            print("\n".join(f"{t:6.1f}s {label}" for t, label in sorted(ends.values())))
+        except AssertionError as e:
+            left = "\n".join(f"{p.pid} {p.status()} {' '.join(p.cmdline())[:200]}" for p in _gone(family))
+            raise AssertionError(f"{e}; still running:\n{left}") from None
         print(f"{len(family)} processes of the killed run ended within {time.monotonic() - t0:.1f}s")
     finally:
         if proc.poll() is None:

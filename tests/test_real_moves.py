@@ -30,6 +30,10 @@ JOB = "moves"
 # A rise the quick start clears by far (about +24 points in 30 steps on 128 prompts; the
 # run-to-run spread of the end figure is a few points).
 MIN_RISE = 0.05
+# A pinned move drains a rollout worker (its batch in hand) and a learner (its step and checkpoint), then
+# starts the learner again on its new ranks: about 10 s here, and more than 120 s once on a slower, loaded CI
+# machine. A build whose move never completes still fails, later.
+SCALE_WAIT_S = 480
 SETTINGS = ["job.name=moves", "run.slots=4", "rollout.workers=1", "learner.workers=3", "job.steps=60",
             "job.eval_size=128", "job.eval_every=0", "control.interval_s=2.0", "control.window_s=15.0",
             "control.cooldown_s=15.0", "control.horizon_s=600.0", "control.switch_cost_s=15.0"]
@@ -52,6 +56,7 @@ def moves(r) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_the_controller_and_an_operator_move_real_workers_and_nothing_is_lost(r, redis_url, tmp_path):
     runs = tmp_path / "runs"
     env = {**os.environ, ENV_URL: redis_url}
@@ -63,9 +68,11 @@ def test_the_controller_and_an_operator_move_real_workers_and_nothing_is_lost(r,
         assert auto["mode"] == "auto" and auto["to"]["rollout"] > auto["from"]["rollout"], auto
         now = allocation_status(r, JOB)["target"]
         pin = {"rollout": 3, "learner": 1} if now.get("learner", 0) > 1 else {"rollout": 2, "learner": 2}
+        t0 = time.monotonic()
         out = subprocess.run([sys.executable, "-m", "pipeline.cli", "scale", *(f"{k}={v}" for k, v in pin.items()),
-                              "--job", JOB, "--wait", "120"], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=300)
+                              "--job", JOB, "--wait", str(SCALE_WAIT_S)], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=SCALE_WAIT_S + 60)
+        print(f"scale {pin} took {time.monotonic() - t0:.1f}s")
         assert out.returncode == 0, out.stdout + out.stderr
         output = proc.communicate(timeout=900)[0]
     finally:

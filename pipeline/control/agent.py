@@ -55,7 +55,7 @@ import structlog
 from pipeline.control import actions
 from pipeline.control.actions import STATE_DRAIN, STATE_GONE, STATE_RUN
 from pipeline.dataplane.keys import AGENTS, ROLES, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
-from pipeline.dataplane.lifeline import process_start, watch_parent
+from pipeline.dataplane.lifeline import ORPHAN_EXIT_S, process_start, watch_parent
 from pipeline.dataplane.redisconn import ENV_URL, UNAVAILABLE, Outage, connect
 from pipeline.redaction import open_private
 
@@ -620,7 +620,9 @@ def run_agent(url: str, node: str, slots: list[Slot], grace_s: float) -> int:
 
     structlog.contextvars.bind_contextvars(role="agent", node=node)
     log = logs.configure(None, f"agent-{node}")
-    watch_parent()   # under libra-ctl run: end (draining, as on SIGTERM) when the run is gone
+    # under libra-ctl run: end (draining, as on SIGTERM) when the run is gone; its workers watch the run
+    # themselves and exit within ORPHAN_EXIT_S, so the drain cannot take longer than that
+    watch_parent(exit_after_s=ORPHAN_EXIT_S + 5.0)
     agent = Agent(connect(url), url, node, slots, grace_s=grace_s, log=log).start()
 
     def on_signal(signum, _frame):

@@ -33,7 +33,7 @@ How it decides, in order:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
 from pipeline.dataplane.keys import ROLES
@@ -89,6 +89,10 @@ class JobSpec:
     reward_on_gpu: bool              # reward workers hold GPUs from the pool
     learner_scaling_exponent: float  # n learner GPUs train at n**e x one (config, or fitted from step times)
     bounds: dict[str, RoleBounds] = field(default_factory=dict)   # per role; missing: min 1 (0 for reward on CPU)
+    # in a pool of several jobs (see plan_pool)
+    min_slots: int = 0                # guaranteed slots; raised to the smallest split the job runs on
+    max_slots: int = 0                # most slots it may hold (0: the whole pool)
+    priority: float = 1.0             # weight of its gains (throughput relative to its demand) against others'
 
     def bound(self, role: str) -> RoleBounds:
         if role in self.bounds:
@@ -209,12 +213,24 @@ class Decision:
         return rec
 
 
-def plan(metrics: Metrics, inventory: Inventory, jobs: Sequence[JobSpec],
-         config: PlanConfig = PlanConfig()) -> Decision:
-    """Decide the allocation for the next control interval (pure; see the module docstring)."""
+def plan(metrics: "Metrics | Mapping[str, Metrics]", inventory: Inventory, jobs: Sequence[JobSpec],
+         config: PlanConfig = PlanConfig()) -> "Decision | PoolDecision":
+    """Decide the allocation for the next control interval (pure; see the module docstring).
+
+    One job and its ``Metrics``: that job's split of ``inventory`` (a
+    ``Decision``). A mapping {job name: Metrics} over several jobs (or one):
+    the pool's shares and each job's split (a ``PoolDecision``, see
+    ``plan_pool``).
+    """
+    if isinstance(metrics, Mapping):
+        return plan_pool(metrics, inventory, jobs, config)
     if len(jobs) != 1:
-        raise ValueError(f"plan() handles one job so far, got {len(jobs)}: multi-job planning is not built yet")
-    job = jobs[0]
+        raise ValueError(f"plan() of one Metrics takes one job, got {len(jobs)}: pass {{job name: Metrics}}")
+    return _plan_job(metrics, inventory, jobs[0], config)
+
+
+def _plan_job(metrics: Metrics, inventory: Inventory, job: JobSpec, config: PlanConfig) -> Decision:
+    """One job's split of ``inventory.gpus`` slots."""
     cur = metrics.allocation
     signals = _signals(metrics, job, config)
     if metrics.since_change_s < config.cooldown_s:
@@ -424,6 +440,328 @@ class _Model:
                 out.append(a)
         return out
 
+# --- several jobs on one pool -----------------------------------------------------------------------
+
+
+class AdmissionError(ValueError):
+    """A job cannot be given its minimum (alone, or beside the jobs already admitted)."""
+
+
+def min_share(job: JobSpec) -> int:
+    """Slots ``job`` is guaranteed: its ``min_slots``, and at least the smallest split it runs on."""
+    return max(job.min_slots, sum(job.bound(r).min for r in ROLES))
+
+
+def max_share(job: JobSpec, gpus: int) -> int:
+    """Most slots ``job`` may hold in a pool of ``gpus``: its ``max_slots`` (0: the pool), its roles' bounds."""
+    return min(gpus, job.max_slots or gpus, sum(min(job.bound(r).max, gpus) for r in ROLES))
+
+
+def admit(inventory: Inventory, jobs: Sequence[JobSpec]) -> None:
+    """Raise AdmissionError unless the pool holds every job's minimum at once (checked when a job is submitted)."""
+    for j in jobs:
+        if max_share(j, inventory.gpus) < min_share(j):
+            raise AdmissionError(f"job {j.name!r} needs at least {min_share(j)} slots (min_slots and its roles' "
+                                 f"minimums) but may hold at most {max_share(j, inventory.gpus)} (max_slots, "
+                                 f"its roles' maximums, a pool of {inventory.gpus})")
+    need = sum(min_share(j) for j in jobs)
+    if need > inventory.gpus:
+        mins = ", ".join(f"{j.name}={min_share(j)}" for j in jobs)
+        raise AdmissionError(f"the jobs' minimums ({mins}) add up to {need} slots; the pool has {inventory.gpus}")
+
+
+@dataclass(frozen=True)
+class PoolDecision:
+    """Slots per job from now on, each job's split of its share, and why."""
+
+    shares: dict[str, int]
+    decisions: dict[str, Decision]     # decisions[j].allocation.total == shares[j]
+    reason: str                        # what moved slots between jobs: guarantee, spare, rebalance_jobs; or kept
+    moved_between_jobs: int            # slots that change job
+    expected_gain: float = 0.0         # of a rebalance: weighted throughput gained over the horizon
+    transition_cost: float = 0.0       # ... and what the move costs, in the same units
+    below_min: tuple[str, ...] = ()    # jobs left under their minimum (only when the pool cannot hold them all)
+
+    @property
+    def changed(self) -> bool:
+        return any(d.changed for d in self.decisions.values())
+
+    def event(self, metrics: Mapping[str, Metrics] | None = None) -> dict:
+        return {"reason": self.reason, "shares": dict(self.shares), "moved_between_jobs": self.moved_between_jobs,
+                "expected_gain": self.expected_gain, "transition_cost": self.transition_cost,
+                "below_min": list(self.below_min),
+                "jobs": {j: d.event(metrics.get(j) if metrics else None) for j, d in self.decisions.items()}}
+
+
+class _Member:
+    """One job in the pool planner: its bounds, what it holds, and its value as a function of its slots.
+
+    A measured job's value of n slots is ``priority * rate(n) / demand``:
+    its best rate on n slots relative to its rate on its most slots, so that
+    jobs with different trajectory sizes compare. An unmeasured job (nothing
+    finished yet) has no rate model; it is given slots by fair share.
+    """
+
+    def __init__(self, job: JobSpec, m: Metrics | None, inv: Inventory):
+        self.job, self.m = job, m
+        self.held = m.allocation.total if m is not None else 0
+        self.lo, self.hi = min_share(job), max(min_share(job), max_share(job, inv.gpus))
+        model = _Model.measured(m, inv, job) if m is not None else None
+        self.model = replace(model, gpus=self.hi) if model is not None else None
+        self._rates: dict[int, float] = {}
+        self.demand = self.rate(self.hi) if self.model is not None else 0.0
+        if self.demand <= 0:
+            self.model = None
+
+    @property
+    def measured(self) -> bool:
+        return self.model is not None
+
+    def rate(self, n: int) -> float:
+        """Best trajectories/s on ``n`` slots (0 below the smallest split)."""
+        if n not in self._rates:
+            self._rates[n] = replace(self.model, gpus=n).max_rate() if n > 0 else 0.0   # 0 below its smallest split
+        return self._rates[n]
+
+    def value(self, n: int) -> float:
+        return self.job.priority * self.rate(n) / self.demand if self.measured else 0.0
+
+    def gain(self, n: int, k: int) -> float:
+        """Value gained going from n to n + k slots."""
+        return self.value(n + k) - self.value(n)
+
+    def settled(self, cfg: PlanConfig) -> bool:
+        """Measured and out of its cooldown: its share may be moved for throughput."""
+        return self.measured and self.m.since_change_s >= cfg.cooldown_s
+
+
+def plan_pool(metrics: Mapping[str, Metrics], inventory: Inventory, jobs: Sequence[JobSpec],
+              config: PlanConfig = PlanConfig()) -> PoolDecision:
+    """Shares of the pool for several jobs, then each job's split of its share (pure).
+
+    In order:
+
+    1. fit: a pool that shrank (an agent left) takes slots back from the jobs
+       furthest above their minimum, lowest priority first;
+    2. guarantee: a job below its minimum gets it at once (no cooldown, no
+       cost test), from free slots, then from the others down to (never
+       below) their minimums, lowest priority and least value lost first;
+    3. spare: free slots go where the priority-weighted gain per slot is
+       highest (measured jobs), then by priority-weighted fair share;
+    4. rebalance: one move of slots from a measured job to another, when the
+       weighted gain over ``horizon_s`` pays the switch cost (the receiver's
+       gain deferred by ``switch_cost_s``, the donor's in-flight rollouts
+       lost), and both are out of their cooldown;
+    5. split: a job whose share is unchanged is planned as a single job on
+       it; one whose share changed gets the best split of its new share (from
+       its model, or its current split grown at rollout and shrunk from the
+       largest role when it has none).
+    """
+    members = {j.name: _Member(j, metrics.get(j.name), inventory) for j in jobs}
+    target = {n: min(m.held, m.hi) for n, m in members.items()}
+    reasons: list[str] = []
+    if _fit_pool(members, target, inventory.gpus):
+        reasons.append("pool_shrank")
+    before = dict(target)
+    below = _guarantee(members, target, inventory.gpus)
+    if target != before:
+        reasons.append("guarantee")
+    free = inventory.gpus - sum(target.values())
+    if free > 0 and _spread(members, target, free):
+        reasons.append("spare")
+    gain = cost = 0.0
+    if not reasons:
+        move = _rebalance(members, target, inventory, config)
+        if move is not None:
+            (donor, receiver, k), gain, cost = move
+            target[donor] -= k
+            target[receiver] += k
+            reasons.append("rebalance_jobs")
+    moved = sum(max(0, target[n] - m.held) for n, m in members.items())
+    decisions = {n: _split(m, target[n], inventory, config) for n, m in members.items()}
+    return PoolDecision(shares=target, decisions=decisions, reason="+".join(reasons) or "kept",
+                        moved_between_jobs=moved, expected_gain=gain, transition_cost=cost, below_min=below)
+
+
+def _loss_order(m: _Member, n: int) -> tuple:
+    """Which job gives a slot first: lowest priority, then least value lost (unmeasured: most slots)."""
+    lost = m.value(n) - m.value(n - 1) if m.measured else -n
+    return (m.job.priority, lost)
+
+
+def _runnable(job: JobSpec) -> int:
+    """The smallest split a job runs on (a share of fewer slots is no share: the job waits with 0)."""
+    return sum(job.bound(r).min for r in ROLES)
+
+
+def _fit_pool(members: dict[str, _Member], target: dict[str, int], gpus: int) -> bool:
+    """Bring the shares within a pool that shrank: down to the minimums, then whole jobs pause (lowest first)."""
+    over = sum(target.values()) - gpus
+    if over <= 0:
+        return False
+    while over > 0:
+        able = [n for n, m in members.items() if target[n] > m.lo]
+        if not able:
+            break
+        n = min(able, key=lambda x: _loss_order(members[x], target[x]))
+        target[n] -= 1
+        over -= 1
+    for n in sorted(members, key=lambda x: members[x].job.priority):   # a pool too small for every minimum
+        if over <= 0:
+            break
+        over -= target[n]
+        target[n] = 0
+    return True
+
+
+def _guarantee(members: dict[str, _Member], target: dict[str, int], gpus: int) -> tuple[str, ...]:
+    """Bring every job up to its minimum, highest priority first; the jobs that could not be (pool too small).
+
+    A job that cannot reach even its smallest runnable split is left with 0 slots (it waits).
+    """
+    free = gpus - sum(target.values())
+    short = []
+    for n in sorted(members, key=lambda x: -members[x].job.priority):
+        m = members[n]
+        while target[n] < m.lo:
+            if free > 0:
+                free -= 1
+            else:
+                donors = [d for d in members if d != n and target[d] > members[d].lo]
+                if not donors:
+                    break
+                d = min(donors, key=lambda x: _loss_order(members[x], target[x]))
+                target[d] -= 1
+            target[n] += 1
+        if target[n] < m.lo:
+            short.append(n)
+            if target[n] < _runnable(m.job):
+                free += target[n]
+                target[n] = 0
+    return tuple(short)
+
+
+def _spread(members: dict[str, _Member], target: dict[str, int], free: int) -> bool:
+    """Hand out ``free`` slots: best weighted gain per slot first, then priority-weighted fair share."""
+    given = False
+    while free > 0:
+        best, best_per = None, 0.0
+        for n, m in members.items():
+            if not m.measured:
+                continue
+            room = min(free, m.hi - target[n])
+            for k in _steps(room):
+                per = m.gain(target[n], k) / k
+                if per > best_per * (1 + 1e-9):
+                    best, best_per = (n, k), per
+        if best is None:
+            break
+        target[best[0]] += best[1]
+        free -= best[1]
+        given = True
+    while free > 0:
+        # a job with no share starts only with its smallest runnable split
+        open_ = [n for n, m in members.items() if target[n] < m.hi and (target[n] or free >= _runnable(m.job))]
+        if not open_:
+            break
+        n = min(open_, key=lambda x: (target[x] / members[x].job.priority, x))
+        k = 1 if target[n] else _runnable(members[n].job)
+        target[n] += k
+        free -= k
+        given = True
+    return given
+
+
+def _steps(room: int) -> list[int]:
+    """Slot counts a move tries: 1, 2, 3, then doubling up to ``room`` (and ``room`` itself)."""
+    out, k = [], 1
+    while k <= room:
+        out.append(k)
+        k = k + 1 if k < 4 else k * 2
+    if room > 0 and room not in out:
+        out.append(room)
+    return out
+
+
+def _rebalance(members: dict[str, _Member], target: dict[str, int], inv: Inventory,
+               cfg: PlanConfig) -> tuple[tuple[str, str, int], float, float] | None:
+    """The best single move of k slots between two settled jobs that pays for itself, or None.
+
+    Net over the horizon: (receiver's gain - donor's loss) x horizon, minus
+    the receiver's gain forgone while the slots switch and the donor's
+    in-flight rollouts thrown away (half done on average, as within a job).
+    """
+    settled = [n for n, m in members.items() if m.settled(cfg)]
+    total = sum(members[n].value(target[n]) for n in settled)
+    best = None
+    for d in settled:
+        md = members[d]
+        for r in settled:
+            mr = members[r]
+            if r == d:
+                continue
+            for k in _steps(min(target[d] - md.lo, mr.hi - target[r])):
+                up = mr.gain(target[r], k)
+                delta = up - (md.value(target[d]) - md.value(target[d] - k))
+                if delta <= cfg.min_gain_frac * total:
+                    continue
+                a = md.m.allocation
+                inflight = md.m.rollout_inflight / a.rollout * min(k, a.rollout) / 2 if a.rollout else 0.0
+                lost = md.job.priority * inflight / md.demand
+                cost = up * inv.switch_cost_s + lost
+                net = delta * cfg.horizon_s - cost
+                if net > 0 and (best is None or net > best[1] - best[2]):
+                    best = ((d, r, k), delta * cfg.horizon_s, cost)
+    return best
+
+
+def _split(m: _Member, share: int, inv: Inventory, cfg: PlanConfig) -> Decision:
+    """The job's split of ``share`` slots: its own plan when the share is what it holds, else a resize."""
+    cur = m.m.allocation if m.m is not None else Allocation(0, 0, 0)
+    if share == cur.total and share > 0 and m.m is not None:
+        return _plan_job(m.m, replace(inv, gpus=share), m.job, cfg)
+    if share == 0:
+        return _keep(cur, "no_share", ()) if cur.total == 0 else Decision(
+            Allocation(0, 0, 0), True, "share_withdrawn", current_rate=0.0, predicted_rate=0.0, best_rate=0.0,
+            bottleneck="", expected_gain=0.0, transition_cost=0.0, moved=0)
+    alloc = _best_split(m, share) if m.measured else _resized(m.job, cur, share)
+    rate = m.rate(share) if m.measured else 0.0
+    reason = "share_grown" if share > cur.total else "share_shrunk"
+    return Decision(alloc, alloc != cur, reason, current_rate=m.rate(cur.total) if m.measured else 0.0,
+                    predicted_rate=rate, best_rate=rate, bottleneck="", expected_gain=0.0, transition_cost=0.0,
+                    moved=cur.moved(alloc))
+
+
+def _best_split(m: _Member, share: int) -> Allocation:
+    """The split of ``share`` slots at the model's best rate; slots left over go to the scarcest stage."""
+    model = replace(m.model, gpus=share)
+    need = model.needs(model.max_rate()) or {r: m.job.bound(r).min for r in ROLES}
+    out = dict(need)
+    for _ in range(share - sum(out.values())):
+        caps = model.caps(Allocation(**out))
+        open_ = [r for r in ROLES if out[r] < m.job.bound(r).max and (r != "reward" or m.job.reward_on_gpu)]
+        if not open_:
+            break
+        out[min(open_, key=lambda r: caps[r])] += 1
+    return Allocation(**out)
+
+
+def _resized(job: JobSpec, cur: Allocation, share: int) -> Allocation:
+    """Without a model: from the current split (or the smallest one), grow rollout first, shrink the largest role."""
+    out = cur.as_dict() if cur.total else {r: job.bound(r).min for r in ROLES}
+    order = ["rollout", "learner"] + (["reward"] if job.reward_on_gpu else [])
+    while sum(out.values()) < share:
+        room = [r for r in order if out[r] < job.bound(r).max]
+        if not room:
+            break
+        out[room[0]] += 1
+    while sum(out.values()) > share:
+        spare = [r for r in order if out[r] > job.bound(r).min]
+        if not spare:
+            break
+        out[max(spare, key=lambda r: (out[r], r == "rollout"))] -= 1
+    return Allocation(**out)
+
 
 def explain(decision: Decision) -> str:
     """One line for logs and the benchmark timeline."""
@@ -434,5 +772,5 @@ def explain(decision: Decision) -> str:
             + (f" signals={','.join(decision.signals)}" if decision.signals else ""))
 
 
-__all__ = ["Allocation", "Decision", "Inventory", "JobSpec", "Metrics", "PlanConfig", "RoleBounds",
-           "explain", "plan"]
+__all__ = ["AdmissionError", "Allocation", "Decision", "Inventory", "JobSpec", "Metrics", "PlanConfig",
+           "PoolDecision", "RoleBounds", "admit", "explain", "max_share", "min_share", "plan", "plan_pool"]

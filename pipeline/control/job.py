@@ -62,7 +62,8 @@ class JobInfo:
         return allocator.JobSpec(name=self.name, batch_size=self.batch_size, max_staleness=self.max_staleness,
                                  reward_on_gpu=self.control.reward_on_slots,
                                  learner_scaling_exponent=self.control.learner_scaling_exponent,
-                                 bounds=role_bounds(self.control, self.backend))
+                                 bounds=role_bounds(self.control, self.backend), min_slots=self.control.min_slots,
+                                 max_slots=self.control.max_slots, priority=self.control.priority)
 
 
 def load_job(r: redis.Redis, job: str) -> JobInfo | None:

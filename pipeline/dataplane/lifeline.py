@@ -20,7 +20,14 @@ second copy of everything. Two mechanisms, because neither covers all cases:
   child looks.
 
 SIGTERM, not SIGKILL: a worker stops after the batch in hand (its unacked
-entries are replayed), the agent drains, Redis fsyncs its AOF.
+entries are replayed), the agent drains, Redis fsyncs its AOF. But an orphan
+cannot finish much: its run's Redis is going away with the run, so a batch
+in hand has nowhere to go, and a graceful stop that waits on it can run long
+on a loaded machine. A process that asks for it (``exit_after_s``: the
+workers, the controller, the agent) therefore exits outright that long after
+the SIGTERM if it is still there; that is as safe as the kill -9 every
+process of a run is built to survive (nothing is acknowledged before it is
+stored, checkpoints are written whole or not at all).
 
 The stage workers are the agent's children, but they must outlive an agent
 that dies (a fresh agent adopts them: no second copy, no lost batch) and
@@ -52,6 +59,9 @@ PASS_FDS_ENV = "LIBRA_PASS_FDS"   # descriptors the watchdog passes on to its pr
 OWNER_ENV = "LIBRA_OWNER"   # "pid:start" of the libra-ctl run every process below it ends with
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.5
+# An orphan still running this long after its SIGTERM exits outright (the agent drains its workers for up to
+# its grace first, so its limit is longer than theirs).
+ORPHAN_EXIT_S = 20.0
 
 
 def set_pdeathsig() -> None:
@@ -81,12 +91,21 @@ def spawn(argv: list[str], **popen_kwargs) -> subprocess.Popen:
     return subprocess.Popen(argv, **popen_kwargs)
 
 
-def watch_parent(on_orphan=None) -> threading.Thread | None:
+def _orphaned(act, exit_after_s: float | None) -> None:
+    """``act()``, then, if asked, exit outright once ``exit_after_s`` have passed and we are still here."""
+    act()
+    if exit_after_s is not None:
+        time.sleep(exit_after_s)
+        os._exit(1)
+
+
+def watch_parent(on_orphan=None, exit_after_s: float | None = None) -> threading.Thread | None:
     """In a child ``spawn`` started: PDEATHSIG, and a watchdog; SIGTERM to ourselves once the parent is gone.
 
     Does nothing for a process started otherwise (no ``$LIBRA_PARENT_PID``:
     a Procfile's, a shell's). The variable is removed from our environment,
-    so a process we start does not watch our parent.
+    so a process we start does not watch our parent. ``exit_after_s``: see
+    the module docstring.
     """
     raw = os.environ.pop(PARENT_ENV, "")
     if not raw.isdigit():
@@ -98,7 +117,7 @@ def watch_parent(on_orphan=None) -> threading.Thread | None:
     def run():
         while os.getppid() == parent:
             time.sleep(POLL_S)
-        act()
+        _orphaned(act, exit_after_s)
 
     t = threading.Thread(target=run, daemon=True, name="parent-watchdog")
     t.start()
@@ -125,8 +144,11 @@ def own_runs() -> None:
         os.environ[OWNER_ENV] = f"{os.getpid()}:{start}"
 
 
-def watch_owner(on_orphan=None) -> threading.Thread | None:
-    """SIGTERM to ourselves once the run in ``$LIBRA_OWNER`` is gone; nothing without one (or off Linux)."""
+def watch_owner(on_orphan=None, exit_after_s: float | None = ORPHAN_EXIT_S) -> threading.Thread | None:
+    """SIGTERM to ourselves once the run in ``$LIBRA_OWNER`` is gone; nothing without one (or off Linux).
+
+    Still here ``exit_after_s`` later (None: no limit), we exit outright.
+    """
     pid, _, start = os.environ.get(OWNER_ENV, "").partition(":")
     if not (pid.isdigit() and start.isdigit()) or not Path("/proc").is_dir():
         return None
@@ -135,7 +157,7 @@ def watch_owner(on_orphan=None) -> threading.Thread | None:
     def run():
         while process_start(int(pid)) == int(start):
             time.sleep(POLL_S)
-        act()
+        _orphaned(act, exit_after_s)
 
     t = threading.Thread(target=run, daemon=True, name="owner-watchdog")
     t.start()

@@ -34,7 +34,7 @@ import structlog
 
 from pipeline import config as config_mod, logs
 from pipeline.dataplane.keys import LEARNER, BadName, JobKeys, check_name
-from pipeline.dataplane.lifeline import watch_owner, watch_parent
+from pipeline.dataplane.lifeline import ORPHAN_EXIT_S, watch_owner, watch_parent
 from pipeline.dataplane.redisconn import ENV_OUTAGE, ENV_URL, UNAVAILABLE, Outage, connect
 
 HEARTBEAT_S = 2.0
@@ -203,7 +203,7 @@ def start_worker(role: str) -> WorkerContext:
     # stop (as on SIGTERM) when the run we belong to is gone (an agent's worker outlives its agent, to be
     # adopted by the next one), or the process that started us (the feeder, under libra-ctl run)
     watch_owner()
-    watch_parent()
+    watch_parent(exit_after_s=ORPHAN_EXIT_S)
     Outage(log).call(register, ctx)
     threading.Thread(target=_heartbeat, args=(ctx,), daemon=True, name="heartbeat").start()
     log.info("worker_started", pid=os.getpid())
