@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import fields
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import cli
-from pipeline.config import ControlConfig
 from pipeline.control.allocation import get_allocation
 from pipeline.control.events import record_event
 from pipeline.dataplane.keys import AGENTS, JobKeys, agent_procs
@@ -31,7 +29,6 @@ from tests.test_sim_workers import sim_job
 JOBS = ("alpha", "beta")
 SLOTS = {"alpha": {"learner-0": 0, "rollout-n-0": 1}, "beta": {"learner-0": 2, "rollout-n-0": 3}}
 TARGET = {"rollout": 1, "reward": 1, "learner": 1}
-HAS_POOL_KEYS = {"min_slots", "max_slots", "priority"} <= {f.name for f in fields(ControlConfig)}
 
 
 def shared_pool(r, url: str, tmp_path, control: dict | None = None) -> dict[str, JobKeys]:
@@ -236,7 +233,6 @@ def test_the_report_headline_gives_the_jobs_pool_settings(r, redis_url, tmp_path
     assert rows["job"] == "alpha" and rows["pool"] == "min_slots 0  max_slots the pool  priority 1"
 
 
-@pytest.mark.skipif(not HAS_POOL_KEYS, reason="control.min_slots, max_slots, priority are not in pipeline/config.py")
 def test_each_views_pool_settings_are_the_jobs_own(r, redis_url, tmp_path, capsys):
     control = {"alpha": {"min_slots": 2, "max_slots": 3, "priority": 2.0}, "beta": {"min_slots": 1}}
     keys = shared_pool(r, redis_url, tmp_path, control=control)

@@ -45,8 +45,7 @@ def pool_settings(r: redis.Redis, job: str) -> dict | None:
     if info is None:
         return None
     ctl = info.control
-    return {"min_slots": getattr(ctl, "min_slots", 0), "max_slots": getattr(ctl, "max_slots", 0),
-            "priority": getattr(ctl, "priority", 1.0)}
+    return {"min_slots": ctl.min_slots, "max_slots": ctl.max_slots, "priority": ctl.priority}
 
 
 def format_pool(pool: dict | None) -> str:
