@@ -41,7 +41,9 @@ import redis
 from pipeline import manifest as manifest_mod
 from pipeline.config import Config
 from pipeline.control.allocation import live_agents
-from pipeline.control.local import start_local_control
+from pipeline.control.allocator import AdmissionError
+from pipeline.control.job import check_admission
+from pipeline.control.local import own_slots, start_local_control
 from pipeline.dataplane.keys import CONTROLLER_LEASE, JOBS, JobKeys
 from pipeline.observe.metrics import start_sampler
 from pipeline.observe.report import write_report
@@ -398,6 +400,11 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
         if resume_dir:
             check_resumable(r, JobKeys(cfg.job.name), run_dir)
         else:
+            try:
+                check_admission(r, cfg, own_slots(cfg))
+            except AdmissionError as exc:
+                print(f"libra-ctl run: job {cfg.job.name!r} refused: {exc}", file=out)
+                return 2
             _start_new_job(r, cfg, run_dir, argv=argv, redis_url=url, embedded=bool(embedded),
                            policy_dir=policy_dir, bad_prompt_lines=bad_lines)
         # Nothing else can be on an embedded server we just started: a controller lease or agent record

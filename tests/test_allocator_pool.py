@@ -101,7 +101,7 @@ def test_a_pool_that_shrinks_keeps_the_higher_priority_minimum_first():
     a, b = job("a", min_slots=4, priority=2.0), job("b", min_slots=4)
     d = plan({"a": measured(Allocation(3, 1)), "b": measured(Allocation(3, 1))}, Inventory(6, 10.0), [a, b], CFG)
     assert d.shares == {"a": 4, "b": 2} and d.below_min == ("b",)
-    assert d.reason.startswith("pool_shrank")
+    assert d.reason.startswith("fit")
 
 
 # --- spare capacity and fair share ---------------------------------------------------------------------------

@@ -137,17 +137,28 @@ def allocation_status(r: redis.Redis, job: str) -> dict:
             "nodes": nodes, "workers": workers, "external": external}
 
 
-def format_allocation(a: dict) -> str:
-    """Lines for a terminal: one per node, each slot as index:worker; then the external workers."""
+def format_allocation(a: dict, job: str | None = None) -> str:
+    """Lines for a terminal: one per node, each slot as index:worker; then the external workers.
+
+    The nodes' slots are shared by every job on the Redis, and worker names
+    repeat across jobs (each has a ``learner-0``): a slot held by a job other
+    than ``job`` shows as index:otherjob/worker.
+    """
     pinned = " ".join(f"{k}={v}" for k, v in sorted(a["pinned"].items())) if a["mode"] == "pinned" else ""
     lines = [f"allocation {a['mode']}{' ' + pinned if pinned else ''}  running "
              + " ".join(f"{k}={v}" for k, v in sorted(a["roles"].items()))]
     for n in a["nodes"]:
-        slots = "  ".join(f"{s['index']}:{s['worker'] or '-'}" for s in n["slots"])
+        slots = "  ".join(f"{s['index']}:{_slot_holder(s, job)}" for s in n["slots"])
         lines.append(f"  node {n['node']}{'' if n['alive'] else ' (lost)'}  {slots}")
     if a.get("external"):
         lines.append("  external  " + "  ".join(f"{w} ({e['state']})" for w, e in a["external"].items()))
     return "\n".join(lines)
+
+
+def _slot_holder(slot: dict, job: str | None) -> str:
+    if slot["worker"] is None:
+        return "-"
+    return slot["worker"] if job is None or slot["job"] == job else f"{slot['job']}/{slot['worker']}"
 
 
 def counts_of(roles: dict, reward_on_slots: bool) -> dict:

@@ -476,7 +476,7 @@ class PoolDecision:
 
     shares: dict[str, int]
     decisions: dict[str, Decision]     # decisions[j].allocation.total == shares[j]
-    reason: str                        # what moved slots between jobs: guarantee, spare, rebalance_jobs; or kept
+    reason: str                        # what moved slots between jobs: fit, guarantee, spare, rebalance_jobs; or kept
     moved_between_jobs: int            # slots that change job
     expected_gain: float = 0.0         # of a rebalance: weighted throughput gained over the horizon
     transition_cost: float = 0.0       # ... and what the move costs, in the same units
@@ -541,8 +541,9 @@ def plan_pool(metrics: Mapping[str, Metrics], inventory: Inventory, jobs: Sequen
 
     In order:
 
-    1. fit: a pool that shrank (an agent left) takes slots back from the jobs
-       furthest above their minimum, lowest priority first;
+    1. fit: shares that overrun the pool (an agent left, or a new job's
+       configured counts do not fit beside the others) are cut, from the jobs
+       above their minimum first, lowest priority and least value lost first;
     2. guarantee: a job below its minimum gets it at once (no cooldown, no
        cost test), from free slots, then from the others down to (never
        below) their minimums, lowest priority and least value lost first;
@@ -561,7 +562,7 @@ def plan_pool(metrics: Mapping[str, Metrics], inventory: Inventory, jobs: Sequen
     target = {n: min(m.held, m.hi) for n, m in members.items()}
     reasons: list[str] = []
     if _fit_pool(members, target, inventory.gpus):
-        reasons.append("pool_shrank")
+        reasons.append("fit")
     before = dict(target)
     below = _guarantee(members, target, inventory.gpus)
     if target != before:
@@ -595,7 +596,7 @@ def _runnable(job: JobSpec) -> int:
 
 
 def _fit_pool(members: dict[str, _Member], target: dict[str, int], gpus: int) -> bool:
-    """Bring the shares within a pool that shrank: down to the minimums, then whole jobs pause (lowest first)."""
+    """Cut shares that overrun the pool: down to the minimums, then whole jobs pause (lowest priority first)."""
     over = sum(target.values()) - gpus
     if over <= 0:
         return False

@@ -5,6 +5,11 @@ it (the allocation record, ``CONTROLLER_WAKE``, the drain requests); with no
 controller running, ``drain`` asks the agent directly. A worker started
 outside the agents (``libra-ctl worker``) is asked directly, through
 ``JobKeys.external_drain``, which it watches.
+
+Several jobs may share the Redis and the controller: ``scale`` and ``drain``
+act on one job (``--job``, needed when more than one runs), and touch no
+other job's records; ``events`` shows every job's decisions, merged by
+time, unless ``--job`` names one.
 """
 
 from __future__ import annotations
@@ -18,21 +23,33 @@ import redis
 from pipeline.control import actions
 from pipeline.control.allocation import (allocation_status, external_workers, get_allocation, pin, read_placement,
                                          unpin)
-from pipeline.control.events import read_events
+from pipeline.control.events import merged_events
 from pipeline.dataplane.keys import CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, JobKeys
 from pipeline.dataplane.redisconn import connect, find_redis_url
 from pipeline.dataplane.keys import ROLES
 
 
+def all_jobs(r: redis.Redis) -> list[str]:
+    return sorted(n.decode() for n in r.smembers(JOBS))
+
+
+def known_job(r: redis.Redis, job: str) -> str:
+    """``job`` if it has run on this Redis; else exit naming the jobs that have (a typo pins nothing)."""
+    if not r.sismember(JOBS, job):
+        names = all_jobs(r)
+        raise SystemExit(f"libra-ctl: no job {job!r} on this Redis"
+                         + (f"; its jobs: {', '.join(names)}" if names else " (it has no jobs)"))
+    return job
+
+
 def pick_job(r: redis.Redis, job: str | None) -> str:
     """The named job, else the one job that runs on this Redis."""
     if job:
-        return job
-    running = [n.decode() for n in sorted(r.smembers(JOBS))
-               if (r.hget(JobKeys(n.decode()).state, "phase") or b"").decode() in ("running", "trained")]
+        return known_job(r, job)
+    running = [n for n in all_jobs(r) if r.hget(JobKeys(n).state, "phase") in (b"running", b"trained")]
     if len(running) != 1:
         raise SystemExit(f"libra-ctl: {'no job runs' if not running else 'several jobs run: ' + ', '.join(running)}"
-                         "; name one with --job")
+                         "; name one with --job J")
     return running[0]
 
 
@@ -107,40 +124,47 @@ def cmd_drain(args) -> int:
 
 
 def cmd_events(args) -> int:
+    """The named job's decisions, else every job's merged by time; each line names its job."""
     r = connect(find_redis_url(args.redis))
-    job = pick_job(r, args.job) if args.job or r.scard(JOBS) else None
-    if job is None:
+    jobs = [known_job(r, args.job)] if args.job else all_jobs(r)
+    if not jobs:
         print("no jobs on this Redis")
         return 0
-    events = read_events(r, job, args.last)
+    events = merged_events(r, jobs, args.last)
     if args.json:
         print(json.dumps(events, indent=2))
         return 0
+    width = max(len(j) for j in jobs)
     for e in events:
-        when = time.strftime("%H:%M:%S", time.localtime(e["at"]))
-        acts = ", ".join(f"{a['action']} {a['worker']}@{a['node']}" for a in e.get("actions", []))
-        what = e.get("summary") or f"{e.get('reason', e['kind'])}: {e.get('to', '')}"
-        print(f"{when}  {e['kind']:<8} {what}" + (f"  [{acts}]" if acts else ""))
+        print(format_event(e, width))
     return 0
+
+
+def format_event(e: dict, job_width: int = 0) -> str:
+    """One line of ``libra-ctl events``: time, job (padded to ``job_width``), kind, what was decided, actions."""
+    when = time.strftime("%H:%M:%S", time.localtime(e["at"]))
+    acts = ", ".join(f"{a['action']} {a['worker']}@{a['node']}" for a in e.get("actions", []))
+    what = e.get("summary") or f"{e.get('reason', e['kind'])}: {e.get('to', '')}"
+    return f"{when}  {e['job']:<{job_width}}  {e['kind']:<8} {what}" + (f"  [{acts}]" if acts else "")
 
 
 def add_commands(sub) -> None:
     s = sub.add_parser("scale", help="pin worker counts (role=N ...) or hand back to the allocator (--auto)")
     s.add_argument("counts", nargs="*", metavar="ROLE=N")
     s.add_argument("--auto", action="store_true", help="return control to the allocator")
-    s.add_argument("--job")
+    s.add_argument("--job", help="the job to pin; no other job's allocation changes (needed when several run)")
     s.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for the counts")
     s.add_argument("--redis")
     s.set_defaults(func=cmd_scale)
 
     d = sub.add_parser("drain", help="drain one worker: it finishes the batch in hand and exits")
     d.add_argument("worker")
-    d.add_argument("--job")
+    d.add_argument("--job", help="the worker's job (needed when several run)")
     d.add_argument("--redis")
     d.set_defaults(func=cmd_drain)
 
     e = sub.add_parser("events", help="the controller's decisions: inputs, expected gain, actions")
-    e.add_argument("--job")
+    e.add_argument("--job", help="only this job's (default: every job's, merged by time)")
     e.add_argument("--json", action="store_true")
     e.add_argument("-n", "--last", type=int, default=50)
     e.add_argument("--redis")

@@ -1,11 +1,14 @@
 """The controller's decision events: ``control_events`` in Redis and ``runs/<id>/events.jsonl``.
 
 Written by the reconcile loop (``pipeline.control.loop``); read by
-``libra-ctl events``, the live benchmark and the report.
+``libra-ctl events``, the live benchmark and the report. Each job has its
+own stream; ``merged_events`` reads several jobs' as one timeline (every
+event names its job).
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import time
@@ -17,6 +20,7 @@ from pipeline.control.job import JobInfo
 from pipeline.dataplane.keys import JobKeys
 
 EVENTS_MAXLEN = 10_000
+
 
 def record_event(r: redis.Redis, job: JobInfo | str, event: dict) -> None:
     """Append a decision event to the job's stream and, where this host sees it, ``runs/<id>/events.jsonl``."""
@@ -43,3 +47,7 @@ def read_events(r: redis.Redis, job: str, last: int = 50) -> list[dict]:
     return [json.loads(f[b"data"]) for _id, f in reversed(entries)]
 
 
+def merged_events(r: redis.Redis, jobs: list[str], last: int = 50) -> list[dict]:
+    """The newest ``last`` events of the given jobs together, oldest first (ordered by ``at``)."""
+    timelines = [read_events(r, job, last) for job in jobs]   # each job's newest ``last``: enough for the merge
+    return list(heapq.merge(*timelines, key=lambda e: e["at"]))[-last:] if last > 0 else []

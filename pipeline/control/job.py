@@ -18,7 +18,8 @@ import redis
 from pipeline import config as config_mod
 from pipeline.config import ControlConfig
 from pipeline.control import allocator
-from pipeline.dataplane.keys import JobKeys
+from pipeline.control.allocation import live_agents
+from pipeline.dataplane.keys import JOBS, JobKeys
 from pipeline.dataplane.keys import ROLES
 
 
@@ -64,6 +65,37 @@ class JobInfo:
                                  learner_scaling_exponent=self.control.learner_scaling_exponent,
                                  bounds=role_bounds(self.control, self.backend), min_slots=self.control.min_slots,
                                  max_slots=self.control.max_slots, priority=self.control.priority)
+
+
+def config_spec(cfg: config_mod.Config) -> allocator.JobSpec:
+    """The allocator's view of a job from its config, before it runs (admission)."""
+    return JobInfo(name=cfg.job.name, run_dir="", backend="vllm", batch_size=cfg.learner.batch_size,
+                   group_size=cfg.rollout.group_size, max_staleness=cfg.learner.max_staleness,
+                   initial={"rollout": cfg.rollout.workers, "reward": cfg.reward.workers,
+                            "learner": cfg.learner.workers},
+                   control=cfg.control).spec()
+
+
+def check_admission(r: redis.Redis, cfg: config_mod.Config, own_slots: int) -> None:
+    """Refuse (``allocator.AdmissionError``) a job whose minimum the pool cannot hold beside the running jobs'.
+
+    The pool is the live agents' slots, or, with none yet, the ``own_slots``
+    the run's own agent will offer. A job of the same name (a resume, a
+    restart) is not counted twice.
+    """
+    agents = live_agents(r)
+    gpus = sum(len(rec["slots"]) for rec in agents.values()) if agents else own_slots
+    others = []
+    for raw in r.smembers(JOBS):
+        name = raw.decode()
+        if name == cfg.job.name or (r.hget(JobKeys(name).state, "phase") or b"").decode() not in ("running",
+                                                                                                  "trained"):
+            continue
+        info = load_job(r, name)
+        if info is not None and info.control.mode == "auto":
+            others.append(info.spec())
+    allocator.admit(allocator.Inventory(gpus=gpus, switch_cost_s=cfg.control.switch_cost_s),
+                    others + [config_spec(cfg)])
 
 
 def load_job(r: redis.Redis, job: str) -> JobInfo | None:

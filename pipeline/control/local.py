@@ -118,6 +118,20 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no output)"
 
 
+def cpu_slots(cfg) -> int:
+    """The CPU slots a run's own agent offers when it finds no GPU: ``run.slots``, else one per rollout and
+    learner worker."""
+    return getattr(cfg.run, "slots", 0) or cfg.rollout.workers + cfg.learner.workers
+
+
+def own_slots(cfg) -> int:
+    """Slots the run's own agent will offer: the GPUs it finds, else ``cpu_slots``."""
+    try:
+        return len(detect_slots(None))
+    except SlotError:
+        return cpu_slots(cfg)
+
+
 def start_local_control(cfg, run_dir: Path, redis_url: str, *, slots: int | None = None,
                         node: str | None = None, interval_s: float | None = None, controller: bool = True,
                         agent: bool = True, say=None) -> LocalControl:
@@ -137,7 +151,7 @@ def start_local_control(cfg, run_dir: Path, redis_url: str, *, slots: int | None
         try:
             detect_slots(None)
         except SlotError:
-            slots = getattr(cfg.run, "slots", 0) or cfg.rollout.workers + cfg.learner.workers
+            slots = cpu_slots(cfg)
     env = dict(os.environ, **{ENV_URL: redis_url, "PYTHONUNBUFFERED": "1"})   # never on argv: ps shows it
     logs = Path(run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)

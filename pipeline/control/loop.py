@@ -1,4 +1,4 @@
-"""The controller's reconcile loop: moves slots to the bottleneck, one job at a time.
+"""The controller's reconcile loop: shares the slots among jobs and moves them to each job's bottleneck.
 
 One controller acts at a time: it holds ``CONTROLLER_LEASE`` (SET NX PX,
 renewed with a token check; each lease taken increments ``CONTROLLER_EPOCH``,
@@ -9,9 +9,12 @@ which fences the actions of a controller that lost it). Every
 1. observe: a snapshot of the job's counters, queues, the workers' reported
    costs (``CostMeter``) and the learner's step records, kept over a window
    (``control.observer``), mapped onto ``allocator.Metrics``;
-2. decide: the pinned counts (``libra-ctl scale``), or ``allocator.plan()`` on
-   those metrics, the live slots of the agents (``Inventory``) and the job's
-   config (``JobSpec``);
+2. decide: the pinned counts (``libra-ctl scale``), or, for the auto jobs
+   together, ``allocator.plan()`` on their metrics, the live slots of the
+   agents less what pinned jobs hold (``Inventory``) and each job's config
+   (``JobSpec``: its role bounds, ``min_slots``, ``max_slots``, ``priority``):
+   each job's share of the pool and its split (jobs that shrink are acted on
+   before jobs that grow);
 3. place: which worker on which node and slot (``control.placement``, pure): keep what
    runs, shrink before growing, reuse the freed slots (an agent starts the
    new worker only once the old one has exited);
@@ -69,6 +72,25 @@ class JobControl:
     finished: bool = False
 
 
+@dataclass
+class JobView:
+    """One running job as a tick sees it, between observing it and acting on it."""
+
+    jc: JobControl
+    alloc: dict                      # its allocation record (mode, target, pinned, changed_at, changed_from)
+    ext: dict                        # its external workers (``libra-ctl worker``)
+    ext_n: dict[str, int]            # ... counted per role
+    bounds: dict                     # role bounds (an auto job's raised to what its external workers hold)
+    metrics: allocator.Metrics | None = None   # auto mode only: what the allocator sees
+
+
+def _growth(view: JobView, pool: allocator.PoolDecision | None) -> int:
+    """How many slots the job gains this tick (negative: gives up); pinned jobs count as 0."""
+    if pool is None or view.metrics is None:
+        return 0
+    return pool.shares[view.jc.info.name] - view.metrics.allocation.total
+
+
 class Controller:
     """The reconcile loop; ``tick()`` is one pass over the jobs (when the lease is held)."""
 
@@ -120,104 +142,147 @@ class Controller:
         nodes = live_agents(self.r)
         names = sorted(n.decode() for n in self.r.smembers(JOBS))
         placements = {j: read_placement(self.r, j) for j in names}
+        now = time.time()
+        views = []
         for name in names:
             try:
-                self.reconcile(name, nodes, placements)
+                view = self.observe(name, nodes, placements, now)
             except (redis.ResponseError, ValueError, KeyError) as exc:
                 self.log.error("reconcile_failed", job=name, error=str(exc))
+                continue
+            if view is not None:
+                views.append(view)
+        pool = self.plan_pool(views, nodes, placements)
+        # jobs that shrink first: the slots they free are the ones growing jobs are placed on
+        for view in sorted(views, key=lambda v: _growth(v, pool)):
+            try:
+                self.reconcile(view, nodes, placements, pool, now)
+            except (redis.ResponseError, ValueError, KeyError) as exc:
+                self.log.error("reconcile_failed", job=view.jc.info.name, error=str(exc))
         return True
 
-    def reconcile(self, name: str, nodes: dict[str, dict], placements: dict[str, dict]) -> None:
+    def observe(self, name: str, nodes: dict[str, dict], placements: dict[str, dict],
+                now: float) -> "JobView | None":
+        """A running job's state for this tick (None for one not running: a finished one is drained here)."""
         phase = (self.r.hget(JobKeys(name).state, "phase") or b"").decode()
         jc = self.jobs.get(name)
         if jc is None or jc.info.run_dir != (self.r.hget(JobKeys(name).state, "run_dir") or b"").decode():
             info = load_job(self.r, name)
             if info is None:
-                return
+                return None
             jc = self.jobs[name] = JobControl(info, Observer(info))
         if phase not in ("running", "trained"):
             if not jc.finished:
                 self.finish(jc, nodes)
-            return
+            return None
         jc.finished = False
-        now = time.time()
+        if not any(rec["slots"] for rec in nodes.values()):
+            # No agent has registered a slot yet (a controller that starts before its agents): deciding now
+            # would trim the job's target to the minimums and keep it there. Wait for an inventory.
+            return None
+        ext = external_workers(self.r, name, now)
+        ext_n = external_counts(ext)
+        ctl = jc.info.control
+        alloc = self.ensure_allocation(jc)
+        jc.observer.tick(self.r, now)
+        view = JobView(jc, alloc, ext, ext_n, bounds=role_bounds(ctl, jc.info.backend))
+        if alloc["mode"] == "auto":
+            view.bounds = external_floor(view.bounds, counts_of(ext_n, ctl.reward_on_slots))
+            base = {**jc.info.initial, **alloc["target"]}
+            before = Allocation(**alloc["changed_from"]) if alloc["changed_from"] else None
+            learner = placements.get(name, {}).get(LEARNER)
+            view.metrics = jc.observer.metrics(
+                Allocation(**counts_of(base, ctl.reward_on_slots)), now - alloc["changed_at"], before,
+                learner_slots=len(learner["slots"]) if learner else max(base["learner"], 1))
+        return view
+
+    def plan_pool(self, views: list["JobView"], nodes: dict[str, dict],
+                  placements: dict[str, dict]) -> allocator.PoolDecision | None:
+        """Shares of the agents' slots for the auto jobs, and each one's split (``allocator.plan``).
+
+        The pool is every live agent slot, less what pinned jobs hold, plus the
+        auto jobs' external workers of slot roles (each stands for a slot
+        beside the agents'). None when no auto job runs.
+        """
+        auto = [v for v in views if v.metrics is not None]
+        if not auto:
+            return None
+        pinned = {v.jc.info.name for v in views if v.metrics is None}
+        held = sum(len(rec["slots"]) for j in pinned for rec in placements.get(j, {}).values())
+        ext = sum(sum(counts_of(v.ext_n, v.jc.info.control.reward_on_slots).values()) for v in auto)
+        gpus = sum(len(rec["slots"]) for rec in nodes.values()) - held + ext
+        switch = max(v.jc.info.control.switch_cost_s for v in auto)
+        specs = [replace(v.jc.info.spec(), bounds=v.bounds) for v in auto]
+        return allocator.plan({v.jc.info.name: v.metrics for v in auto},
+                              allocator.Inventory(gpus=max(gpus, 0), switch_cost_s=switch), specs,
+                              plan_config(auto[0].jc.info.control))
+
+    def reconcile(self, view: "JobView", nodes: dict[str, dict], placements: dict[str, dict],
+                  pool: allocator.PoolDecision | None, now: float) -> None:
+        jc, name = view.jc, view.jc.info.name
         slot_map = {n: [s["index"] for s in rec["slots"]] for n, rec in nodes.items()}
         taken = {(rec["node"], s) for j, p in placements.items() if j != name for rec in p.values()
                  for s in rec["slots"]}
         free = sum(1 for n, ss in slot_map.items() for s in ss if (n, s) not in taken)
-        ext = external_workers(self.r, name, now)
-        ext_n = external_counts(ext)
         # an external worker of a slot role stands for one slot beside the agents' (it holds none of theirs)
-        slots = free + sum(counts_of(ext_n, jc.info.control.reward_on_slots).values())
-        if not slots:
-            # No agent has registered a slot yet (a controller that starts before its agents): deciding now
-            # would trim the job's target to the minimums and keep it there. Wait for an inventory.
-            return
-        alloc = self.ensure_allocation(jc, slots)
+        slots = free + sum(counts_of(view.ext_n, jc.info.control.reward_on_slots).values())
         cur = placements.get(name, {})
         drained = take_drain_requests(self.r, name)
         # a drained worker leaves its slot empty for this tick, so a replacement goes elsewhere if it can
         taken |= {(cur[w]["node"], s) for w in drained if w in cur for s in cur[w]["slots"]}
         cur = {w: rec for w, rec in cur.items() if w not in drained}
-        jc.observer.tick(self.r, now)
-        target, event = self.decide(jc, alloc, cur, slots, ext_n, now)
-        new = place(agents_share(target, ext_n), cur, slot_map, taken, jc.info.control.reward_on_slots)
-        orders = self.act(jc, new, nodes) + self.drain_external(jc, ext, target)
+        target, event = self.decide(view, slots, pool)
+        new = place(agents_share(target, view.ext_n), cur, slot_map, taken, jc.info.control.reward_on_slots)
+        orders = self.act(jc, new, nodes) + self.drain_external(jc, view.ext, target)
         placements[name] = new
-        self.commit(jc, alloc, cur, new, target, now)
+        self.commit(jc, view.alloc, cur, new, target, now)
         if event is not None or orders or drained:
             record_event(self.r, jc.info, {**(event or {"kind": "drain" if drained else "repair"}),
                                            "epoch": self.lease.epoch, "actions": orders, "drained": drained,
-                                           **({"external": ext_n} if ext_n else {})})
+                                           **({"external": view.ext_n} if view.ext_n else {})})
 
-    def ensure_allocation(self, jc: JobControl, slots: int) -> dict:
+    def ensure_allocation(self, jc: JobControl) -> dict:
         """The job's allocation record, created from its config on first sight.
 
-        In auto mode, slots the config's counts leave empty start as rollout:
-        the allocator can only rebalance what it measures, and an empty slot measures nothing.
+        In auto mode the pool plan then gives the job its share: slots the
+        config's counts leave empty start as rollout (the allocator can only
+        rebalance what it measures, and an empty slot measures nothing).
         """
         alloc = get_allocation(self.r, jc.info.name)
         if alloc["mode"] is None:
             initial = dict(jc.info.initial)
-            if jc.info.control.mode == "auto":
-                used = sum(counts_of(initial, jc.info.control.reward_on_slots).values())
-                initial["rollout"] += max(0, slots - used)
             self.r.hset(JobKeys(jc.info.name).allocation, mapping={
                 "mode": jc.info.control.mode, "target": json.dumps(initial), "changed_at": time.time(),
                 **({"pinned": json.dumps(initial)} if jc.info.control.mode == "pinned" else {})})
             alloc = get_allocation(self.r, jc.info.name)
         return alloc
 
-    def decide(self, jc: JobControl, alloc: dict, cur: dict, slots: int, ext: dict[str, int],
-               now: float) -> tuple[dict, dict | None]:
+    def decide(self, view: "JobView", slots: int,
+               pool: allocator.PoolDecision | None) -> tuple[dict, dict | None]:
         """The target counts (external workers included), and the event to record (None when nothing new).
 
-        ``ext``: counted external workers per role. A pinned count is the
+        ``view.ext_n``: counted external workers per role. A pinned count is the
         total, so it may leave external workers over (``drain_external``); the
         allocator never goes below them, since their slots cannot change role.
         """
+        jc, alloc, ext = view.jc, view.alloc, view.ext_n
         info, ctl = jc.info, jc.info.control
-        bounds = role_bounds(ctl, info.backend)
         base = {**info.initial, **alloc["target"]}
-        if alloc["mode"] == "pinned":
-            target = fit({**base, **alloc["pinned"]}, slots, bounds, ctl.reward_on_slots)
+        if alloc["mode"] == "pinned" or pool is None:
+            target = fit({**base, **(alloc["pinned"] or {})}, slots, view.bounds, ctl.reward_on_slots)
             reason = "pinned"
             event = {"kind": "pinned", "mode": "pinned", "reason": reason, "from": alloc["target"], "to": target}
         else:
-            bounds = external_floor(bounds, counts_of(ext, ctl.reward_on_slots))
-            now_alloc = Allocation(**counts_of(base, ctl.reward_on_slots))
-            since = now - alloc["changed_at"]
-            before = Allocation(**alloc["changed_from"]) if alloc["changed_from"] else None
-            learner = cur.get(LEARNER)
-            m = jc.observer.metrics(now_alloc, since, before,
-                                    learner_slots=len(learner["slots"]) if learner else max(base["learner"], 1))
-            d = allocator.plan(m, allocator.Inventory(gpus=slots, switch_cost_s=ctl.switch_cost_s),
-                               [replace(info.spec(), bounds=bounds)], plan_config(ctl))
+            d = pool.decisions[info.name]
             planned = {**base, **{r: d.allocation.get(r) for r in ROLES if r != "reward" or ctl.reward_on_slots}}
-            target = fit({r: max(n, ext.get(r, 0)) for r, n in planned.items()}, slots, bounds, ctl.reward_on_slots)
+            target = fit({r: max(n, ext.get(r, 0)) for r, n in planned.items()}, slots, view.bounds,
+                         ctl.reward_on_slots)
             reason = d.reason
-            event = {"kind": "decision", "mode": "auto", **d.event(m), "from": base, "to": target,
-                     "costs": jc.observer.costs, "summary": allocator.explain(d)}
+            event = {"kind": "decision", "mode": "auto", **d.event(view.metrics), "from": base, "to": target,
+                     "costs": jc.observer.costs, "summary": allocator.explain(d),
+                     "pool": {"reason": pool.reason, "shares": pool.shares, "share": pool.shares[info.name],
+                              "moved_between_jobs": pool.moved_between_jobs,
+                              **({"below_min": list(pool.below_min)} if pool.below_min else {})}}
         if ext.get("learner"):
             target["learner"] = ext["learner"]   # the job's one learner process is an external one
         changed = target != alloc["target"]

@@ -7,7 +7,8 @@ function of those that runs the checks of ``pipeline.observe.doctor_checks``,
 so each symptom is tested by injecting it; ``gather`` collects them from a
 live job (Redis and its run directory) or from a finished run's directory
 alone. Run by a user from any machine that reaches the job's Redis, or on a
-copied run directory.
+copied run directory. Where several jobs share the Redis, each running job
+gets its own diagnosis unless ``--job`` names one.
 """
 
 from __future__ import annotations
@@ -79,20 +80,47 @@ def _config_of(run_dir: Path | None) -> dict | None:
 
 
 def gather_live(r, job: str, run_dir: Path | None, window_s: float, sample_s: float) -> Inputs:
+    """One live job's window (``gather_live_jobs`` of that job alone)."""
+    return gather_live_jobs(r, {job: run_dir}, window_s, sample_s)[0]
+
+
+def gather_live_jobs(r, jobs: dict[str, Path | None], window_s: float, sample_s: float) -> list[Inputs]:
+    """The windows of live jobs (name -> run directory, None: the one Redis names), in the order given.
+
+    The jobs no sampler recorded are sampled here for ``sample_s``, all in the
+    same seconds: several jobs cost one wait, not one each.
+    """
+    from pipeline.observe.metrics import read_samples
+
+    since = time.time() - window_s
+    samples = {job: read_samples(r, job, since=since) for job in jobs}
+    unrecorded = [job for job, got in samples.items() if len(got) < Thresholds.min_samples]
+    if unrecorded and sample_s > 0:
+        for job, taken in sample_now(r, unrecorded, sample_s).items():
+            samples[job] += taken
+    return [_live_inputs(r, job, run_dir, since, samples[job]) for job, run_dir in jobs.items()]
+
+
+def sample_now(r, jobs: list[str], sample_s: float) -> dict[str, list[dict]]:
+    """A short window of samples of each job, taken side by side over ``sample_s`` and recorded nowhere."""
+    from pipeline.observe.metrics import MetricsSampler
+
+    samplers = {job: MetricsSampler(r, job, None, from_start=False) for job in jobs}
+    out: dict[str, list[dict]] = {job: [] for job in jobs}
+    n = max(Thresholds.min_samples, int(sample_s))
+    for i in range(n):
+        for job, sampler in samplers.items():
+            out[job].append(sampler.collect())
+        if i < n - 1:
+            time.sleep(sample_s / (n - 1))
+    return out
+
+
+def _live_inputs(r, job: str, run_dir: Path | None, since: float, samples: list[dict]) -> Inputs:
+    """The rest of a live job's window: learner steps, dead-letter reasons, logs and config."""
     from pipeline.dataplane.keys import JobKeys
-    from pipeline.observe.metrics import MetricsSampler, read_samples
 
     keys = JobKeys(job)
-    since = time.time() - window_s
-    samples = read_samples(r, job, since=since)
-    if len(samples) < Thresholds.min_samples and sample_s > 0:
-        # No sampler recorded this job: take a short window ourselves, without recording it.
-        sampler = MetricsSampler(r, job, None, from_start=False)
-        n = max(Thresholds.min_samples, int(sample_s))
-        for i in range(n):
-            samples.append(sampler.collect())
-            if i < n - 1:
-                time.sleep(sample_s / (n - 1))
     steps = [json.loads(f[b"data"]) for _i, f in r.xrange(keys.metrics, min=f"{int(since * 1000)}-0")
              if f.get(b"kind") == b"learner_step"]
     if run_dir is None:
@@ -141,30 +169,39 @@ def format_diagnosis(d: Diagnosis, inp: Inputs, window_s: float) -> str:
     return "\n".join(out)
 
 
+def format_overview(results: list[tuple[Inputs, Diagnosis]]) -> str:
+    """One line naming each job's bottleneck, above the per-job sections when several jobs were diagnosed."""
+    named = [f"{inp.job}: {d.primary.bottleneck if d.primary else 'balanced'}" for inp, d in results]
+    return f"libra-ctl doctor: {len(results)} jobs ({'; '.join(named)})"
+
+
 def cmd_doctor(args) -> int:
+    """Diagnose the named job, else every running job (one section each); exit 1 if any has a finding."""
     window = args.window
-    inp = _inputs(args, window)
-    if inp is None:
+    inputs = _inputs(args, window)
+    if inputs is None:
         return 2
-    d = diagnose(inp.samples, inp.logs, steps=inp.steps, config=inp.config, dead_letter_reasons=inp.reasons)
+    results = [(inp, diagnose(inp.samples, inp.logs, steps=inp.steps, config=inp.config,
+                              dead_letter_reasons=inp.reasons)) for inp in inputs]
+    healthy = all(d.healthy for _inp, d in results)
     if args.json:
-        print(json.dumps({"job": inp.job, "source": inp.source,
-                          "run_dir": str(inp.run_dir) if inp.run_dir else None, **d.to_dict()}, indent=2))
+        docs = [{"job": inp.job, "source": inp.source, "run_dir": str(inp.run_dir) if inp.run_dir else None,
+                 **d.to_dict()} for inp, d in results]
+        # one job: its diagnosis, as always; several: each job's, and whether all are healthy
+        print(json.dumps(docs[0] if len(docs) == 1 else {"healthy": healthy, "jobs": docs}, indent=2))
     else:
-        print(format_diagnosis(d, inp, window))
-    return 0 if d.healthy else 1
+        sections = [format_diagnosis(d, inp, window) for inp, d in results]
+        print("\n\n".join(([format_overview(results)] if len(results) > 1 else []) + sections))
+    return 0 if healthy else 1
 
 
-def _inputs(args, window: float) -> Inputs | None:
+def _connect(url: str | None, run_dir: Path | None):
+    """The Redis to read: ``url``, else the run's (``--run``), else the usual search; None when none answers."""
     import redis
 
-    from pipeline.dataplane.redisconn import find_redis_url
-    from pipeline.dataplane.keys import JOBS, JobKeys
-    from pipeline.dataplane.redisconn import connect
+    from pipeline.dataplane.redisconn import connect, find_redis_url
     from pipeline.redaction import is_redacted
 
-    run_dir = Path(args.run) if args.run else None
-    url = args.redis
     if url is None and run_dir is not None and (run_dir / "redis.url").exists():
         url = (run_dir / "redis.url").read_text().strip()
         if is_redacted(url):
@@ -173,39 +210,60 @@ def _inputs(args, window: float) -> Inputs | None:
         r = connect(url or find_redis_url(None), socket_connect_timeout=2)
         r.ping()
     except (redis.ConnectionError, FileNotFoundError, SystemExit):
-        r = None
+        return None
+    return r
+
+
+def jobs_to_diagnose(r, job: str | None, run_dir: Path | None) -> list[str]:
+    """``--job``; else the job of ``--run``; else every running job; else the last job on the Redis."""
+    from pipeline.dataplane.keys import JOBS, JobKeys
+
+    if job is not None:
+        return [job]
+    named = get_in(_config_of(run_dir), "job", "name") if run_dir is not None else None
+    if named:
+        return [named]
+    names = sorted(n.decode() for n in r.smembers(JOBS))
+    running = [n for n in names if r.hget(JobKeys(n).state, "phase") in (b"running", b"trained")]
+    return running or names[-1:]
+
+
+def _inputs(args, window: float) -> list[Inputs] | None:
+    """One window per job to diagnose; None (with a message) when there is nothing to read."""
+    from pipeline.dataplane.keys import JobKeys
+
+    run_dir = Path(args.run) if args.run else None
+    r = _connect(args.redis, run_dir)
     if r is None:
         if run_dir is None:
             print("libra-ctl doctor: no Redis to read; pass --run RUN_DIR for a finished run, or --redis URL")
             return None
-        return gather_run_dir(run_dir, window)
-    job = args.job
-    if job is None:
-        names = sorted(n.decode() for n in r.smembers(JOBS))
-        running = [n for n in names if r.hget(JobKeys(n).state, "phase") in (b"running", b"trained")]
-        job = (running or names or [None])[-1]
+        return [gather_run_dir(run_dir, window)]
+    jobs = jobs_to_diagnose(r, args.job, run_dir)
+    if not jobs:
         if run_dir is not None:
-            cfg = _config_of(run_dir)
-            job = get_in(cfg, "job", "name", default=job)
-    if job is None:
-        if run_dir is not None:
-            return gather_run_dir(run_dir, window)
+            return [gather_run_dir(run_dir, window)]
         print("libra-ctl doctor: no job on this Redis; pass --job J or --run RUN_DIR")
         return None
-    phase = r.hget(JobKeys(job).state, "phase")
-    if phase not in (b"running", b"trained"):
-        # A finished job: its record is the run directory (the last window of the run, not of the clock).
-        rd = run_dir or (Path(r.hget(JobKeys(job).state, "run_dir").decode())
-                         if r.hget(JobKeys(job).state, "run_dir") else None)
-        if rd is not None and rd.is_dir():
-            return gather_run_dir(rd, window)
-        return gather_live(r, job, run_dir, window, 0)
-    return gather_live(r, job, run_dir, window, args.sample_s)
+    live = {j: run_dir for j in jobs if r.hget(JobKeys(j).state, "phase") in (b"running", b"trained")}
+    found = dict(zip(live, gather_live_jobs(r, live, window, args.sample_s)))
+    return [found[j] if j in found else _finished(r, j, run_dir, window) for j in jobs]
+
+
+def _finished(r, job: str, run_dir: Path | None, window: float) -> Inputs:
+    """A finished job: its record is the run directory (the last window of the run, not of the clock)."""
+    from pipeline.dataplane.keys import JobKeys
+
+    recorded = r.hget(JobKeys(job).state, "run_dir")
+    rd = run_dir or (Path(recorded.decode()) if recorded else None)
+    if rd is not None and rd.is_dir():
+        return gather_run_dir(rd, window)
+    return gather_live(r, job, run_dir, window, 0)
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser("doctor", help="name the bottleneck of a job, with evidence and a suggested action")
-    p.add_argument("--job", help="job name (default: the running job)")
+    p = sub.add_parser("doctor", help="name the bottleneck of each job, with evidence and a suggested action")
+    p.add_argument("--job", help="job name (default: every running job, one diagnosis each)")
     p.add_argument("--run", help="run directory (logs, manifest; the whole input when its Redis is gone)")
     p.add_argument("--redis", help="Redis URL (default: $LIBRA_REDIS_URL, the run's, or the newest local run's)")
     p.add_argument("--window", type=float, default=300.0, help="seconds of history to judge (default 300)")

@@ -6,6 +6,9 @@ own ``CollectorRegistry`` reads each job's streams, counters, workers table
 and learner stats when Prometheus scrapes, so the exposition is never older
 than the scrape. Names are in base units (seconds, bytes, ratios 0..1) with
 low-cardinality labels: job, stage, role, state (and node, gpu for devices).
+Every per-job series carries ``job``, and a scrape exports every job in
+``JOBS`` (several share one controller's pool), each with its pool
+settings (``libra_job_{min,max}_slots``, ``libra_job_priority``).
 
 Two figures need history that Redis does not keep as a total: the staleness
 histogram and the tool-call totals. The collector folds the learner's
@@ -56,6 +59,11 @@ STAT_GAUGES = (  # learner stats key -> (metric, help)
     ("entropy", "libra_policy_entropy_nats", "Mean entropy of the current policy per trained policy token (nats)."),
     ("staleness_mean", "libra_staleness_mean_versions", "Mean staleness of the last step's trajectories."),
     ("grad_norm", "libra_learner_grad_norm", "Gradient norm of the last learner step, before clipping."),
+)
+POOL_GAUGES = (  # the job's [control] pool settings (status.pool_settings) -> (metric, help)
+    ("min_slots", "libra_job_min_slots", "Slots guaranteed to the job in the shared pool (control.min_slots)."),
+    ("max_slots", "libra_job_max_slots", "Most slots the job may hold (control.max_slots; 0: the whole pool)."),
+    ("priority", "libra_job_priority", "Weight of the job's gains against the other jobs' (control.priority)."),
 )
 DIVERSITY_GAUGES = (
     ("diversity_distinct_rate", "libra_diversity_distinct_ratio",
@@ -152,6 +160,9 @@ class LibraCollector:
             f["phase"].add_metric([job, st["phase"]], 1)
         if st["policy_version"] is not None:
             f["version"].add_metric([job], st["policy_version"])
+        if st["pool"] is not None:   # None: the job's manifest is not readable from this host
+            for key, name, _help in POOL_GAUGES:
+                f[name].add_metric([job], st["pool"][key])
         for s in st["stages"]:
             f["length"].add_metric([job, s["name"]], s["length"])
             f["pending"].add_metric([job, s["name"]], s["pending"])
@@ -245,7 +256,7 @@ def _families() -> dict:
     }
     for _key, name, help_ in COUNTERS:
         fams[name] = C(name, help_, labels=J)
-    for _key, name, help_ in STAT_GAUGES + DIVERSITY_GAUGES:
+    for _key, name, help_ in STAT_GAUGES + DIVERSITY_GAUGES + POOL_GAUGES:
         fams[name] = G(name, help_, labels=J)
     return fams
 

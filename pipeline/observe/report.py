@@ -14,6 +14,12 @@ the sampler's samples), ``events.jsonl`` (controller decisions), ``logs/``,
 throughput comes from the learner's steps and the rollout workers' logs.
 Called by the user, by ``libra-ctl run`` at the end of a run, and by
 ``scripts/report_screenshot.py``.
+
+A report is one run of one job. Where several jobs share a controller's
+pool, the headline gives this job's pool settings (``control.min_slots``,
+``max_slots``, ``priority``) from its manifest; the other jobs are not named,
+since nothing in the run directory (nor the job's events or allocation
+record) says which jobs shared the pool during the run.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pathlib import Path
 
 from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
 from pipeline.observe.charts import SELF_CHECK, Series, bar_chart, esc, line_chart
+from pipeline.observe.status import format_pool
 
 COLORS = {"rollout": "#2563eb", "reward": "#d97706", "learner": "#059669", "feeder": "#6b7280",
           "controller": "#7c3aed"}
@@ -245,10 +252,22 @@ def resource_series(d: RunData) -> tuple[list[Series], list[Series], list[Series
 # --- the page ---------------------------------------------------------------------------------------------
 
 
+def manifest_pool(manifest: dict) -> dict:
+    """The job's share of the controller's pool, as ``status.pool_settings`` gives it for a live job.
+
+    The manifest's own ``control`` table wins over its config's, as for the
+    controller (``control.job.load_job``); a key missing from both is at its default.
+    """
+    ctl = manifest.get("control") or (manifest.get("config") or {}).get("control") or {}
+    return {"min_slots": ctl.get("min_slots", 0), "max_slots": ctl.get("max_slots", 0),
+            "priority": ctl.get("priority", 1.0)}
+
+
 def headline(d: RunData) -> list[tuple[str, str]]:
     s, m = d.summary, d.manifest
     last = d.steps[-1] if d.steps else {}
-    rows = [("run", d.run_dir.name), ("job", (m.get("config") or {}).get("job", {}).get("name", "?"))]
+    rows = [("run", d.run_dir.name), ("job", (m.get("config") or {}).get("job", {}).get("name", "?")),
+            ("pool", format_pool(manifest_pool(m)))]
     if s:
         rows += [("held-out success", f"{s.get('success_rate_start', 0):.1%} → {s.get('success_rate_end', 0):.1%}"),
                  ("trajectories trained", str(s.get("trajectories_trained"))),

@@ -6,6 +6,11 @@ Each worker also says who manages it (``managed``): ``agent`` (a node agent
 started it), ``external`` (``libra-ctl worker``: a Procfile pool or by hand;
 never started or stopped by Libra) or ``run`` (a child of ``libra-ctl run``,
 the feeder, or a process started directly).
+
+Several jobs may share one Redis, one controller and the agents' slots:
+``status`` shows every job in ``JOBS``, each with its pool settings
+(``pool``: ``control.min_slots``, ``max_slots``, ``priority``), unless
+``--job`` names one.
 """
 
 from __future__ import annotations
@@ -15,12 +20,40 @@ import time
 
 import redis
 
+from pipeline.config import ConfigError
 from pipeline.control.allocation import allocation_status, format_allocation
+from pipeline.control.job import load_job
 from pipeline.dataplane.keys import JOBS, JobKeys
 from pipeline.dataplane.streams import group_pending, stream_lag
 from pipeline.dataplane.worker import EXTERNAL, record_alive
 
 ROLE_OF_STAGE = {"rollout": "rollout", "reward": "reward", "learner": "learner"}
+
+
+def pool_settings(r: redis.Redis, job: str) -> dict | None:
+    """The job's claim on the shared slots, from its manifest's ``[control]``; None where it cannot be read.
+
+    ``{"min_slots", "max_slots" (0: the whole pool), "priority"}``. The
+    manifest lives in the run directory, which a machine other than the
+    run's may not see; a manifest written before these keys existed reads
+    as their defaults.
+    """
+    try:
+        info = load_job(r, job)
+    except (ConfigError, KeyError):
+        return None   # a manifest this version cannot read: the other views still work
+    if info is None:
+        return None
+    ctl = info.control
+    return {"min_slots": ctl.min_slots, "max_slots": ctl.max_slots, "priority": ctl.priority}
+
+
+def format_pool(pool: dict | None) -> str:
+    """``pool_settings`` for a terminal or a page: ``min_slots 2  max_slots the pool  priority 1``."""
+    if pool is None:
+        return "unknown (the job's manifest is not readable here)"
+    most = pool["max_slots"] or "the pool"
+    return f"min_slots {pool['min_slots']}  max_slots {most}  priority {pool['priority']:g}"
 
 
 def job_status(r: redis.Redis, job: str) -> dict:
@@ -63,6 +96,7 @@ def job_status(r: redis.Redis, job: str) -> dict:
         "name": job, "phase": phase.decode() if phase else None,
         "policy_version": int(version) if version is not None else None,
         "allocation": {k: alloc[k] for k in ("mode", "roles", "target", "pinned", "nodes", "external")},
+        "pool": pool_settings(r, job),
         "stages": stages, "workers": workers,
         "counters": {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()},
     }
@@ -81,7 +115,8 @@ def format_status(st: dict) -> str:
     out = []
     for j in st["jobs"]:
         out.append(f"job {j['name']}  phase {j['phase']}  policy v{j['policy_version']}")
-        out.append("  " + format_allocation(j["allocation"]).replace("\n", "\n  "))
+        out.append("  pool " + format_pool(j["pool"]))
+        out.append("  " + format_allocation(j["allocation"], j["name"]).replace("\n", "\n  "))
         out.append(f"  {'stage':<8} {'stream':<28} {'length':>7} {'pending':>8} {'lag':>6} {'rate/s':>8}")
         for s in j["stages"]:
             out.append(f"  {s['name']:<8} {s['stream']:<28} {s['length']:>7} {s['pending']:>8} "

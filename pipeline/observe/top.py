@@ -1,10 +1,11 @@
-"""``libra-ctl top``: a live terminal view of a job, refreshed every second.
+"""``libra-ctl top``: a live terminal view of the jobs on a Redis, refreshed every second.
 
-Allocation, streams, rates, learner wait, staleness, reward and diversity,
-and the workers with their CPU and memory (from the sampler's newest
-sample). Plain ANSI escapes, no curses; Ctrl-C exits; ``--once`` prints one
-frame without escapes (for tests and scripts). Run by a user on any machine
-that reaches the job's Redis.
+One block per job (``--job`` keeps one): allocation and pool settings,
+streams, rates, learner wait, staleness, reward and diversity, and the
+workers with their CPU and memory (from the sampler's newest sample).
+Plain ANSI escapes, no curses; Ctrl-C exits; ``--once`` prints one frame
+without escapes (for tests and scripts). Run by a user on any machine that
+reaches the jobs' Redis.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import redis
 
 from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
 from pipeline.dataplane.keys import JOBS, JobKeys
-from pipeline.observe.status import job_status
+from pipeline.observe.status import format_pool, job_status
 
 RATE_WINDOW = 10  # snapshots (seconds at the default refresh) the rates average over
 BAR = 24
@@ -69,7 +70,7 @@ def _header(st: dict, s: dict, P, steps_total: int | None) -> list[str]:
           f"step {step if step is not None else '-'}{'/' + str(steps_total) if steps_total else ''}  "
           f"{time.strftime('%H:%M:%S')}", "bold") + P("   (Ctrl-C quits)", "dim"),
         "",
-        f"allocation ({st['allocation']['mode']})  {roles}",
+        f"allocation ({st['allocation']['mode']})  {roles}   pool {format_pool(st['pool'])}",
     ]
 
 
@@ -212,7 +213,7 @@ def cmd_top(args) -> int:
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser("top", help="live view of a job: allocation, streams, rates, staleness, reward")
+    p = sub.add_parser("top", help="live view of every job (or --job J): allocation, streams, rates, reward")
     p.add_argument("--job", help="job name (default: every job on the Redis)")
     p.add_argument("--redis", help="Redis URL (default: $LIBRA_REDIS_URL or the newest local run's)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
