@@ -257,17 +257,29 @@ def plot(result: dict, path: str | Path) -> None:
     sync is colocated (every GPU does every stage), so it has no allocation
     line and its throughput is drawn as its run average. Needs matplotlib (an
     optional dependency): raises ImportError if it is missing. A multi-job
-    result draws each job's GPUs and throughput instead (``bench_pool.plot_pool``).
+    result draws each job's GPUs and throughput instead (``bench_pool.draw_pool``).
     """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if "jobs" in result:
-        bench_pool.plot_pool(result, path, plt)
-        return
-
     fig, (ax_a, ax_r) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    if "jobs" in result:
+        bench_pool.draw_pool(result, ax_a, ax_r)
+    else:
+        _draw_modes(result, ax_a, ax_r)
+    ax_r.set_ylabel("trajectories/s (per learner step)")
+    ax_r.set_xlabel("simulated seconds")
+    for ax in (ax_a, ax_r):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _draw_modes(result: dict, ax_a, ax_r) -> None:
+    """One job's modes: GPUs per role on ``ax_a``, throughput on ``ax_r``."""
     end = 0.0
     for i, (mode, d) in enumerate(result.get("details", {}).items()):
         tl, color = d.get("timeline"), f"C{i}"
@@ -289,16 +301,8 @@ def plot(result: dict, path: str | Path) -> None:
                      label="ideal (run average)")
     ax_a.set_ylabel("GPUs")
     ax_a.set_title(f"workload {result['workload']}: allocation and throughput")
-    ax_r.set_ylabel("trajectories/s (per learner step)")
-    ax_r.set_xlabel("simulated seconds")
     if end:
         ax_r.set_xlim(0, end * 1.02)
-    for ax in (ax_a, ax_r):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best", ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # --- command line -------------------------------------------------------------

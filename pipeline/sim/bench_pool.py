@@ -169,13 +169,12 @@ def format_pool_table(result: dict) -> str:
 
 # --- plot ---------------------------------------------------------------------
 
-def plot_pool(result: dict, path, plt) -> None:
-    """GPUs ordered to each job and each job's throughput per learner step, over simulated time.
+def draw_pool(result: dict, ax_a, ax_r) -> None:
+    """GPUs ordered to each job (``ax_a``) and each job's throughput per learner step (``ax_r``), over time.
 
-    One colour per job, one line style per mode; ``plt`` is matplotlib.pyplot (bench_allocator.plot
-    imports it, since matplotlib is optional).
+    One colour per job, one line style per mode; ``bench_allocator.plot`` makes
+    the figure and saves it (matplotlib is optional).
     """
-    fig, (ax_a, ax_r) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     colour = {j: f"C{i}" for i, j in enumerate(result["jobs"])}
     styles = {"static": ":", "libra": "-"}
     for mode, d in result.get("details", {}).items():
@@ -191,11 +190,3 @@ def plot_pool(result: dict, path, plt) -> None:
                       label=f"{mode} {job}")
     ax_a.set_ylabel("GPUs ordered")
     ax_a.set_title(f"workload {result['workload']}: each job's GPUs and throughput")
-    ax_r.set_ylabel("trajectories/s (per learner step)")
-    ax_r.set_xlabel("simulated seconds")
-    for ax in (ax_a, ax_r):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best", ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
