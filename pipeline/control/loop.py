@@ -268,8 +268,8 @@ class Controller:
         jc, alloc, ext = view.jc, view.alloc, view.ext_n
         info, ctl = jc.info, jc.info.control
         base = {**info.initial, **alloc["target"]}
-        if alloc["mode"] == "pinned" or pool is None:
-            target = fit({**base, **(alloc["pinned"] or {})}, slots, view.bounds, ctl.reward_on_slots)
+        if alloc["mode"] == "pinned":   # else the job is an auto one, in the pool plan
+            target = fit({**base, **alloc["pinned"]}, slots, view.bounds, ctl.reward_on_slots)
             reason = "pinned"
             event = {"kind": "pinned", "mode": "pinned", "reason": reason, "from": alloc["target"], "to": target}
         else:
