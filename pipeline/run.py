@@ -386,6 +386,8 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
     os.environ[ENV_OUTAGE] = str(cfg.redis.outage_s)   # for the controller and the agent
     try:
         bad_lines = check_prompt_files(cfg, out)
+        if not resume_dir and _refused(cfg, out):
+            return 2
         run_dir = resume_dir or manifest_mod.new_run_dir(cfg)
         print(f"run {run_dir.name}: {'resuming' if resume_dir else 'preparing the policy'}", file=out, flush=True)
         policy_dir = prepare_policy(cfg, out)
@@ -400,10 +402,7 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
         if resume_dir:
             check_resumable(r, JobKeys(cfg.job.name), run_dir)
         else:
-            try:
-                check_admission(r, cfg, own_slots(cfg))
-            except AdmissionError as exc:
-                print(f"libra-ctl run: job {cfg.job.name!r} refused: {exc}", file=out)
+            if _refused(cfg, out, r):    # again: the pool may have changed while the policy was prepared
                 return 2
             _start_new_job(r, cfg, run_dir, argv=argv, redis_url=url, embedded=bool(embedded),
                            policy_dir=policy_dir, bad_prompt_lines=bad_lines)
@@ -421,6 +420,28 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
         return 130
     finally:
         _stop(orch, embedded)
+
+
+def _refused(cfg: Config, out, r: redis.Redis | None = None) -> bool:
+    """Whether the pool on the job's Redis cannot hold the job's minimum beside the running jobs' (said on ``out``).
+
+    Without ``r``, the configured Redis is asked before the policy is prepared;
+    when there is none (an embedded server) or it cannot be reached, that
+    check is left to the one made once Redis is up.
+    """
+    try:
+        if r is None:
+            url = resolve_url(cfg.redis.url)
+            if not url:
+                return False
+            r = connect(url)
+        check_admission(r, cfg, own_slots(cfg))
+    except AdmissionError as exc:
+        print(f"libra-ctl run: job {cfg.job.name!r} refused: {exc}", file=out)
+        return True
+    except redis.RedisError:
+        return False
+    return False
 
 
 def _choose_redis(cfg: Config, run_dir: Path, resume_dir: Path | None) -> tuple[str | None, EmbeddedRedis | None]:

@@ -176,24 +176,71 @@ def test_a_finished_jobs_slots_are_handed_out_again():
     assert a.name not in d.shares
 
 
+# --- jobs that know their remaining work (paced) ------------------------------------------------------------
+
+
+def paced(alloc: Allocation, left: int) -> Metrics:
+    """A job of the one shape these tests use (2 s a trajectory per rollout slot, 1 s a step) with work left."""
+    return dataclasses.replace(measured(alloc, rollout_s=2.0, step_s=1.0), remaining=left)
+
+
+def test_paced_spare_slots_go_to_the_job_that_would_finish_last():
+    # two jobs of one shape; b has four times a's work left, so it gets the free slots
+    a, b = job("a"), job("b")
+    m = {"a": paced(Allocation(1, 1), 640), "b": paced(Allocation(1, 1), 2560)}
+    d = plan(m, INV, [a, b], CFG)
+    check(d, [a, b])
+    assert d.reason == "spare" and d.shares["b"] > d.shares["a"]
+    # unpaced (no remaining work known), b is worth no more than a
+    unpaced = plan({n: dataclasses.replace(x, remaining=0) for n, x in m.items()}, INV, [a, b], CFG)
+    assert unpaced.shares["b"] <= unpaced.shares["a"]
+
+
+def test_paced_rebalance_brings_the_later_finish_nearer_and_stops_when_they_meet():
+    a, b = job("a"), job("b")
+    # a holds 6 slots for 640 trajectories, b 2 for 6400: b would finish far later
+    m = {"a": paced(Allocation(5, 1), 640), "b": paced(Allocation(1, 1), 6400)}
+    d = plan(m, INV, [a, b], CFG)
+    check(d, [a, b])
+    assert d.reason == "rebalance_jobs" and d.shares["b"] > 2 and d.moved_between_jobs > 0
+    assert d.expected_gain > d.transition_cost > 0
+    # equal work left on equal shares: no move pays
+    level = {n: paced(Allocation(3, 1), 3200) for n in ("a", "b")}
+    assert plan(level, INV, [a, b], CFG).reason == "kept"
+    # a switch that takes longer than what b has left is not made
+    slow = plan(m, Inventory(8, switch_cost_s=1e6), [a, b], CFG)
+    assert slow.reason == "kept"
+
+
+def test_paced_priority_weighs_the_time_to_go():
+    # equal work left on equal shares; a's priority 2 counts its time to go double, so a is given slots
+    a, b = job("a", priority=2.0), job("b")
+    m = {n: paced(Allocation(3, 1), 3200) for n in ("a", "b")}
+    d = plan(m, INV, [a, b], CFG)
+    check(d, [a, b])
+    assert d.reason == "rebalance_jobs" and d.shares["a"] > 4
+
+
 # --- invariants on random pools ---------------------------------------------------------------------------------
 
 _alloc = st.builds(Allocation, rollout=st.integers(0, 6), learner=st.integers(0, 4))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(gpus=st.integers(2, 24), spec=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 12),
                                                         st.sampled_from([0.5, 1.0, 3.0]), st.booleans(), _alloc,
-                                                        st.floats(0.2, 8.0), st.floats(0.5, 30.0)),
+                                                        st.floats(0.2, 8.0), st.floats(0.5, 30.0),
+                                                        st.sampled_from([0, 64, 6400])),
                                               min_size=1, max_size=4))
 def test_every_pool_decision_keeps_the_invariants(gpus, spec):
     jobs, m = [], {}
-    for i, (lo, hi, prio, is_measured, alloc, rollout_s, step_s) in enumerate(spec):
+    for i, (lo, hi, prio, is_measured, alloc, rollout_s, step_s, left) in enumerate(spec):
         j = job(f"j{i}", min_slots=lo, max_slots=max(hi, lo, 2) if hi else 0, priority=prio,
                 bounds={"learner": RoleBounds(1, 3)})
         jobs.append(j)
         if alloc.total and alloc.rollout and alloc.learner and alloc.learner <= 3:
-            m[j.name] = measured(alloc, rollout_s=rollout_s, step_s=step_s) if is_measured else unmeasured(alloc)
+            m[j.name] = (dataclasses.replace(measured(alloc, rollout_s=rollout_s, step_s=step_s), remaining=left)
+                         if is_measured else unmeasured(alloc))
     inv = Inventory(gpus, 10.0)
     d = plan(m, inv, jobs, CFG)
     check(d, jobs, inv)

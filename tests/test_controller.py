@@ -177,6 +177,8 @@ def test_observer_maps_live_metrics_onto_plan_inputs(r, redis_url, tmp_path):
     assert m.backlog == 3 * 4 and m.backlog_trend_per_s == pytest.approx(12 / 10)
     assert (m.rollout_inflight, m.rollout_queue) == (4, 0)
     assert (m.trained, m.dropped_stale, m.staleness_p50) == (64, 4, 1.0)
+    # the pool's pacing input: the steps left after the latest learner step, in trajectories
+    assert info.steps > 2 and m.remaining == (info.steps - 2) * info.batch_size
     d = allocator.plan(m, allocator.Inventory(gpus=3, switch_cost_s=5.0), [info.spec()], plan_config(info.control))
     assert d.reason != "warming_up"
 

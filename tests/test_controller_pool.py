@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -23,7 +24,7 @@ from pipeline.control.events import read_events
 from pipeline.control.job import check_admission
 from pipeline.control.loop import Controller
 from pipeline.dataplane.redisconn import ENV_URL
-from pipeline.dataplane.keys import JOBS, JobKeys, agent_desired
+from pipeline.dataplane.keys import AGENTS, JOBS, JobKeys, agent_desired
 
 try:  # pytest imports tests/ as a package when it has an __init__.py, else as a directory on sys.path
     from tests.test_controller import fake_agent
@@ -98,6 +99,8 @@ def test_admission_refuses_a_minimum_the_pool_cannot_hold(r, redis_url, tmp_path
 def test_libra_ctl_run_refuses_a_job_the_pool_cannot_hold(r, redis_url, tmp_path):
     sim_job(r, redis_url, tmp_path, name="running", control={"min_slots": 5})
     fake_agent(r, "n1", 6)
+    # the agent's heartbeat must stay fresh while the run starts, however slow this machine is
+    r.hset(AGENTS, "n1", json.dumps({**json.loads(r.hget(AGENTS, "n1")), "heartbeat": time.time() + 3600}))
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "examples/quickstart.toml",
                           "--set", f"run.runs_dir={json.dumps(str(tmp_path / 'runs'))}",
                           "--set", "job.name=late", "--set", "control.min_slots=2"],
@@ -105,4 +108,5 @@ def test_libra_ctl_run_refuses_a_job_the_pool_cannot_hold(r, redis_url, tmp_path
                          timeout=300)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "job 'late' refused" in out.stderr and "running=5, late=2" in out.stderr
+    assert "preparing the policy" not in out.stderr      # refused before a minute of warm start
     assert b"late" not in r.smembers(JOBS) and not r.exists(JobKeys("late").state)

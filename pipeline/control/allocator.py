@@ -134,6 +134,9 @@ class Metrics:
     trained: int                      # trajectories trained in the window
     staleness_p50: float              # of the trajectories trained in the window
     dropped_stale: int                # trajectories dropped as stale in the window (rollout work wasted)
+    # trajectories the job has still to train; 0: none left, or not known. When any job of a pool reports
+    # its remaining work, the pool is shared to bring the last finish nearest (see plan_pool)
+    remaining: int = 0
 
 
 # --- what the metrics are made of: one definition for the live observer and the simulator ------------------
@@ -500,6 +503,11 @@ class _Member:
     its best rate on n slots relative to its rate on its most slots, so that
     jobs with different trajectory sizes compare. An unmeasured job (nothing
     finished yet) has no rate model; it is given slots by fair share.
+
+    A measured job that knows its remaining work is also ``paced``: its
+    ``time_to_go(n)`` is that work over its best rate on n slots. (Scaling the
+    rate by the share of it the job achieved over the last window made shares
+    swing: a window holds few learner steps.)
     """
 
     def __init__(self, job: JobSpec, m: Metrics | None, inv: Inventory):
@@ -512,6 +520,28 @@ class _Member:
         self.demand = self.rate(self.hi) if self.model is not None else 0.0
         if self.demand <= 0:
             self.model = None
+        self.left = m.remaining if m is not None and self.model is not None else 0
+
+    @property
+    def paced(self) -> bool:
+        return self.left > 0
+
+    def time_to_go(self, n: int, lost: float = 0.0, switch_s: float = 0.0) -> float:
+        """Priority-weighted seconds to train what is left (plus ``lost`` trajectories) on ``n`` slots.
+
+        ``switch_s``: the slots above what the job holds arrive that much later (the job runs on
+        what it holds meanwhile).
+        """
+        rate = self.rate(n)
+        if rate <= 0:
+            return math.inf
+        left = self.left + lost
+        if switch_s > 0 and n > self.held:
+            now = self.rate(self.held)
+            if now * switch_s >= left:
+                return self.job.priority * left / now
+            return self.job.priority * (switch_s + (left - now * switch_s) / rate)
+        return self.job.priority * left / rate
 
     @property
     def measured(self) -> bool:
@@ -553,6 +583,14 @@ def plan_pool(metrics: Mapping[str, Metrics], inventory: Inventory, jobs: Sequen
        weighted gain over ``horizon_s`` pays the switch cost (the receiver's
        gain deferred by ``switch_cost_s``, the donor's in-flight rollouts
        lost), and both are out of their cooldown;
+
+       when the jobs report their remaining work (``Metrics.remaining``),
+       steps 3 and 4 aim instead at the pool's last finish: spare slots go
+       to the job with the longest priority-weighted time to go, and a move
+       is made when it brings the later of the two jobs' finishes nearer,
+       switch and lost rollouts counted. A rate-per-slot value ignores the
+       work left: the job with the most to do ends alone, on its cap, with
+       the others' slots idle;
     5. split: a job whose share is unchanged is planned as a single job on
        it; one whose share changed gets the best split of its new share (from
        its model, or its current split grown at rollout and shrunk from the
@@ -567,12 +605,13 @@ def plan_pool(metrics: Mapping[str, Metrics], inventory: Inventory, jobs: Sequen
     below = _guarantee(members, target, inventory.gpus)
     if target != before:
         reasons.append("guarantee")
+    paced = any(m.paced for m in members.values())
     free = inventory.gpus - sum(target.values())
-    if free > 0 and _spread(members, target, free):
+    if free > 0 and _spread(members, target, free, paced):
         reasons.append("spare")
     gain = cost = 0.0
     if not reasons:
-        move = _rebalance(members, target, inventory, config)
+        move = (_rebalance_paced if paced else _rebalance)(members, target, inventory, config)
         if move is not None:
             (donor, receiver, k), gain, cost = move
             target[donor] -= k
@@ -642,10 +681,29 @@ def _guarantee(members: dict[str, _Member], target: dict[str, int], gpus: int) -
     return tuple(short)
 
 
-def _spread(members: dict[str, _Member], target: dict[str, int], free: int) -> bool:
-    """Hand out ``free`` slots: best weighted gain per slot first, then priority-weighted fair share."""
+def _spread(members: dict[str, _Member], target: dict[str, int], free: int, paced: bool = False) -> bool:
+    """Hand out ``free`` slots: best weighted gain per slot first, then priority-weighted fair share.
+
+    ``paced`` (the measured jobs report their remaining work): those with
+    work left take slots by the longest weighted time to go first, each the
+    fewest slots that raise its rate, while any can use them.
+    """
     given = False
-    while free > 0:
+    while paced and free > 0:
+        best = None
+        for n, m in members.items():
+            if not m.paced:
+                continue
+            k = next((k for k in range(1, min(free, m.hi - target[n]) + 1)
+                      if m.rate(target[n] + k) > m.rate(target[n]) * (1 + 1e-9)), None)
+            if k is not None and (best is None or m.time_to_go(target[n]) > best[2]):
+                best = (n, k, m.time_to_go(target[n]))
+        if best is None:
+            break
+        target[best[0]] += best[1]
+        free -= best[1]
+        given = True
+    while not paced and free > 0:
         best, best_per = None, 0.0
         for n, m in members.items():
             if not m.measured:
@@ -713,6 +771,37 @@ def _rebalance(members: dict[str, _Member], target: dict[str, int], inv: Invento
                 net = delta * cfg.horizon_s - cost
                 if net > 0 and (best is None or net > best[1] - best[2]):
                     best = ((d, r, k), delta * cfg.horizon_s, cost)
+    return best
+
+
+def _rebalance_paced(members: dict[str, _Member], target: dict[str, int], inv: Inventory,
+                     cfg: PlanConfig) -> tuple[tuple[str, str, int], float, float] | None:
+    """The best single move of k slots between two settled paced jobs that brings their finish nearer, or None.
+
+    A move from a donor to a receiver due to finish later pays when the later
+    of their two weighted times to go shrinks by more than ``min_gain_frac``
+    of it, the receiver's new slots arriving ``switch_cost_s`` late and the
+    donor redoing its in-flight rollouts thrown away (half done on average).
+    Returned gain and cost are in weighted seconds: the time the pair's later
+    finish gains before the switch, and what the switch takes back.
+    """
+    settled = [n for n, m in members.items() if m.settled(cfg)]
+    best = None
+    for d in settled:
+        md = members[d]
+        for r in settled:
+            mr = members[r]
+            before = mr.time_to_go(target[r])
+            if r == d or before <= md.time_to_go(target[d]):
+                continue
+            for k in _steps(min(target[d] - md.lo, mr.hi - target[r])):
+                a = md.m.allocation
+                lost = md.m.rollout_inflight / a.rollout * min(k, a.rollout) / 2 if a.rollout else 0.0
+                free_run = max(mr.time_to_go(target[r] + k), md.time_to_go(target[d] - k))
+                after = max(mr.time_to_go(target[r] + k, switch_s=inv.switch_cost_s),
+                            md.time_to_go(target[d] - k, lost=lost))
+                if before - after > cfg.min_gain_frac * before and (best is None or before - after > best[1] - best[2]):
+                    best = ((d, r, k), before - free_run, after - free_run)
     return best
 
 

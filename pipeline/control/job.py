@@ -58,6 +58,7 @@ class JobInfo:
     max_staleness: int
     initial: dict                # role -> count from the config
     control: ControlConfig
+    steps: int = 0               # learner steps the job runs (0: not known)
 
     def spec(self) -> allocator.JobSpec:
         return allocator.JobSpec(name=self.name, batch_size=self.batch_size, max_staleness=self.max_staleness,
@@ -114,4 +115,5 @@ def load_job(r: redis.Redis, job: str) -> JobInfo | None:
                    group_size=cfg["rollout"]["group_size"], max_staleness=cfg["learner"]["max_staleness"],
                    initial={"rollout": cfg["rollout"]["workers"], "reward": cfg["reward"]["workers"],
                             "learner": cfg["learner"]["workers"]},
-                   control=control_settings(manifest.get("control") or cfg.get("control")))
+                   control=control_settings(manifest.get("control") or cfg.get("control")),
+                   steps=int(cfg.get("job", {}).get("steps", 0)))

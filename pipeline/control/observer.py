@@ -47,6 +47,7 @@ class Observer:
         self.ticks: deque[Snapshot] = deque()
         self.steps_cursor = "0-0"
         self.costs: dict = {}
+        self.step = 0            # the job's latest learner step
 
     def tick(self, r: redis.Redis, now: float) -> Snapshot:
         k, gs = self.keys, self.job.group_size
@@ -55,6 +56,7 @@ class Observer:
             self.steps_cursor = entry_id.decode()
             if f.get(b"kind") == b"learner_step":
                 steps.append(json.loads(f[b"data"]))
+                self.step = max(self.step, int(steps[-1].get("step", 0)))
         learner = r.hget(k.workers, LEARNER)
         snap = Snapshot(
             t=now, counters={a.decode(): int(b) for a, b in r.hgetall(k.counters).items()},
@@ -113,7 +115,8 @@ class Observer:
             learner_publish_s=sum(s.get("publish_s", 0.0) for s in steps) / len(steps) if steps else 0.0,
             learner_wait_frac=self._wait_frac(steps, first, last, span),
             backlog=last.backlog, backlog_trend_per_s=(last.backlog - first.backlog) / span,
-            trained=delta["trained"], staleness_p50=staleness_median(steps), dropped_stale=delta["dropped_stale"])
+            trained=delta["trained"], staleness_p50=staleness_median(steps), dropped_stale=delta["dropped_stale"],
+            remaining=max(0, self.job.steps - self.step) * self.job.batch_size)
 
     @staticmethod
     def _role_costs(role: str, first: Snapshot, last: Snapshot) -> dict:

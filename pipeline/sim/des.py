@@ -357,7 +357,8 @@ class AsyncSim:
         return Gauges(allocation=r.target, changed_from=r.changed_from,
                       since_change_s=t - r.last_change_t, inflight=self.slots.inflight(),
                       queue=self.admission.available(), learner_gpus=r.n_learner,
-                      learner_idle_since=None if self.learner_busy else self.free_at)
+                      learner_idle_since=None if self.learner_busy else self.free_at,
+                      remaining=max(0, self.job.steps - self.steps_done) * self.job.batch_size)
 
     def _apply(self, new: Allocation, t: float) -> None:
         """Move GPUs from roles above their new count to roles below it."""

@@ -10,6 +10,7 @@ formulas); ``search_static_best`` then scores splits by full simulated runs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,25 +52,30 @@ def fluid_rates(wl: Workload, ph: Phase, rollout, learner, reward=0, cpu_reward:
     return np.minimum(np.minimum(r, lr), rw)
 
 
-def ideal_phase_rate(wl: Workload, ph: Phase) -> float:
-    """Best real-valued split of the phase: the highest rate every stage sustains at once."""
+def gpus_needed(wl: Workload, ph: Phase, rate):
+    """Real-valued GPUs the stages of phase ``ph`` need to sustain ``rate`` trajectories/s (scalar or array)."""
     c = phase_cost(wl, ph)
     le = wl.learner
+    learner = (np.asarray(rate, dtype=float) * c.tokens / le.train_tokens_per_s) ** (1 / le.scaling_exponent)
+    reward = rate * c.reward_s if wl.reward.gpu else 0.0
+    return rate * c.rollout_gpu_s + learner + reward
 
-    def gpus_needed(rate: float) -> float:
-        learner = (rate * c.tokens / le.train_tokens_per_s) ** (1 / le.scaling_exponent)
-        reward = rate * c.reward_s if wl.reward.gpu else 0.0
-        return rate * c.rollout_gpu_s + learner + reward
 
+def cpu_reward_cap(wl: Workload, ph: Phase) -> float:
+    """Trajectories/s a CPU reward pool scores at most (inf when reward is on GPU or free)."""
+    c = phase_cost(wl, ph)
+    return wl.reward.cpu_workers / c.reward_s if not wl.reward.gpu and c.reward_s > 0 else np.inf
+
+
+def ideal_phase_rate(wl: Workload, ph: Phase) -> float:
+    """Best real-valued split of the phase: the highest rate every stage sustains at once."""
     lo, hi = 0.0, 1.0
-    while gpus_needed(hi) <= wl.cluster.gpus:
+    while gpus_needed(wl, ph, hi) <= wl.cluster.gpus:
         lo, hi = hi, hi * 2
     for _ in range(100):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if gpus_needed(mid) <= wl.cluster.gpus else (lo, mid)
-    if not wl.reward.gpu and c.reward_s > 0:
-        lo = min(lo, wl.reward.cpu_workers / c.reward_s)
-    return lo
+        lo, hi = (mid, hi) if gpus_needed(wl, ph, mid) <= wl.cluster.gpus else (lo, mid)
+    return min(lo, cpu_reward_cap(wl, ph))
 
 
 def ideal_rate(wl: Workload) -> float:
@@ -219,4 +225,70 @@ def proportional_shares(work: dict[str, float], lo: dict[str, int], hi: dict[str
         if out[j] < hi[j]:
             out[j] += 1
             spare -= 1
+    return out
+
+
+def split_makespan(views: list[Workload], lo: list[int], hi: list[int], gpus: int, grid: int = 4000) -> float:
+    """The best split of the pool among jobs and stages: a makespan no allocation beats, learner scaling counted.
+
+    ``views``: each job's one-job workload; it holds between ``lo`` (its
+    minimum, held while it runs) and ``hi`` GPUs. A job that runs a phase at
+    rate r for its N trajectories holds max(lo, GPUs needed for r) for N / r
+    seconds; the GPUs needed grow faster than the rate (the learner's
+    ``scaling_exponent``), so a phase done at an even rate costs least for its
+    time (Jensen). Job j's least GPU-time within a makespan T is C_j(T),
+    found by pricing time (one price for all its phases); T is feasible when
+    every job can finish within it and sum C_j(T) <= gpus * T. Returns the
+    least feasible T (bisection).
+    """
+    tables = [_phase_tables(v, lo_j, hi_j, grid) for v, lo_j, hi_j in zip(views, lo, hi)]
+
+    def least_gpu_time(phases, T: float) -> float:
+        fastest = sum(t.min() for t, _ in phases)
+        if fastest > T * (1 + 1e-12):
+            return np.inf
+
+        def pick(price: float) -> tuple[float, float]:
+            idx = [int(np.argmin(c + price * t)) for t, c in phases]
+            return (sum(t[i] for (t, _), i in zip(phases, idx)), sum(c[i] for (_, c), i in zip(phases, idx)))
+
+        time0, cost0 = pick(0.0)
+        if time0 <= T:
+            return cost0
+        lo_p, hi_p = 0.0, 1.0
+        while pick(hi_p)[0] > T:
+            hi_p *= 2
+        for _ in range(60):
+            mid = (lo_p + hi_p) / 2
+            lo_p, hi_p = (mid, hi_p) if pick(mid)[0] > T else (lo_p, mid)
+        return pick(hi_p)[1]
+
+    def feasible(T: float) -> bool:
+        return sum(least_gpu_time(p, T) for p in tables) <= gpus * T
+
+    lo_t = max(sum(t.min() for t, _ in p) for p in tables)
+    hi_t = lo_t * 2
+    while not feasible(hi_t):
+        hi_t *= 2
+    for _ in range(60):
+        mid = (lo_t + hi_t) / 2
+        lo_t, hi_t = (lo_t, mid) if feasible(mid) else (mid, hi_t)
+    return hi_t
+
+
+def _phase_tables(view: Workload, lo: int, hi: int, grid: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per phase of one job: (seconds, GPU-seconds held) for rates from its slowest useful one to its fastest."""
+    out = []
+    on_hi = dataclasses.replace(view, cluster=dataclasses.replace(view.cluster, gpus=hi))
+    for n, ph in zip(view.job.phase_trajectories(), view.job.phases):
+        fastest = ideal_phase_rate(on_hi, ph)
+        # slower than the rate its minimum sustains, a phase only takes longer on the same GPUs
+        slowest = fastest
+        for _ in range(100):
+            if gpus_needed(view, ph, slowest / 2) < lo:
+                break
+            slowest /= 2
+        rate = np.linspace(slowest / 2, fastest, grid)
+        held = np.maximum(lo, gpus_needed(view, ph, rate))
+        out.append((n / rate, n / rate * held))
     return out

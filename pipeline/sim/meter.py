@@ -43,6 +43,7 @@ class Gauges(NamedTuple):
     queue: int                         # trajectories that may start now
     learner_gpus: int                  # learner GPUs that take part in the next step
     learner_idle_since: float | None   # when the learner became free, None while it trains
+    remaining: int                     # trajectories the job has still to train
 
 
 class Meter:
@@ -106,7 +107,7 @@ class Meter:
             backlog_trend_per_s=(ticks[-1]["backlog"] - ticks[0]["backlog"]) / span,
             trained=sum(s.trajectories for s in steps),
             staleness_p50=median_of_counts(dict(zip(*np.unique(stale, return_counts=True)))),
-            dropped_stale=total["dropped"])
+            dropped_stale=total["dropped"], remaining=now.remaining)
 
     def _wait_in(self, a: float, b: float, idle_since: float | None) -> float:
         """Seconds in [a, b] the learner spent waiting for data (a wait still going on counts up to b)."""
