@@ -298,6 +298,14 @@ def test_each_views_pool_settings_are_the_jobs_own(r, redis_url, tmp_path, capsy
     assert dict(headline(load_run(run_dir)))["pool"] == "min_slots 2  max_slots 3  priority 2"
 
 
+def test_the_report_headline_of_a_job_configured_pinned_puts_it_outside_the_pool(r, redis_url, tmp_path):
+    keys = shared_pool(r, redis_url, tmp_path, control={"beta": {"mode": "pinned", "min_slots": 1}})
+    run_dir = r.hget(keys["beta"].state, "run_dir").decode()
+    assert dict(headline(load_run(run_dir)))["pool"] == (
+        "none while pinned (it holds its slots outside the pool; min_slots 1  max_slots the pool  priority 1 "
+        "once back on auto)")
+
+
 def test_the_report_says_who_shared_the_pool_this_jobs_share_the_moves_and_when_it_was_below_its_minimum(
         r, redis_url, tmp_path):
     keys = shared_pool(r, redis_url, tmp_path, control={"alpha": {"min_slots": 2}})

@@ -261,16 +261,21 @@ def manifest_pool(manifest: dict) -> dict:
     The manifest's own ``control`` table wins over its config's, as for the
     controller (``control.job.load_job``); a key missing from both is at its default.
     """
-    ctl = manifest.get("control") or (manifest.get("config") or {}).get("control") or {}
+    ctl = _manifest_control(manifest)
     return {"min_slots": ctl.get("min_slots", 0), "max_slots": ctl.get("max_slots", 0),
             "priority": ctl.get("priority", 1.0)}
+
+
+def _manifest_control(manifest: dict) -> dict:
+    return manifest.get("control") or (manifest.get("config") or {}).get("control") or {}
 
 
 def headline(d: RunData) -> list[tuple[str, str]]:
     s, m = d.summary, d.manifest
     last = d.steps[-1] if d.steps else {}
     rows = [("run", d.run_dir.name), ("job", (m.get("config") or {}).get("job", {}).get("name", "?")),
-            ("pool", format_pool(manifest_pool(m)))]
+            # a job configured pinned starts outside the pool (a pin by libra-ctl scale shows in its events)
+            ("pool", format_pool(manifest_pool(m), _manifest_control(m).get("mode", "auto")))]
     if s:
         rows += [("held-out success", f"{s.get('success_rate_start', 0):.1%} → {s.get('success_rate_end', 0):.1%}"),
                  ("trajectories trained", str(s.get("trajectories_trained"))),
