@@ -10,17 +10,20 @@ record and decision events, all on one agent's four slots. No process runs.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import cli
-from pipeline.control.allocation import get_allocation
+from pipeline.control.allocation import get_allocation, pin
 from pipeline.control.events import record_event
+from pipeline.control.job import load_job
 from pipeline.dataplane.keys import AGENTS, JobKeys, agent_procs
+from pipeline.observe.doctor import diagnose
 from pipeline.observe.prometheus import exposition
-from pipeline.observe.report import headline, load_run
+from pipeline.observe.report import headline, load_run, pool_lines, render
 from pipeline.observe.status import format_status, status
 from tests.test_doctor import window
 from tests.test_metrics import fake_job, learner_step
@@ -98,6 +101,22 @@ def test_a_job_whose_manifest_cannot_be_read_here_shows_its_pool_as_unknown(r, r
     st = status(r)
     assert [j["pool"] is None for j in st["jobs"]] == [False, True]
     assert "pool unknown (the job's manifest is not readable here)" in format_status(st)
+
+
+def test_a_pinned_jobs_slots_are_shown_outside_the_pool(r, redis_url, tmp_path, capsys):
+    shared_pool(r, redis_url, tmp_path)
+    pin(r, "beta", {"rollout": 1, "learner": 1})
+    text = format_status(status(r))
+    assert text.splitlines()[0] == ("slots 4 on live agents; pinned beta holds 2, outside the pool; "
+                                    "the pool of 2 is shared by alpha")
+    assert "  pool min_slots 0  max_slots the pool  priority 1\n" in text                     # alpha, in the pool
+    assert "  pool none while pinned (it holds its slots outside the pool; min_slots 0" in text   # beta
+    assert cli.main(["top", "--once", "--redis", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("slots 4 on live agents; pinned beta holds 2")
+    assert "allocation (pinned)  learner 1  rollout 1   pool none while pinned" in out
+    # one job's view has no pool of several jobs to describe
+    assert not format_status(status(r, "beta")).startswith("slots")
 
 
 # --- top ----------------------------------------------------------------------------------------------------
@@ -188,6 +207,36 @@ def test_doctor_diagnoses_every_running_job(r, redis_url, tmp_path, capsys):
     assert one["job"] == "beta" and one["healthy"] and "jobs" not in one   # one job: the shape it always had
 
 
+def _suggested_scale(text: str) -> list[str]:
+    """The ``libra-ctl scale ...`` command line an action prints, as argv, with N filled in."""
+    found = re.search(r"libra-ctl (scale(?: --job \S+)? \w+=N)", text)
+    assert found, text
+    return found.group(1).replace("=N", "=2").split()
+
+
+def test_doctors_scale_advice_names_the_job_while_several_run_and_scale_takes_it(r, redis_url, tmp_path, capsys):
+    keys = shared_pool(r, redis_url, tmp_path)
+    for argv in ([], ["--job", "alpha"]):       # --job narrows the diagnosis, not the advice's need for it
+        assert cli.main(["doctor", *argv, "--redis", redis_url, "--sample-s", "0"]) == 1
+        advice = _suggested_scale(capsys.readouterr().out)
+        assert advice == ["scale", "--job", "alpha", "learner=2"]
+    assert cli.main([*advice, "--redis", redis_url]) == 0
+    assert get_allocation(r, "alpha")["pinned"]["learner"] == 2
+    assert get_allocation(r, "beta")["mode"] == "auto"
+    r.hset(keys["beta"].state, "phase", "done")               # alpha runs alone: the plain command is accepted
+    assert cli.main(["doctor", "--redis", redis_url, "--sample-s", "0"]) == 1
+    assert _suggested_scale(capsys.readouterr().out) == ["scale", "learner=2"]
+
+
+def test_every_scale_advice_of_the_doctor_carries_the_command_it_is_given():
+    rollout_short = diagnose(window(wait=lambda i: 0.6), scale="libra-ctl scale --job beta")
+    assert rollout_short.codes() == ["rollout_short"]
+    assert "libra-ctl scale --job beta rollout=N" in rollout_short.primary.action
+    learner_short = diagnose(window(learner_backlog=lambda i: 2 + 2 * i), scale="libra-ctl scale --job beta")
+    assert learner_short.codes() == ["learner_short"]
+    assert "libra-ctl scale --job beta learner=N" in learner_short.primary.action
+
+
 def test_doctor_samples_every_unrecorded_job_in_the_same_seconds(r, redis_url, tmp_path, capsys):
     keys = shared_pool(r, redis_url, tmp_path)
     for k in keys.values():
@@ -247,3 +296,40 @@ def test_each_views_pool_settings_are_the_jobs_own(r, redis_url, tmp_path, capsy
                                                                                              "beta": 1.0}
     run_dir = r.hget(keys["alpha"].state, "run_dir").decode()
     assert dict(headline(load_run(run_dir)))["pool"] == "min_slots 2  max_slots 3  priority 2"
+
+
+def test_the_report_headline_of_a_job_configured_pinned_puts_it_outside_the_pool(r, redis_url, tmp_path):
+    keys = shared_pool(r, redis_url, tmp_path, control={"beta": {"mode": "pinned", "min_slots": 1}})
+    run_dir = r.hget(keys["beta"].state, "run_dir").decode()
+    assert dict(headline(load_run(run_dir)))["pool"] == (
+        "none while pinned (it holds its slots outside the pool; min_slots 1  max_slots the pool  priority 1 "
+        "once back on auto)")
+
+
+def test_the_report_says_who_shared_the_pool_this_jobs_share_the_moves_and_when_it_was_below_its_minimum(
+        r, redis_url, tmp_path):
+    keys = shared_pool(r, redis_url, tmp_path, control={"alpha": {"min_slots": 2}})
+    alpha = load_job(r, "alpha")            # a JobInfo: record_event also writes alpha's events.jsonl, as the loop does
+    now = time.time()
+    pools = [(now - 50, "fit", {"alpha": 1, "beta": 3}, 0, ["alpha"]),          # the pool shrank below 3 minimums
+             (now - 40, "guarantee", {"alpha": 2, "beta": 2, "gamma": 0}, 1, []),
+             (now - 20, "rebalance_jobs", {"alpha": 3, "beta": 1}, 1, []),
+             (now - 10, "fit", {"alpha": 1, "beta": 1}, 0, ["alpha", "beta"])]
+    for at, reason, shares, moved, below in pools:
+        record_event(r, alpha, {"at": at, "kind": "decision", "mode": "auto", "reason": "split", "from": TARGET,
+                                "to": TARGET, "actions": [],
+                                "pool": {"reason": reason, "shares": shares, "share": shares["alpha"],
+                                         "moved_between_jobs": moved, **({"below_min": below} if below else {})}})
+    d = load_run(alpha.run_dir)
+    start, end = d.x(now - 50), d.x(now - 40)
+    assert pool_lines(d) == [
+        "shared with beta (1–3 slots), gamma (0 slots)",
+        "this job's share: 1–3 slots over 4 decisions (last 1)",
+        "slots moved between jobs: 2, in 2 of its decisions",
+        "below its minimum (min_slots 2; the pool was smaller than the minimums' sum): "
+        f"{start:.0f}–{end:.0f} s, {d.x(now - 10):.0f} s–end"]
+    page = render(d)
+    assert "<h2>Pool</h2>" in page and "shared with beta (1–3 slots)" in page
+    # beta's run directory has no decision with a pool (its events went to Redis alone): no section
+    beta = load_run(r.hget(keys["beta"].state, "run_dir").decode())
+    assert pool_lines(beta) == [] and "<h2>Pool</h2>" not in render(beta)

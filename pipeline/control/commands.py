@@ -42,11 +42,20 @@ def known_job(r: redis.Redis, job: str) -> str:
     return job
 
 
+def running_jobs(r: redis.Redis) -> list[str]:
+    """The jobs on this Redis whose phase is running or trained (the controller's), sorted.
+
+    More than one: ``scale`` and ``drain`` need ``--job``, so a view that
+    prints one of their command lines (``libra-ctl doctor``) names the job.
+    """
+    return [n for n in all_jobs(r) if r.hget(JobKeys(n).state, "phase") in (b"running", b"trained")]
+
+
 def pick_job(r: redis.Redis, job: str | None) -> str:
     """The named job, else the one job that runs on this Redis."""
     if job:
         return known_job(r, job)
-    running = [n for n in all_jobs(r) if r.hget(JobKeys(n).state, "phase") in (b"running", b"trained")]
+    running = running_jobs(r)
     if len(running) != 1:
         raise SystemExit(f"libra-ctl: {'no job runs' if not running else 'several jobs run: ' + ', '.join(running)}"
                          "; name one with --job J")

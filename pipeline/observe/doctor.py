@@ -19,18 +19,22 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.observe.doctor_checks import CHECKS, SEVERITY, STEPS, Diagnosis, Thresholds, Window, get_in
+from pipeline.observe.doctor_checks import CHECKS, SCALE, SEVERITY, STEPS, Diagnosis, Thresholds, Window, get_in
 
 
 def diagnose(samples: list[dict], logs: list = (), *, steps: list[dict] = (), config: dict | None = None,
-             dead_letter_reasons: dict | None = None, thresholds: Thresholds = Thresholds()) -> Diagnosis:
+             dead_letter_reasons: dict | None = None, thresholds: Thresholds = Thresholds(),
+             scale: str = SCALE) -> Diagnosis:
     """Findings over one window: metric samples, learner steps, log lines (structlog dicts or raw text).
 
     ``config`` is the run's resolved config (the manifest's ``config``), used
     to name the knob in each action; ``dead_letter_reasons`` maps a reason to
-    its count among recent dead letters.
+    its count among recent dead letters; ``scale`` is the command line an
+    action suggests for pinning counts (``libra-ctl scale --job J`` where
+    several jobs run, as ``scale`` refuses one without ``--job`` then).
     """
-    w = Window(list(samples), list(steps), list(logs), config or {}, dead_letter_reasons or {}, thresholds)
+    w = Window(list(samples), list(steps), list(logs), config or {}, dead_letter_reasons or {}, thresholds,
+               scale)
     d = Diagnosis()
     for checks in CHECKS:
         checks(w, d).run()
@@ -55,6 +59,12 @@ class Inputs:
     config: dict | None
     reasons: dict
     source: str  # "live" | "run directory"
+    shared: bool = False  # several jobs run on its Redis: a suggested scale command needs --job
+
+    @property
+    def scale(self) -> str:
+        """The scale command this job's actions suggest."""
+        return f"{SCALE} --job {self.job}" if self.shared and self.job else SCALE
 
 
 def read_logs(run_dir: Path | None, since: float | None = None, out_tail: int = 400) -> list:
@@ -182,7 +192,7 @@ def cmd_doctor(args) -> int:
     if inputs is None:
         return 2
     results = [(inp, diagnose(inp.samples, inp.logs, steps=inp.steps, config=inp.config,
-                              dead_letter_reasons=inp.reasons)) for inp in inputs]
+                              dead_letter_reasons=inp.reasons, scale=inp.scale)) for inp in inputs]
     healthy = all(d.healthy for _inp, d in results)
     if args.json:
         docs = [{"job": inp.job, "source": inp.source, "run_dir": str(inp.run_dir) if inp.run_dir else None,
@@ -216,21 +226,23 @@ def _connect(url: str | None, run_dir: Path | None):
 
 def jobs_to_diagnose(r, job: str | None, run_dir: Path | None) -> list[str]:
     """``--job``; else the job of ``--run``; else every running job; else the last job on the Redis."""
-    from pipeline.dataplane.keys import JOBS, JobKeys
+    from pipeline.control.commands import all_jobs, running_jobs
 
     if job is not None:
         return [job]
     named = get_in(_config_of(run_dir), "job", "name") if run_dir is not None else None
     if named:
         return [named]
-    names = sorted(n.decode() for n in r.smembers(JOBS))
-    running = [n for n in names if r.hget(JobKeys(n).state, "phase") in (b"running", b"trained")]
-    return running or names[-1:]
+    return running_jobs(r) or all_jobs(r)[-1:]
 
 
 def _inputs(args, window: float) -> list[Inputs] | None:
-    """One window per job to diagnose; None (with a message) when there is nothing to read."""
-    from pipeline.dataplane.keys import JobKeys
+    """One window per job to diagnose; None (with a message) when there is nothing to read.
+
+    Where several jobs run on the Redis, each window is marked ``shared``, so
+    its suggested scale command names the job (even when ``--job`` picked one).
+    """
+    from pipeline.control.commands import running_jobs
 
     run_dir = Path(args.run) if args.run else None
     r = _connect(args.redis, run_dir)
@@ -245,9 +257,13 @@ def _inputs(args, window: float) -> list[Inputs] | None:
             return [gather_run_dir(run_dir, window)]
         print("libra-ctl doctor: no job on this Redis; pass --job J or --run RUN_DIR")
         return None
-    live = {j: run_dir for j in jobs if r.hget(JobKeys(j).state, "phase") in (b"running", b"trained")}
+    running = running_jobs(r)
+    live = {j: run_dir for j in jobs if j in running}
     found = dict(zip(live, gather_live_jobs(r, live, window, args.sample_s)))
-    return [found[j] if j in found else _finished(r, j, run_dir, window) for j in jobs]
+    inputs = [found[j] if j in found else _finished(r, j, run_dir, window) for j in jobs]
+    for inp in inputs:
+        inp.shared = len(running) > 1
+    return inputs
 
 
 def _finished(r, job: str, run_dir: Path | None, window: float) -> Inputs:

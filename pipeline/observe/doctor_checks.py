@@ -18,6 +18,7 @@ from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
 
 STEPS = ("logs", "inputs", "resources", "balance", "quality")  # the troubleshooting order
 SEVERITY = {"critical": 0, "warning": 1}
+SCALE = "libra-ctl scale"
 
 OOM_PATTERNS = re.compile(
     r"out of memory|OutOfMemoryError|\bMemoryError\b|oom[-_ ]?kill|Killed process|std::bad_alloc"
@@ -154,6 +155,7 @@ class Window:
     config: dict  # the run's resolved config, to name the knob in an action; {} when unknown
     reasons: dict  # dead-letter reason -> its count among recent dead letters
     th: Thresholds
+    scale: str = SCALE  # the scale command an action suggests (with --job J where several jobs run)
 
     def extent(self) -> dict:
         ats = [s["at"] for s in self.samples] + [s["at"] for s in self.steps if "at" in s]
@@ -166,7 +168,7 @@ class _Checks:
 
     def __init__(self, w: Window, d: Diagnosis):
         self.samples, self.steps, self.logs = w.samples, w.steps, w.logs
-        self.config, self.reasons, self.th = w.config, w.reasons, w.th
+        self.config, self.reasons, self.th, self.scale = w.config, w.reasons, w.th, w.scale
         self.d = d
 
     def run(self) -> None:
@@ -412,7 +414,7 @@ class BalanceChecks(_Checks):
             self.add(Finding("rollout_short", "balance", "critical", "rollout is short: the learner waits "
                              "for data", "rollout", ev,
                              "Give rollout more: raise the rollout:learner ratio (rollout.workers"
-                             f"={_cfg(self.config, 'rollout', 'workers', '?')} now, or libra-ctl scale "
+                             f"={_cfg(self.config, 'rollout', 'workers', '?')} now, or {self.scale} "
                              "rollout=N), or check tool latency and trajectory length first.",
                              "rollout/learner GPU ratio"))
 
@@ -428,7 +430,7 @@ class BalanceChecks(_Checks):
                 ev.append(f"learner waited only {wait:.0%} of its time {wait_src}")
             self.add(Finding("learner_short", "balance", "critical", "the learner is short: scored "
                              "trajectories pile up", "learner", ev,
-                             "Give the learner more (lower the rollout:learner ratio, or libra-ctl scale), or "
+                             f"Give the learner more (lower the rollout:learner ratio, or {self.scale} learner=N), or "
                              "lower streams.max_queue_size so samples do not go stale while they wait.",
                              "max queue size, rollout/learner ratio"))
         if rising["reward"]:

@@ -17,9 +17,12 @@ Called by the user, by ``libra-ctl run`` at the end of a run, and by
 
 A report is one run of one job. Where several jobs share a controller's
 pool, the headline gives this job's pool settings (``control.min_slots``,
-``max_slots``, ``priority``) from its manifest; the other jobs are not named,
-since nothing in the run directory (nor the job's events or allocation
-record) says which jobs shared the pool during the run.
+``max_slots``, ``priority``) from its manifest, and the "Pool" section what
+the pool decided for it, read from the ``pool`` of its decision events
+(``pipeline.control.loop``): the other jobs that shared it, this job's share
+over time, the slots moved between jobs, and when it was below its minimum.
+A job pinned with ``libra-ctl scale`` holds its slots outside the pool; its
+``pinned`` events carry no ``pool``.
 """
 
 from __future__ import annotations
@@ -258,16 +261,21 @@ def manifest_pool(manifest: dict) -> dict:
     The manifest's own ``control`` table wins over its config's, as for the
     controller (``control.job.load_job``); a key missing from both is at its default.
     """
-    ctl = manifest.get("control") or (manifest.get("config") or {}).get("control") or {}
+    ctl = _manifest_control(manifest)
     return {"min_slots": ctl.get("min_slots", 0), "max_slots": ctl.get("max_slots", 0),
             "priority": ctl.get("priority", 1.0)}
+
+
+def _manifest_control(manifest: dict) -> dict:
+    return manifest.get("control") or (manifest.get("config") or {}).get("control") or {}
 
 
 def headline(d: RunData) -> list[tuple[str, str]]:
     s, m = d.summary, d.manifest
     last = d.steps[-1] if d.steps else {}
     rows = [("run", d.run_dir.name), ("job", (m.get("config") or {}).get("job", {}).get("name", "?")),
-            ("pool", format_pool(manifest_pool(m)))]
+            # a job configured pinned starts outside the pool (a pin by libra-ctl scale shows in its events)
+            ("pool", format_pool(manifest_pool(m), _manifest_control(m).get("mode", "auto")))]
     if s:
         rows += [("held-out success", f"{s.get('success_rate_start', 0):.1%} → {s.get('success_rate_end', 0):.1%}"),
                  ("trajectories trained", str(s.get("trajectories_trained"))),
@@ -279,6 +287,67 @@ def headline(d: RunData) -> list[tuple[str, str]]:
     if last:
         rows.append(("policy version", str(last.get("policy_version"))))
     return rows
+
+
+def pool_lines(d: RunData) -> list[str]:
+    """What the controller's pool decided for this job, in a few lines; [] where no decision carries a ``pool``.
+
+    From the ``pool`` of its decision events (``Controller.decide``): the
+    other jobs in ``shares`` with their range of slots, this job's ``share``
+    from lowest to highest, the pool's ``moved_between_jobs`` summed over the
+    decisions (each records the tick it was made in, so a move between two
+    other jobs counts where this job's decision was recorded in the same tick),
+    and the spans in which ``below_min`` named this job.
+    """
+    pooled = [e for e in d.events if isinstance(e.get("pool"), dict) and isinstance(e.get("at"), (int, float))]
+    if not pooled:
+        return []
+    me = pooled[0].get("job") or (d.manifest.get("config") or {}).get("job", {}).get("name")
+    seen: dict[str, list[int]] = {}
+    for e in pooled:
+        for job, n in (e["pool"].get("shares") or {}).items():
+            seen.setdefault(job, []).append(n)
+    span = lambda ns: f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}–{max(ns)}"
+    others = [f"{job} ({span(ns)} slots)" for job, ns in sorted(seen.items()) if job != me]
+    mine = [e["pool"]["share"] for e in pooled if isinstance(e["pool"].get("share"), int)]
+    moves = [e["pool"].get("moved_between_jobs") or 0 for e in pooled]
+    lines = ["shared with " + ", ".join(others) if others else "no other job shared the pool",
+             f"this job's share: {span(mine)} slots over {len(pooled)} decisions (last {mine[-1]})" if mine
+             else "this job's share: not recorded",
+             f"slots moved between jobs: {sum(moves)}, in {sum(1 for n in moves if n)} of its decisions"]
+    below = _below_min_spans(d, me)
+    if below:
+        least = manifest_pool(d.manifest)["min_slots"]
+        lines.append(f"below its minimum (min_slots {least}; the pool was smaller than the minimums' sum): "
+                     + ", ".join(below))
+    return lines
+
+
+def _below_min_spans(d: RunData, job: str | None) -> list[str]:
+    """Run-relative spans (``12–40 s``, ``80 s–end``) from a decision naming ``job`` in ``below_min`` to the next
+    event that does not (a decision that no longer names it, or a pin, which takes the job out of the pool)."""
+    spans, start = [], None
+    for e in d.events:
+        if not isinstance(e.get("at"), (int, float)) or e.get("kind") not in ("decision", "pinned"):
+            continue
+        short = job in ((e.get("pool") or {}).get("below_min") or ())
+        if short and start is None:
+            start = d.x(e["at"])
+        elif not short and start is not None:
+            spans.append(f"{start:.0f}–{d.x(e['at']):.0f} s")
+            start = None
+    if start is not None:
+        spans.append(f"{start:.0f} s–end")
+    return spans
+
+
+def pool_section(d: RunData) -> str:
+    lines = pool_lines(d)
+    if not lines:
+        return ""
+    items = "".join(f"<li>{esc(line)}</li>" for line in lines)
+    return (f"<h2>Pool</h2><ul class=pool>{items}</ul><p class=note>from the controller's decisions "
+            "(events.jsonl); the headline gives this job's pool settings</p>")
 
 
 def events_table(d: RunData) -> str:
@@ -328,13 +397,14 @@ path.series.area{fill-opacity:.55;stroke-width:1}.threshold{stroke:#dc2626;strok
 table.events{border-collapse:collapse;width:100%;font-size:12px;background:#fff}
 table.events td,table.events th{border-bottom:1px solid #e5e7eb;padding:3px 6px;text-align:left;vertical-align:top}
 table.events td:first-child{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+ul.pool{margin:4px 0;padding-left:20px}
 pre{background:#fff;border:1px solid #e5e7eb;padding:10px;overflow:auto;font-size:12px;max-height:520px}
 footer{color:#9ca3af;font-size:12px;padding:10px 24px 24px}
 """
 
 
 def render(d: RunData) -> str:
-    """The page: the headline, three rows of charts, the events and the manifest."""
+    """The page: the headline, three rows of charts, the pool (where decided), the events and the manifest."""
     timeline = functools.partial(line_chart, x_range=d.x_range())  # every time axis spans the whole run
     markers = decision_markers(d)
     traj, tok, tp_src = throughput_series(d)
@@ -351,7 +421,7 @@ def render(d: RunData) -> str:
 <h2>Throughput, reward and diversity</h2><div class="grid3">{one_page}</div>
 <h2>Pipeline</h2><div class="grid2">{pipeline_row}</div>
 <h2>Resources</h2><div class="grid2">{res_row}</div>
-<h2>Events</h2>{events_table(d)}
+{pool_section(d)}<h2>Events</h2>{events_table(d)}
 <h2>Manifest</h2><details open><summary>manifest.json</summary><pre>{esc(manifest)}</pre></details>
 {f"<details><summary>summary.json</summary><pre>{esc(summary)}</pre></details>" if summary else ""}
 </main><footer>written by libra-ctl report from {esc(d.run_dir.resolve())} · <span id="selfcheck">charts not

@@ -48,12 +48,42 @@ def pool_settings(r: redis.Redis, job: str) -> dict | None:
     return {"min_slots": ctl.min_slots, "max_slots": ctl.max_slots, "priority": ctl.priority}
 
 
-def format_pool(pool: dict | None) -> str:
-    """``pool_settings`` for a terminal or a page: ``min_slots 2  max_slots the pool  priority 1``."""
+def format_pool(pool: dict | None, mode: str = "auto") -> str:
+    """``pool_settings`` for a terminal or a page: ``min_slots 2  max_slots the pool  priority 1``.
+
+    A pinned job (``mode`` "pinned") is outside the pool: the controller
+    takes the slots it holds out before sharing the rest, and its settings
+    count again only once it is handed back to the allocator.
+    """
     if pool is None:
         return "unknown (the job's manifest is not readable here)"
     most = pool["max_slots"] or "the pool"
-    return f"min_slots {pool['min_slots']}  max_slots {most}  priority {pool['priority']:g}"
+    settings = f"min_slots {pool['min_slots']}  max_slots {most}  priority {pool['priority']:g}"
+    if mode == "pinned":
+        return f"none while pinned (it holds its slots outside the pool; {settings} once back on auto)"
+    return settings
+
+
+def format_slots(jobs: list[dict]) -> str | None:
+    """One line for several jobs: the live agents' slots, what pinned jobs hold, and the pool the others share.
+
+    ``jobs`` are ``job_status`` records; every one carries the same nodes.
+    As the controller counts it (``Controller.plan_pool``), the pool is the
+    live slots less the pinned jobs' (the auto jobs' external workers add to
+    it; they hold no agent slot, so they are not counted here). None for a
+    single job, whose pool is every slot.
+    """
+    running = [j for j in jobs if j["phase"] in ("running", "trained")]
+    if len(jobs) < 2 or not running:
+        return None
+    live = [slot for n in jobs[0]["allocation"]["nodes"] if n["alive"] for slot in n["slots"]]
+    pinned = [j["name"] for j in running if j["allocation"]["mode"] == "pinned"]
+    auto = [j["name"] for j in running if j["allocation"]["mode"] != "pinned"]
+    held = sum(1 for slot in live if slot["job"] in pinned)
+    line = f"slots {len(live)} on live agents"
+    if pinned:
+        line += f"; pinned {', '.join(pinned)} hold{'s' if len(pinned) == 1 else ''} {held}, outside the pool"
+    return line + (f"; the pool of {len(live) - held} is shared by {', '.join(auto)}" if auto else "; no auto job")
 
 
 def job_status(r: redis.Redis, job: str) -> dict:
@@ -112,10 +142,11 @@ def status(r: redis.Redis, job: str | None = None) -> dict:
 def format_status(st: dict) -> str:
     if not st["jobs"]:
         return "no jobs on this Redis"
-    out = []
+    slots = format_slots(st["jobs"])
+    out = [slots] if slots else []
     for j in st["jobs"]:
         out.append(f"job {j['name']}  phase {j['phase']}  policy v{j['policy_version']}")
-        out.append("  pool " + format_pool(j["pool"]))
+        out.append("  pool " + format_pool(j["pool"], j["allocation"]["mode"]))
         out.append("  " + format_allocation(j["allocation"], j["name"]).replace("\n", "\n  "))
         out.append(f"  {'stage':<8} {'stream':<28} {'length':>7} {'pending':>8} {'lag':>6} {'rate/s':>8}")
         for s in j["stages"]:

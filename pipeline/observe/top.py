@@ -19,7 +19,7 @@ import redis
 
 from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
 from pipeline.dataplane.keys import JOBS, JobKeys
-from pipeline.observe.status import format_pool, job_status
+from pipeline.observe.status import format_pool, format_slots, job_status
 
 RATE_WINDOW = 10  # snapshots (seconds at the default refresh) the rates average over
 BAR = 24
@@ -70,7 +70,7 @@ def _header(st: dict, s: dict, P, steps_total: int | None) -> list[str]:
           f"step {step if step is not None else '-'}{'/' + str(steps_total) if steps_total else ''}  "
           f"{time.strftime('%H:%M:%S')}", "bold") + P("   (Ctrl-C quits)", "dim"),
         "",
-        f"allocation ({st['allocation']['mode']})  {roles}   pool {format_pool(st['pool'])}",
+        f"allocation ({st['allocation']['mode']})  {roles}   pool {format_pool(st['pool'], st['allocation']['mode'])}",
     ]
 
 
@@ -179,11 +179,13 @@ def _steps_total(r: redis.Redis, job: str) -> int | None:
 def frame(r: redis.Redis, jobs: list[str], rates: dict[str, Rates], color: bool) -> str:
     if not jobs:
         return "no jobs on this Redis"
-    out = []
+    out, statuses = [], []
     for job in jobs:
         snap = snapshot(r, job)
+        statuses.append(snap["status"])
         out.append(render(snap, rates.setdefault(job, Rates()).add(snap), color, _steps_total(r, job)))
-    return "\n\n".join(out)
+    slots = format_slots(statuses)
+    return "\n\n".join(([slots] if slots else []) + out)
 
 
 def cmd_top(args) -> int:
