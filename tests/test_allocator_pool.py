@@ -212,6 +212,19 @@ def test_paced_rebalance_brings_the_later_finish_nearer_and_stops_when_they_meet
     assert slow.reason == "kept"
 
 
+def test_paced_move_that_turns_back_the_last_one_needs_the_larger_gain():
+    # 64 slots, 32 each (rate 15.5/s); b has 10% more left: one slot a -> b brings the later finish 3.1% nearer
+    a, b = job("a"), job("b")
+    inv = Inventory(gpus=64, switch_cost_s=10.0)
+    m = {"a": paced(Allocation(31, 1), 15_500), "b": paced(Allocation(31, 1), 17_050)}
+    d = plan(m, inv, [a, b], CFG)
+    assert d.reason == "rebalance_jobs" and d.shares == {"a": 31, "b": 33}
+    # b has just given a slot up (to a): taking it back needs reverse_gain_frac (5%), and 3.1% is not enough
+    back = {"a": dataclasses.replace(m["a"], changed_from=Allocation(30, 1)),
+            "b": dataclasses.replace(m["b"], changed_from=Allocation(32, 1))}
+    assert plan(back, inv, [a, b], CFG).reason == "kept"
+
+
 def test_paced_priority_weighs_the_time_to_go():
     # equal work left on equal shares; a's priority 2 counts its time to go double, so a is given slots
     a, b = job("a", priority=2.0), job("b")

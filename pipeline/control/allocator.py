@@ -780,8 +780,10 @@ def _rebalance_paced(members: dict[str, _Member], target: dict[str, int], inv: I
 
     A move from a donor to a receiver due to finish later pays when the later
     of their two weighted times to go shrinks by more than ``min_gain_frac``
-    of it, the receiver's new slots arriving ``switch_cost_s`` late and the
-    donor redoing its in-flight rollouts thrown away (half done on average).
+    of it (``reverse_gain_frac`` when the move turns back either job's last
+    change of share), the receiver's new slots arriving ``switch_cost_s``
+    late and the donor redoing its in-flight rollouts thrown away (half done
+    on average).
     Returned gain and cost are in weighted seconds: the time the pair's later
     finish gains before the switch, and what the switch takes back.
     """
@@ -800,9 +802,18 @@ def _rebalance_paced(members: dict[str, _Member], target: dict[str, int], inv: I
                 free_run = max(mr.time_to_go(target[r] + k), md.time_to_go(target[d] - k))
                 after = max(mr.time_to_go(target[r] + k, switch_s=inv.switch_cost_s),
                             md.time_to_go(target[d] - k, lost=lost))
-                if before - after > cfg.min_gain_frac * before and (best is None or before - after > best[1] - best[2]):
+                frac = cfg.reverse_gain_frac if _undoes(md, mr) else cfg.min_gain_frac
+                if before - after > frac * before and (best is None or before - after > best[1] - best[2]):
                     best = ((d, r, k), before - free_run, after - free_run)
     return best
+
+
+def _undoes(donor: _Member, receiver: _Member) -> bool:
+    """Whether slots moving from ``donor`` to ``receiver`` turn back the last change of either one's share."""
+    def last_change(m: _Member) -> int:
+        before = m.m.changed_from
+        return 0 if before is None else m.m.allocation.total - before.total
+    return last_change(donor) > 0 or last_change(receiver) < 0
 
 
 def _split(m: _Member, share: int, inv: Inventory, cfg: PlanConfig) -> Decision:
