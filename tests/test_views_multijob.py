@@ -235,6 +235,12 @@ def test_every_scale_advice_of_the_doctor_carries_the_command_it_is_given():
     learner_short = diagnose(window(learner_backlog=lambda i: 2 + 2 * i), scale="libra-ctl scale --job beta")
     assert learner_short.codes() == ["learner_short"]
     assert "libra-ctl scale --job beta learner=N" in learner_short.primary.action
+    assert "shared pool" not in learner_short.primary.action        # no config: nothing known of its mode
+    # a job the pool steers: the advice says scale takes it out of the pool, and what keeps it in
+    auto = {"control": {"mode": "auto"}}
+    pooled = diagnose(window(wait=lambda i: 0.6), config=auto, scale="libra-ctl scale --job beta")
+    assert "leaves the pool's sharing" in pooled.primary.action and "control.priority" in pooled.primary.action
+    assert "shared pool" not in diagnose(window(wait=lambda i: 0.6), config=auto).primary.action   # alone
 
 
 def test_doctor_samples_every_unrecorded_job_in_the_same_seconds(r, redis_url, tmp_path, capsys):

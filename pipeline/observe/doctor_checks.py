@@ -174,6 +174,13 @@ class _Checks:
     def run(self) -> None:
         raise NotImplementedError
 
+    def pin_hint(self) -> str:
+        """For a job the pool policy steers beside other jobs: what a suggested scale does to it, and the other way."""
+        if self.scale == SCALE or _cfg(self.config, "control", "mode") != "auto":
+            return ""
+        return (" In a shared pool, scale pins the job: it leaves the pool's sharing and its minimum; raising "
+                "control.priority or control.min_slots keeps it in.")
+
     def check(self, step: str, name: str, finding: Finding | None, ok_detail: str, no_data: bool = False) -> None:
         if finding is not None:
             self.d.findings.append(finding)
@@ -415,7 +422,7 @@ class BalanceChecks(_Checks):
                              "for data", "rollout", ev,
                              "Give rollout more: raise the rollout:learner ratio (rollout.workers"
                              f"={_cfg(self.config, 'rollout', 'workers', '?')} now, or {self.scale} "
-                             "rollout=N), or check tool latency and trajectory length first.",
+                             "rollout=N), or check tool latency and trajectory length first." + self.pin_hint(),
                              "rollout/learner GPU ratio"))
 
     def _backlogs_rise(self, wait: float | None, wait_src: str, rising: dict) -> bool:
@@ -431,7 +438,8 @@ class BalanceChecks(_Checks):
             self.add(Finding("learner_short", "balance", "critical", "the learner is short: scored "
                              "trajectories pile up", "learner", ev,
                              f"Give the learner more (lower the rollout:learner ratio, or {self.scale} learner=N), or "
-                             "lower streams.max_queue_size so samples do not go stale while they wait.",
+                             "lower streams.max_queue_size so samples do not go stale while they wait."
+                             + self.pin_hint(),
                              "max queue size, rollout/learner ratio"))
         if rising["reward"]:
             found = True
