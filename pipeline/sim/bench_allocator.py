@@ -49,6 +49,7 @@ def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed:
     (``live`` settings) after the des engine has run every mode, and the
     result adds ``engine`` and ``live_vs_des`` (each live mode's rate over
     its des rate). A multi-job workload runs ``bench_pool``'s modes instead
+    (live: ``static`` and ``libra`` on the control plane, every job at once)
     and adds ``jobs`` (their names), per-job figures under each mode's
     ``jobs``, and ``not_applicable`` (modes asked that have no multi-job
     meaning). Raises WorkloadError for a bad workload (or job minimums the

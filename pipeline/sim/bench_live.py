@@ -499,9 +499,13 @@ class LiveBench:
         return moved
 
     def _shares(self, traces: dict[str, _Trace], start: float) -> list[dict]:
-        """Slots held per job on the pool's clock (from its first job's first prompt), at each change."""
-        points = sorted(((tr.t0 - start) * self.scale + p["t"], name, p["held"])
-                        for name, tr in traces.items() for p in tr.slots)
+        """Slots held per job on the pool's clock (from its first job's first prompt), at each change.
+
+        A job holds none from its last publish on (as in the des engine's shares), though its workers drain after.
+        """
+        points = sorted([((tr.t0 - start) * self.scale + p["t"], name, p["held"])
+                         for name, tr in traces.items() for p in tr.slots]
+                        + [((tr.steps[-1]["at"] - start) * self.scale, name, 0) for name, tr in traces.items()])
         held = {name: 0 for name in traces}
         out: list[dict] = []
         for t, name, n in points:
