@@ -503,9 +503,12 @@ class LiveBench:
 
         A job holds none from its last publish on (as in the des engine's shares), though its workers drain after.
         """
-        points = sorted([((tr.t0 - start) * self.scale + p["t"], name, p["held"])
-                         for name, tr in traces.items() for p in tr.slots]
-                        + [((tr.steps[-1]["at"] - start) * self.scale, name, 0) for name, tr in traces.items()])
+        points = []
+        for name, tr in traces.items():
+            end = (tr.steps[-1]["at"] - start) * self.scale
+            points += [(t, name, p["held"]) for p in tr.slots if (t := (tr.t0 - start) * self.scale + p["t"]) < end]
+            points.append((end, name, 0))
+        points.sort()
         held = {name: 0 for name in traces}
         out: list[dict] = []
         for t, name, n in points:
