@@ -8,7 +8,8 @@ runs the asynchronous modes on the real control plane (``pipeline.sim.bench_live
 it returns the README's JSON shape, plus per-mode timelines under the extra key
 ``details`` (kept out of ``--json``). ``format_table`` is the terminal view, ``plot`` the picture of
 allocation and throughput over time. A multi-job workload (``[[jobs]]``) runs
-on the des engine through ``pipeline.sim.bench_pool``.
+through ``pipeline.sim.bench_pool``: its pool modes on the des engine, and with
+``engine="live"`` static and libra on the control plane too.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pipeline.control.allocator import AdmissionError
 from pipeline.sim import bench_pool, des, fluid
 from pipeline.sim.result import ModeResult
 from pipeline.sim.sync import simulate_sync
-from pipeline.sim.bench_live import LIVE_MODES, LiveBench, LiveEngineError, LiveSettings
+from pipeline.sim.bench_live import LIVE_MODES, LiveBench, LiveEngineError, LiveSettings, live_summary
 from pipeline.control.allocator import Allocation
 from pipeline.sim.workload import WorkloadError, load_workload
 
@@ -48,6 +49,7 @@ def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed:
     (``live`` settings) after the des engine has run every mode, and the
     result adds ``engine`` and ``live_vs_des`` (each live mode's rate over
     its des rate). A multi-job workload runs ``bench_pool``'s modes instead
+    (live: ``static`` and ``libra`` on the control plane, every job at once)
     and adds ``jobs`` (their names), per-job figures under each mode's
     ``jobs``, and ``not_applicable`` (modes asked that have no multi-job
     meaning). Raises WorkloadError for a bad workload (or job minimums the
@@ -58,10 +60,6 @@ def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed:
     if engine not in ENGINES:
         raise BenchInputError(f"unknown engine {engine!r}: use {' or '.join(ENGINES)}")
     wl = load_workload(workload_path)
-    if wl.multi_job:
-        return _run_pool(wl, modes, engine, seed, report or (lambda line: None))
-    job = wl.job
-    seed = job.seed if seed is None else seed
     say = report or (lambda line: None)
     live = live or LiveSettings()
     if engine == "live":
@@ -69,6 +67,10 @@ def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed:
             live.check(wl)
         except ValueError as exc:
             raise BenchInputError(str(exc)) from None
+    if wl.multi_job:
+        return _run_pool(wl, workload_path, modes, engine, seed, say, live)
+    job = wl.job
+    seed = job.seed if seed is None else seed
     results: dict[str, ModeResult] = {}
     details: dict[str, dict] = {}
     for mode in modes:
@@ -93,11 +95,10 @@ def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed:
     return out
 
 
-def _run_pool(wl, modes: list[str], engine: str, seed: int | None, say: Report) -> dict:
-    """A multi-job workload on the des engine: the modes that apply to a pool, and why the others do not."""
-    if engine == "live":
-        raise BenchInputError(f"{wl.source}: the live engine runs one job; run this {len(wl.jobs)}-job workload "
-                              "with --engine des")
+def _run_pool(wl, workload_path, modes: list[str], engine: str, seed: int | None, say: Report,
+              live: LiveSettings) -> dict:
+    """A multi-job workload: the modes that apply to a pool on the des engine, then (live) static and libra
+    on the control plane; and why the other modes do not apply."""
     skipped = [m for m in modes if m not in bench_pool.POOL_MODES]
     for m in skipped:
         say(f"{m}: not applicable to multi-job workloads ({bench_pool.NOT_APPLICABLE[m]})")
@@ -109,6 +110,11 @@ def _run_pool(wl, modes: list[str], engine: str, seed: int | None, say: Report) 
         out = bench_pool.run_pool_bench(wl, runnable, seed, say)
     except AdmissionError as exc:
         raise WorkloadError(f"{wl.source}: {exc}: lower the jobs' min_gpus or add GPUs to [cluster]") from None
+    if engine == "live" and not any(m in bench_pool.LIVE_POOL_MODES for m in runnable):
+        say(f"live: none of the modes asked runs live ({', '.join(bench_pool.LIVE_POOL_MODES)} do); the des "
+            "engine's results stand")
+    elif engine == "live":
+        bench_pool.run_live_pool(wl, workload_path, out, live, seed, say)
     if skipped:
         out["not_applicable"] = {m: bench_pool.NOT_APPLICABLE[m] for m in skipped}
     return out
@@ -240,13 +246,7 @@ def format_table(result: dict) -> str:
     if result["ratios"]:
         lines.append("")
         lines.append("  ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items()))
-    if result.get("engine") == "live":
-        engines = {m: result["details"][m]["engine"] for m in result["modes"]}
-        lines.append("")
-        lines.append("engine: " + "  ".join(f"{m} {e}" for m, e in engines.items()))
-        if result["live_vs_des"]:
-            lines.append("live/des: " + "  ".join(f"{m} {v:.3f}" for m, v in result["live_vs_des"].items()))
-    return "\n".join(lines)
+    return "\n".join(lines + live_summary(result))
 
 
 # --- plot ---------------------------------------------------------------------
@@ -317,7 +317,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--engine", default="des", choices=ENGINES,
                    help="des: discrete-event simulator; live: also run static, static-best and libra on a real "
-                        "Redis, controller and agent with sim workers on compressed time (up to 64 slots)")
+                        "Redis, controller and agent with sim workers on compressed time (up to 64 slots); a "
+                        "multi-job workload runs static and libra live, every job at once on the one agent")
     p.add_argument("--time-scale", type=float, default=LiveSettings.time_scale,
                    help="live: simulated seconds per wall second")
     p.add_argument("--redis", help="live: Redis URL to run on (default: an embedded server, removed after)")

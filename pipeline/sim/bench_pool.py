@@ -14,6 +14,10 @@ Called by ``pipeline.sim.bench_allocator.run_bench`` when the workload has
   among jobs and stages with minimums held and the learner at its real
   scaling (``pipeline.sim.fluid``, ``ideal_report``).
 
+With ``--engine live``, ``run_live_pool`` then runs ``static`` and ``libra``
+on the real control plane (``pipeline.sim.bench_live.LiveBench.run_pool``),
+every job at once, and their figures replace the des ones.
+
 Each mode reports per job its throughput (its trajectories over its finish
 time), finish time and GPU-seconds below its ``min_gpus``; for the pool the
 total rate (all trajectories over the makespan) and Jain's fairness index over
@@ -28,10 +32,12 @@ from collections.abc import Callable
 
 from pipeline.control import allocator
 from pipeline.sim import des, fluid, pool
+from pipeline.sim.bench_live import LiveBench, LiveSettings, live_summary
 from pipeline.sim.pool import PoolResult
 from pipeline.sim.workload import Workload
 
 POOL_MODES = ("static", "libra", "ideal")
+LIVE_POOL_MODES = ("static", "libra")     # what --engine live runs on the control plane; ideal is a bound
 NOT_APPLICABLE = {
     "sync": "colocated synchronous training gives each job the whole pool in turn, which is not a shared pool",
     "static-best": "its hindsight search over splits of one job has no counterpart over shares of several jobs",
@@ -47,7 +53,7 @@ def run_pool_bench(wl: Workload, modes: list[str], seed: int | None, say: Report
     """
     views = pool.job_views(wl)
     specs = pool.admit(wl)
-    seeds = {name: v.job.seed if seed is None else seed + i for i, (name, v) in enumerate(views.items())}
+    seeds = job_seeds(views, seed)
     demand = {name: demand_rate(views[name], specs[name], wl.cluster.gpus) for name in views}
     modes_out: dict[str, dict] = {}
     details: dict[str, dict] = {}
@@ -67,10 +73,51 @@ def run_pool_bench(wl: Workload, modes: list[str], seed: int | None, say: Report
             "details": details}
 
 
+def job_seeds(views: dict[str, Workload], seed: int | None) -> dict[str, int]:
+    """Each job's seed: its own [[jobs]] seed, or ``seed + i`` for the i-th job when a seed is given."""
+    return {name: v.job.seed if seed is None else seed + i for i, (name, v) in enumerate(views.items())}
+
+
+def start_shares(wl: Workload, mode: str) -> dict[str, int]:
+    """The GPUs each job starts with: the static partition, or libra's first pool plan."""
+    return pool.static_shares(wl) if mode == "static" else pool.libra_shares(wl, des.LIBRA_CONTROL)
+
+
 def _simulate(wl: Workload, mode: str, seeds: dict[str, int]) -> PoolResult:
-    if mode == "static":
-        return pool.PoolSim(wl, pool.static_shares(wl), seeds).run()
-    return pool.PoolSim(wl, pool.libra_shares(wl, des.LIBRA_CONTROL), seeds, des.LIBRA_CONTROL).run()
+    return pool.PoolSim(wl, start_shares(wl, mode), seeds, des.LIBRA_CONTROL if mode == "libra" else None).run()
+
+
+def run_live_pool(wl: Workload, workload_path, result: dict, settings: LiveSettings, seed: int | None,
+                  say: Report) -> None:
+    """Run ``result``'s live modes (``LIVE_POOL_MODES``) on the control plane; their figures replace the des ones.
+
+    Called by ``bench_allocator.run_bench`` for ``--engine live`` after
+    ``run_pool_bench``. ``ideal`` stays the des bound. Adds ``engine``,
+    ``live_vs_des`` (each live mode's pool rate over its des rate) and each
+    mode's ``details[mode]["engine"]``; raises LiveEngineError when a live run fails.
+    """
+    views, g = pool.job_views(wl), wl.cluster.gpus
+    specs = pool.admit(wl)
+    seeds = job_seeds(views, seed)
+    demand = {name: demand_rate(views[name], specs[name], g) for name in views}
+    modes, details = result["modes"], result["details"]
+    live_modes = [m for m in modes if m in LIVE_POOL_MODES]
+    by_des = {m: modes[m]["trajectories_per_s"] for m in live_modes}
+    for m in modes:
+        details[m]["engine"] = "des"
+    with LiveBench(wl, workload_path, settings, say, seed) as bench:
+        for mode in live_modes:
+            t0 = time.perf_counter()
+            shares = start_shares(wl, mode)
+            r, details[mode] = bench.run_pool(mode, views, {j: pool.start_split(views[j], shares[j]) for j in views},
+                                              seeds)
+            modes[mode] = pool_report(r, demand)
+            details[mode]["wall_s"] = time.perf_counter() - t0
+            say(f"{mode} (live): {modes[mode]['trajectories_per_s']:.2f} trajectories/s over the pool, below min "
+                f"{modes[mode]['below_min_gpu_s']:.0f} GPU-s ({details[mode]['wall_s']:.0f} s wall)")
+    result["engine"] = "live"
+    result["live_vs_des"] = {m: modes[m]["trajectories_per_s"] / by_des[m] for m in live_modes if by_des[m]}
+    result["ratios"] = _ratios(modes)
 
 
 def _largest_share(spec: allocator.JobSpec, gpus: int) -> int:
@@ -182,7 +229,7 @@ def format_pool_table(result: dict) -> str:
         lines += ["", "not applicable to multi-job workloads: " + ", ".join(result["not_applicable"])]
     if result["ratios"]:
         lines += ["", "  ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items())]
-    return "\n".join(lines)
+    return "\n".join(lines + live_summary(result))
 
 
 # --- plot ---------------------------------------------------------------------

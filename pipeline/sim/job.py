@@ -55,22 +55,25 @@ def sim_config(wl: Workload, *, job: str, max_queue_size: int | None = None,
 def prepare_sim_run(r: redis.Redis, workload: str | Path, runs_dir: str | Path, *, job: str = "sim",
                     time_scale: float = 50.0, redis_url: str = "", max_queue_size: int | None = None,
                     reward_workers: int = 1, control: dict | None = None, steps: int | None = None,
-                    seed: int | None = None) -> Path:
+                    seed: int | None = None, workload_job: str | None = None) -> Path:
     """Create a run directory and the job's Redis state for a sim job; returns the run directory.
 
     The caller then may pin the allocation (``control.allocation.pin``) and has
     an agent start the feeder; the controller starts the stage workers.
     ``control`` is the job's control settings (``pipeline.config.ControlConfig``);
     ``steps`` cuts the run short of the workload's; ``seed`` replaces its [job] seed.
+    ``workload_job`` names one [[jobs]] entry of a multi-job workload: the job runs
+    that entry, and the manifest's ``sim`` section names it for the workers.
     """
-    wl = load_workload(workload)
+    wl = load_workload(workload, workload_job)
     job_over = {**({"steps": steps} if steps else {}), **({"seed": seed} if seed is not None else {})}
     extra = {"run": {"runs_dir": str(runs_dir)}, **({"job": job_over} if job_over else {})}
     cfg = sim_config(wl, job=job, max_queue_size=max_queue_size, reward_workers=reward_workers, extra=extra)
     run_dir = manifest_mod.new_run_dir(cfg).resolve()
     manifest = manifest_mod.write_manifest(run_dir, cfg, argv=sys.argv, redis_url=redis_url, embedded=False,
                                            policy_dir="", bad_prompt_lines=[])
-    manifest["sim"] = {"workload": str(Path(workload).resolve()), "time_scale": float(time_scale)}
+    manifest["sim"] = {"workload": str(Path(workload).resolve()), "time_scale": float(time_scale),
+                       **({"job": workload_job} if workload_job else {})}
     if control:
         # the manifest's control settings win over the config's defaults (control.job.load_job)
         manifest["control"] = control

@@ -44,7 +44,7 @@ from pipeline.sim.workload import Job, Workload
 
 def job_workload(wl: Workload, job: Job) -> Workload:
     """The workload as one of its jobs sees it: the shared cluster and stages, that job alone."""
-    return dataclasses.replace(wl, name=job.name, jobs=(job,), multi_job=False)
+    return wl.view(job.name)
 
 
 def pool_spec(view: Workload) -> allocator.JobSpec:
@@ -92,6 +92,14 @@ def libra_shares(wl: Workload, control: ControlConfig) -> dict[str, int]:
     metrics = {name: unmeasured(v) for name, v in job_views(wl).items()}
     d = allocator.plan(metrics, _inventory(wl), list(specs.values()), plan_config(control))
     return {name: d.shares.get(name, 0) for name in specs}
+
+
+def start_split(view: Workload, share: int) -> Allocation:
+    """A job's split of the share it starts with: its first phase's best split (as ``static`` for a lone job).
+
+    Called by ``PoolSim`` and by the live engine's pool runs (``pipeline.sim.bench_pool``).
+    """
+    return fluid.static_split(on_gpus(view, share))
 
 
 def static_shares(wl: Workload) -> dict[str, int]:
@@ -167,7 +175,7 @@ class PoolSim:
             n = shares[name]
             if n < allocator.min_share(dataclasses.replace(self.specs[name], min_slots=0)):
                 raise ValueError(f"job {name!r} starts with {n} GPUs: too few for one GPU per stage")
-            split = fluid.static_split(on_gpus(view, n))
+            split = start_split(view, n)
             sims[name] = des.AsyncSim(view, split, seeds[name], held=np.arange(start, start + n))
             sims[name].hand_off = self._hand_off
             start += n

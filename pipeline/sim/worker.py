@@ -9,7 +9,8 @@ the time the workload's cost model (``bench/README.md``, loaded with
 a simulated GPU-minute lasts 1.2 s. So the real controller, agents, streams
 and consumer groups can be run and tested with many slots on a CPU machine.
 
-The run's manifest carries ``"sim": {"workload": PATH, "time_scale": X}``
+The run's manifest carries ``"sim": {"workload": PATH, "time_scale": X}``, plus
+``"job": NAME`` for one job of a multi-job workload
 (``pipeline.sim.job.prepare_sim_run`` writes it). What the cost model charges:
 
 - rollout (one process per slot): each call takes whole groups, enough to
@@ -124,7 +125,7 @@ def reward_of(prompt_id: str, sample_idx: int, seed: int) -> float:
 
 
 def sim_settings(run_dir: Path) -> dict:
-    """The manifest's ``sim`` section: {"workload": path, "time_scale": x}."""
+    """The manifest's ``sim`` section: {"workload": path, "time_scale": x}, and "job" for one of [[jobs]]."""
     manifest = json.loads((Path(run_dir) / "manifest.json").read_text())
     sim = manifest.get("sim")
     if not sim:
@@ -482,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = start_worker(args.role)
     try:
         sim = sim_settings(ctx.run_dir)
-        wl = load_workload(sim["workload"])
+        wl = load_workload(sim["workload"], sim.get("job"))
         clock = Clock(float(sim["time_scale"]))
         model = CostModel(wl, seed=zlib.crc32(f"{ctx.cfg.job.seed}:{ctx.worker_id}".encode()))
         # before the meter starts: a switch is neither work nor a weight load (the controller reads pause_s as

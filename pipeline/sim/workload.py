@@ -11,6 +11,7 @@ metrics only, as the live controller must.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tomllib
 from dataclasses import dataclass
@@ -178,14 +179,30 @@ class Workload:
                 "the des engine runs multi-job workloads (libra-ctl bench policy --engine des)")
         return self.jobs[0]
 
+    def view(self, job: str) -> "Workload":
+        """The workload as its job ``job`` sees it: the shared cluster and stages, that job alone.
+
+        Used by ``pipeline.sim.pool`` (one des engine per job) and by the live
+        engine's sim workers (``load_workload(path, job)``); WorkloadError names
+        the jobs when ``job`` is none of them.
+        """
+        for j in self.jobs:
+            if j.name == job:
+                return dataclasses.replace(self, name=j.name, jobs=(j,), multi_job=False)
+        raise WorkloadError(f"{self.source or self.name}: no job named {job!r}; its jobs: "
+                            f"{', '.join(str(j.name) for j in self.jobs)}")
+
 
 # --- loading -----------------------------------------------------------------
 
 _TOP_KEYS = {"name", "cluster", "rollout", "reward", "learner", "job", "phase", "jobs"}
 
 
-def load_workload(path: str | Path) -> Workload:
-    """Read and validate a workload TOML file; raises WorkloadError on any bad value."""
+def load_workload(path: str | Path, job: str | None = None) -> Workload:
+    """Read and validate a workload TOML file; raises WorkloadError on any bad value.
+
+    ``job`` names one of its [[jobs]]: the result is that job's view (``Workload.view``).
+    """
     p = Path(path)
     try:
         data = tomllib.loads(p.read_bytes().decode("utf-8"))
@@ -197,7 +214,8 @@ def load_workload(path: str | Path) -> Workload:
         raise WorkloadError(f"{p}: not UTF-8 text (byte {exc.start}); TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise WorkloadError(f"{p}: not valid TOML: {exc}") from None
-    return parse_workload(data, str(p))
+    wl = parse_workload(data, str(p))
+    return wl if job is None else wl.view(job)
 
 
 def parse_workload(data: dict[str, Any], source: str = "<workload>") -> Workload:
