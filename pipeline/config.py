@@ -217,6 +217,9 @@ class LearnerConfig:
 class StreamsConfig:
     max_queue_size: int = _f(256, "trajectories waiting downstream before the feeder and rollout pause")
     max_message_bytes: int = _f(8 << 20, "larger messages are dead-lettered")
+    backlog_batches: float = _f(1.25, "the feeder holds new prompts while this many learner batches of generated "
+                                "trajectories wait for the learner: rollout does not run ahead of a slower learner "
+                                "into work that goes stale (0: no such hold)")
     block_ms: int = _f(500, "how long a consumer blocks on an empty stream (at most 10000: the socket timeout is 15 s)")
     rollout_min_idle_s: float = _f(300.0, "a prompt pending this long is reclaimed by another rollout worker; "
                                    "must exceed the slowest engine call")
@@ -485,6 +488,8 @@ def validate(cfg: Config) -> None:
          f"{ro.on_tool_timeout!r}: one of {', '.join(TOOL_TIMEOUT_ACTIONS)}")
     need(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0, e.g. 30.0")
     need(lr.step_budget_s > 0, "learner.step_budget_s", "must be > 0, e.g. 60.0")
+    need(cfg.streams.backlog_batches >= 0, "streams.backlog_batches", "must be >= 0 (0: the feeder never holds "
+         "for the learner's backlog)")
     need(cfg.streams.block_ms >= 1, "streams.block_ms", "must be >= 1 (0 would block a consumer forever)")
     need(cfg.streams.max_message_bytes >= 1, "streams.max_message_bytes", "must be >= 1, e.g. 8388608")
     need(cfg.run.progress_s > 0, "run.progress_s", "must be > 0")

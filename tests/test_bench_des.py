@@ -168,6 +168,25 @@ def test_drift_targets():
 
 
 @pytest.mark.slow
+def test_admission_held_for_a_learner_behind_cuts_stale_drops_on_drift():
+    # drift's last phase is learner-heavy: with admission open to the whole staleness window, rollout runs
+    # ahead, a backlog of up to max_staleness batches builds, and groups that finish late go stale (3.3%
+    # of trained); held while 1.25 batches wait, the backlog stays short (0.95%) and the rate is kept
+    wl = load_workload(BENCH / "drift.toml")
+    trained = wl.job.steps * wl.job.batch_size
+
+    def run(hold: bool):
+        sim = des.AsyncSim(wl, fluid.static_split(wl), wl.job.seed, des.LIBRA_CONTROL)
+        if not hold:
+            sim.hold_backlog = 0
+        return sim.run()
+
+    held, open_ = run(True), run(False)
+    assert held.dropped_stale / trained < 0.012 < 0.025 < open_.dropped_stale / trained
+    assert held.trajectories_per_s >= open_.trajectories_per_s * 0.995
+
+
+@pytest.mark.slow
 def test_steady_targets():
     res = bench_allocator.run_bench(BENCH / "steady.toml", ["static-best", "libra"])
     assert res["ratios"]["libra/static-best"] >= 0.97

@@ -32,7 +32,7 @@ from pipeline import config as config_mod
 from pipeline.sim import bench_streams
 from pipeline.dataplane import messages as m
 from workers.feeder import admission_limit
-from pipeline.dataplane.keys import GROUP_REWARD, JOBS, JobKeys, job_pattern
+from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, JOBS, JobKeys, job_pattern
 from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect
 from pipeline.dataplane.streams import (TRIM_EVERY, ClaimPolicy, Dedup, ensure_groups, execute_with_backpressure,
                               group_pending, run_stage, stream_lag, trim)
@@ -416,6 +416,24 @@ def test_the_feeder_stops_at_the_admission_limit_and_resumes_as_the_learner_trai
     assert len(ids) == len(set(ids)) == (limit + 20) // 4
     # each prompt carries the version published when it was issued (rollout generates it with that or newer)
     assert [p.min_version for p in prompts] == [0] * ((limit + 16) // 4) + [5]
+
+
+def test_the_feeder_holds_while_the_learner_is_a_batch_behind(tmp_path, r, redis_url):
+    run_dir, cfg = feeder_run(tmp_path, r, redis_url)
+    keys = JobKeys(JOB)
+    assert cfg.streams.backlog_batches * cfg.learner.batch_size == 10       # trajectories: 2.5 groups of 4
+    ensure_groups(r, keys)
+    for _ in range(3):                                   # 3 scored groups (12 trajectories) wait for the learner
+        r.xadd(keys.scored, {m.FIELD: b"x"})
+    with feeder_process(run_dir, redis_url) as proc:
+        wait_for(lambda: r.hget(keys.workers, "feeder-0") is not None, 30, "the feeder to start")
+        time.sleep(1.5)
+        assert int(r.hget(keys.counters, "issued") or 0) == 0       # room in the window, but the learner is behind
+        r.xreadgroup(GROUP_LEARNER, "learner-0", {keys.scored: ">"}, count=1)      # it takes one: 8 left
+        wait_for(lambda: int(r.hget(keys.counters, "issued") or 0) == admission_limit(cfg), 30,
+                 "the feeder to fill the window once the learner caught up")
+        r.hset(keys.state, "phase", "done")
+        assert proc.wait(timeout=30) == 0
 
 
 def test_at_max_staleness_0_the_feeder_admits_one_batch():

@@ -6,7 +6,8 @@ feeder continues where it stopped. Each pass over the file is an epoch, and
 the epoch is part of the prompt id, so a prompt issued twice is two distinct
 groups. It pauses while the trajectories in flight (issued and not yet
 trained, dropped or dead-lettered) reach ``streams.max_queue_size``, which
-also bounds how stale the buffer can get.
+also bounds how stale the buffer can get, and while the learner is behind by
+``streams.backlog_batches`` batches (``learner_behind``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import time
 
 from pipeline.dataplane import messages
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
-from pipeline.dataplane.streams import counted_in_flight, ensure_groups, execute_with_backpressure
+from pipeline.dataplane.streams import (counted_in_flight, downstream_backlog, ensure_groups,
+                                         execute_with_backpressure)
 from pipeline.dataplane.worker import WorkerContext, finish_worker, start_worker
 from workers.envs import env_from_config
 from workers.envs.base import BadLine, Environment, Task
@@ -60,6 +62,19 @@ def admission_limit(cfg) -> int:
     return min(cfg.streams.max_queue_size, (lr.max_staleness + 1) * lr.batch_size)
 
 
+def learner_behind(ctx: WorkerContext) -> bool:
+    """Whether ``streams.backlog_batches`` learner batches of generated trajectories wait for the learner.
+
+    Then the learner is the slower stage: more prompts now would only wait
+    longer downstream and reach it staler (or past ``max_staleness``, to be
+    dropped); the rollout engines finish what they hold meanwhile. The des
+    engine holds admission the same way (``pipeline.sim.des``).
+    """
+    cfg = ctx.cfg
+    hold = cfg.streams.backlog_batches * cfg.learner.batch_size
+    return hold > 0 and downstream_backlog(ctx.r, ctx.keys) * cfg.rollout.group_size >= hold
+
+
 def job_phase(ctx: WorkerContext) -> str:
     phase = ctx.r.hget(ctx.keys.state, "phase")
     return phase.decode() if phase else "running"
@@ -79,7 +94,7 @@ def run(ctx: WorkerContext) -> None:
         try:
             if job_phase(ctx) != "running":
                 break
-            if in_flight(ctx) + group > limit:
+            if in_flight(ctx) + group > limit or learner_behind(ctx):
                 ctx.state = "waiting"
                 time.sleep(0.1)
                 continue

@@ -13,8 +13,10 @@ Time is virtual; a run is deterministic for a seed. What it models (see
 - a learner that trains whole GRPO groups, batch by batch, at
   ``train_tokens_per_s * n**scaling_exponent`` on n GPUs, then publishes;
 - staleness: admission control lets trajectory i start only while it would be
-  trained within ``max_staleness`` versions of the current one; groups that are
-  staler all the same (they finished late) are dropped and counted;
+  trained within ``max_staleness`` versions of the current one, and no new
+  trajectory while a learner batch of scored groups waits (the feeder's
+  ``streams.backlog_batches``); groups that are staler all the same (they
+  finished late) are dropped and counted;
 - role changes: a GPU yields nothing for ``switch_cost_s``; a rollout GPU that
   leaves hands its in-flight trajectories back (they restart elsewhere, the
   work is lost); a learner GPU leaves at the end of the current step.
@@ -54,7 +56,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pipeline.config import ControlConfig
+from pipeline.config import ControlConfig, StreamsConfig
 from pipeline.control import allocator
 from pipeline.control.allocator import Allocation
 from pipeline.control.job import plan_config
@@ -129,6 +131,7 @@ class AsyncSim:
         self.tok = Grow(n, np.float64, 0.0)        # per trajectory id: prompt + response tokens
         self.tver = Grow(n, np.int32, 0)           # per trajectory id: policy version it started with
         self.admission = Admission((self.m + 1) * self.B)
+        self.hold_backlog = StreamsConfig().backlog_batches * self.B
         self.groups = Groups(n // self.gs, self.gs)
         self.reward = RewardPool(self.wl.reward.seconds, self.roles.reward_workers(self.wl.reward))
 
@@ -224,7 +227,7 @@ class AsyncSim:
         no slot time is lost inside a window. Returns the slots whose new
         trajectory already ends within this window.
         """
-        k = min(len(fin), self.admission.available())
+        k = min(len(fin), self._startable())
         self.slots.set_idle(fin[k:])
         if k == 0:
             return fin[:0]
@@ -234,11 +237,23 @@ class AsyncSim:
 
     def _fill_idle(self) -> None:
         """Start queued trajectories on idle rollout slots (after a publish, a drop or a GPU joining)."""
-        if self.slots.n_idle == 0 or self.admission.available() == 0:
+        startable = self._startable()
+        if self.slots.n_idle == 0 or startable == 0:
             return
-        idle = self.slots.take_idle(self.admission.available())
+        idle = self.slots.take_idle(startable)
         g = idle % self.G
         self._start(idle, g, self.slots.prog[g])
+
+    def _startable(self) -> int:
+        """Trajectories that may start now: admitted ones, none new while the learner is a batch behind.
+
+        As the feeder holds prompts (``workers.feeder.learner_behind``): while
+        ``streams.backlog_batches`` batches of scored groups wait for the
+        learner, only handed-back trajectories restart.
+        """
+        if self.hold_backlog and self.groups.backlog() >= self.hold_backlog:
+            return min(self.admission.available(), self.admission.n_requeue)
+        return self.admission.available()
 
     def _start(self, slots: np.ndarray, g: np.ndarray, at_prog: np.ndarray) -> None:
         """Sample and start trajectories on ``slots`` (of GPUs ``g``) at progress times ``at_prog``."""
@@ -356,7 +371,7 @@ class AsyncSim:
         r = self.roles
         return Gauges(allocation=r.target, changed_from=r.changed_from,
                       since_change_s=t - r.last_change_t, inflight=self.slots.inflight(),
-                      queue=self.admission.available(), learner_gpus=r.n_learner,
+                      queue=self._startable(), learner_gpus=r.n_learner,
                       learner_idle_since=None if self.learner_busy else self.free_at,
                       remaining=max(0, self.job.steps - self.steps_done) * self.job.batch_size)
 
