@@ -167,6 +167,18 @@ def test_drift_targets():
     assert libra["staleness_p99"] <= 4
 
 
+def test_stale_floor_counts_groups_that_outlast_the_bound_at_the_ideal_pace():
+    # tiny: phase 1 steps take 32 / 2.5 = 12.8 s at the ideal rate, so a group has 2 x 12.8 s to be ready and
+    # takes 2.1 s; phase 2 (5.1 s of 53.6 s) neither: nothing is doomed. At max_staleness 0 everything is.
+    assert fluid.stale_floor(tiny())["fraction"] == 0.0
+    assert fluid.stale_floor(tiny())["phases"][0]["budget_s"] == pytest.approx(25.6)
+    assert fluid.stale_floor(tiny(TINY.replace("max_staleness = 2", "max_staleness = 0")))["fraction"] == 1.0
+    # large's first phase: 70 s steps leave a group 279 s, and 16 trajectories cut at 16,384 tokens
+    # (410 s of decode) outlast it 6.2% of the time; its second phase's 111 s steps leave 445 s
+    floor = fluid.stale_floor(load_workload(BENCH / "large.toml"))
+    assert 0.05 < floor["phases"][0]["doomed"] < 0.075 and floor["phases"][1]["doomed"] < 0.001
+
+
 @pytest.mark.slow
 def test_admission_held_for_a_learner_behind_cuts_stale_drops_on_drift():
     # drift's last phase is learner-heavy: with admission open to the whole staleness window, rollout runs

@@ -158,7 +158,8 @@ def _run_mode(wl, mode: str, seed: int, done: dict, say: Report) -> tuple[ModeRe
     progress = _throttled(say, mode)
     if mode == "ideal":
         r = ModeResult(trajectories_per_s=fluid.ideal_rate(wl))
-        return r, {"phase_rates": [fluid.ideal_phase_rate(wl, ph) for ph in wl.job.phases]}
+        return r, {"phase_rates": [fluid.ideal_phase_rate(wl, ph) for ph in wl.job.phases],
+                   "stale_floor": fluid.stale_floor(wl, seed)}
     if mode == "sync":
         r = simulate_sync(wl, seed, progress)
     elif mode in ("static", "libra"):
@@ -243,6 +244,12 @@ def format_table(result: dict) -> str:
                                for j, (c, w) in enumerate(zip(r, widths))).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    floor = result.get("details", {}).get("ideal", {}).get("stale_floor")
+    if floor:
+        lines += ["", f"stale floor: {floor['fraction']:.2%} of trajectories go stale at the ideal pace under any "
+                      "allocation (groups whose slowest trajectory outlasts max_staleness steps): "
+                      + "; ".join(f"phase {i + 1} {p['doomed']:.2%} (step {p['step_s']:.0f} s, {p['budget_s']:.0f} s "
+                                  "to be ready)" for i, p in enumerate(floor["phases"]))]
     if result["ratios"]:
         lines.append("")
         lines.append("  ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items()))

@@ -85,6 +85,33 @@ def ideal_rate(wl: Workload) -> float:
     return sum(n) / sum(k / ideal_phase_rate(wl, ph) for k, ph in zip(n, job.phases))
 
 
+def stale_floor(wl: Workload, seed: int = 0, groups: int = 100_000) -> dict:
+    """Trajectories that go stale at the ideal pace whatever the allocation: long tails, not the policy.
+
+    At the ideal rate a phase's learner step takes s = batch_size / rate. A
+    group started as version V is published is trained within the bound only
+    if it is ready when step V + max_staleness starts, max_staleness steps
+    later; one whose slowest trajectory (prefill, decode, tool waits) takes
+    longer is dropped by any allocation that keeps that pace (reward time,
+    weight loads and waiting for the learner only make it later). Sampled
+    from the workload's distributions (``groups`` groups per phase); returns
+    the fraction over the run and, per phase, the step time, the time a
+    group has, and the share of groups doomed.
+    """
+    rng = np.random.default_rng(seed)
+    job, ro = wl.job, wl.rollout
+    phases = []
+    for ph in job.phases:
+        step = job.batch_size / ideal_phase_rate(wl, ph)
+        size = (groups, job.group_size)
+        seconds = (ph.prompt_tokens / ro.prefill_tokens_per_s + ph.response_tokens.sample(rng, size)
+                   / ro.decode_tokens_per_s + ph.tool_calls.sample_wait_s(rng, groups * job.group_size).reshape(size))
+        budget = job.max_staleness * step
+        phases.append({"step_s": step, "budget_s": budget, "doomed": float((seconds.max(axis=1) > budget).mean())})
+    n = job.phase_trajectories()
+    return {"fraction": sum(k * p["doomed"] for k, p in zip(n, phases)) / sum(n), "phases": phases}
+
+
 def _integer_splits(wl: Workload) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every split of the pool with at least one GPU per GPU stage: (rollout, learner, reward)."""
     g = wl.cluster.gpus
