@@ -88,6 +88,8 @@ def test_live_engine_runs_every_job_of_a_pool_at_once(r, redis_url, tmp_path):
             # every job trains every step, and holds its minimum from its first prompt on
             assert [p["step"] for p in d[mode]["timelines"][job]] == list(range(1, STEPS + 1)), (mode, job)
             assert d[mode]["slots"][job][0]["held"] >= mins[job], (mode, job, d[mode]["slots"][job])
+            # ... and is never given fewer (what below_min_gpu_s integrates)
+            assert all(p["ordered"] >= mins[job] for p in d[mode]["slots"][job]), (mode, job, d[mode]["slots"][job])
             assert m["jobs"][job]["trajectories_per_s"] > 0
             a = audit(r, f"bench-{mode}-{job}", d[mode]["run_dirs"][job])
             assert a["ok"] and a["duplicates_trained"] == 0, a["problems"]

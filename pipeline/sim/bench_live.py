@@ -30,9 +30,11 @@ and ``priority``. ``static`` pins each job at its static share's split for the
 whole run (a finished job's slots stay idle); ``libra`` starts each at the split
 of its share of the pool policy's first plan (``pool.libra_shares``) and hands
 it to the controller's pool policy at its first prompt. Each poll samples the
-slots each job's workers hold (``allocation_status``); the simulated
-GPU-seconds a running job held fewer than its minimum are its
-``below_min_gpu_s``.
+slots the controller gives each job (its target) and those its workers hold
+(``allocation_status``); the simulated GPU-seconds a running job was given
+fewer than its minimum are its ``below_min_gpu_s``, as the des engine counts
+GPUs ordered (a worker restarting for a role change holds no slot for a
+moment, which is a move's cost, not a broken guarantee).
 
 A mode's clock starts at its first prompt, after every worker of its initial
 allocation has started (process start-up on this machine is not the
@@ -147,9 +149,10 @@ class _Trace:
     costs: dict = field(default_factory=dict)
     roles: dict = field(default_factory=dict)       # workers running per role at the last poll
     held: int = 0                                   # slots its workers held at the last poll
+    ordered: int = 0                                # slots the controller gave it (its target) at the last poll
     sampled_at: float = 0.0                         # wall time of that poll
     slots: list = field(default_factory=list)       # {"t", "held", "ordered"} each time they change
-    below_min_gpu_s: float = 0.0                    # simulated GPU-seconds it held fewer than min_slots
+    below_min_gpu_s: float = 0.0                    # simulated GPU-seconds it was given fewer than min_slots
     last_progress: float = 0.0                      # time.monotonic() of its last new step
     done: bool = False                              # its last step has published
 
@@ -412,12 +415,12 @@ class LiveBench:
         """The slots the job's workers hold now; the time since the last poll counts below its minimum if short."""
         if tr.sampled_at:
             span = max(0.0, now - max(tr.sampled_at, tr.t0)) * self.scale
-            tr.below_min_gpu_s += span * max(0, tr.min_slots - tr.held)
+            tr.below_min_gpu_s += span * max(0, tr.min_slots - tr.ordered)
         tr.roles, tr.sampled_at = status["roles"], now
         tr.held = sum(len(w["slots"]) for w in status["workers"].values())
-        ordered = sum(n for role, n in status["target"].items() if role != "reward" or tr.wl.reward.gpu)
-        if not tr.slots or (tr.slots[-1]["held"], tr.slots[-1]["ordered"]) != (tr.held, ordered):
-            tr.slots.append({"t": (now - tr.t0) * self.scale, "held": tr.held, "ordered": ordered})
+        tr.ordered = sum(n for role, n in status["target"].items() if role != "reward" or tr.wl.reward.gpu)
+        if not tr.slots or (tr.slots[-1]["held"], tr.slots[-1]["ordered"]) != (tr.held, tr.ordered):
+            tr.slots.append({"t": (now - tr.t0) * self.scale, "held": tr.held, "ordered": tr.ordered})
 
     def _progress(self, tr: _Trace, named: bool) -> str:
         """A progress line's part for one job: its last step, rate and workers per role."""
