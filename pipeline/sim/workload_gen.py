@@ -15,17 +15,21 @@ spans more than a factor of three, so that each order of magnitude gets its shar
   worker; else CPU sandboxes, 2–32 workers per GPU at 0.02–5 s per trajectory
   (tests that run code), which can cap the whole pipeline;
 - learner: 2k–20k tokens/s per GPU, scaling exponent 0.8–1.0, publish 1–10 s;
-- job: group size 4, 8 or 16; 4–64 trajectories per GPU per batch (rounded
-  to whole groups); staleness bound 1, 2, 4 or 8 versions;
+- job: group size 4, 8 or 16; the batch and the staleness bound are sized
+  from the draft's ideal rates (``_job``): 1–4 times the trajectories in
+  flight at the ideal rate, a step of at least a minute and five weight
+  syncs, a bound of 1, 2, 4 or 8 versions that admits twice the trajectories
+  in flight; at most 62,500 trajectories a batch;
 - phases: one to three; the first draws prompts of 100–8,000 tokens,
   responses of median 200–8,000 tokens with p99 2–8 x the median (cut at the
-  next power of two above p99 in two draws of three), 0–8 tool calls of median
-  latency 0.1–5 s with p99 2–20 x the median (none in one draw of five); each
-  later phase drifts from the one before: prompts, responses and tool
-  latencies x 1/3–3, tool calls x 1/2–2, within the same ranges;
+  next power of two above p99 in two draws of three), 0.5–8 tool calls of
+  median latency 0.1–5 s with p99 2–20 x the median (none in one draw of
+  five); each later phase drifts from the one before: prompts, responses and
+  tool latencies x 1/3–3, tool calls x 1/2–2 (a phase without tools gives
+  the next 1/4–4 calls), within the same ranges;
 - steps: as many as make the run last 1–3 simulated hours at the ideal rate,
-  within 20–200 steps and at most 600,000 trajectories (so that one run of
-  the des engine stays near a second), with at least 8 steps per phase.
+  within 20–200 steps and at most 1.5 M trajectories (so that one run of
+  the des engine stays within seconds), with at least 8 steps per phase.
 """
 
 from __future__ import annotations
