@@ -9,7 +9,8 @@ it returns the README's JSON shape, plus per-mode timelines under the extra key
 ``details`` (kept out of ``--json``). ``format_table`` is the terminal view, ``plot`` the picture of
 allocation and throughput over time. A multi-job workload (``[[jobs]]``) runs
 through ``pipeline.sim.bench_pool``: its pool modes on the des engine, and with
-``engine="live"`` static and libra on the control plane too.
+``engine="live"`` static and libra on the control plane too. ``--sweep N`` runs N
+random workloads instead (``pipeline.sim.bench_sweep``, each through ``run_workload``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.control.allocator import AdmissionError
-from pipeline.sim import bench_pool, des, fluid
+from pipeline.sim import bench_pool, bench_sweep, des, fluid
 from pipeline.sim.result import ModeResult
 from pipeline.sim.sync import simulate_sync
 from pipeline.sim.bench_live import LIVE_MODES, LiveBench, LiveEngineError, LiveSettings, live_summary
@@ -69,16 +70,8 @@ def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed:
             raise BenchInputError(str(exc)) from None
     if wl.multi_job:
         return _run_pool(wl, workload_path, modes, engine, seed, say, live)
-    job = wl.job
-    seed = job.seed if seed is None else seed
-    results: dict[str, ModeResult] = {}
-    details: dict[str, dict] = {}
-    for mode in modes:
-        t0 = time.perf_counter()
-        results[mode], details[mode] = _run_mode(wl, mode, seed, results, say)
-        details[mode]["wall_s"] = time.perf_counter() - t0
-        say(f"{mode}{' (des)' if engine == 'live' else ''}: {results[mode].trajectories_per_s:.2f} "
-            f"trajectories/s ({details[mode]['wall_s']:.1f} s wall)")
+    seed = wl.job.seed if seed is None else seed
+    results, details = _run_des(wl, modes, seed, say, " (des)" if engine == "live" else "")
     out = {"workload": wl.name}
     live_modes = [m for m in modes if m in LIVE_MODES]
     if engine == "live" and not live_modes:
@@ -93,6 +86,31 @@ def run_bench(workload_path: str | Path, modes=MODES, engine: str = "des", seed:
                               for m in modes if details[m]["engine"] == "live" and by_des[m].trajectories_per_s}
     out.update(modes={m: results[m].report() for m in modes}, ratios=_ratios(results), details=details)
     return out
+
+
+def run_workload(wl, modes, seed: int | None = None, report: Report | None = None) -> dict:
+    """One parsed single-job workload on the des engine: run_bench's result without reading a file.
+
+    Called by the sweep (``run_sweep``) for each generated workload; ``seed``
+    defaults to the workload's [job] seed.
+    """
+    results, details = _run_des(wl, _check_modes(modes), wl.job.seed if seed is None else seed,
+                                report or (lambda line: None))
+    return {"workload": wl.name, "modes": {m: r.report() for m, r in results.items()},
+            "ratios": _ratios(results), "details": details}
+
+
+def _run_des(wl, modes: list[str], seed: int, say: Report, tag: str = "") -> tuple[dict[str, ModeResult], dict]:
+    """Each mode of one job on the des engine, in order: its result and details (with wall seconds)."""
+    results: dict[str, ModeResult] = {}
+    details: dict[str, dict] = {}
+    for mode in modes:
+        t0 = time.perf_counter()
+        results[mode], details[mode] = _run_mode(wl, mode, seed, results, say)
+        details[mode]["wall_s"] = time.perf_counter() - t0
+        say(f"{mode}{tag}: {results[mode].trajectories_per_s:.2f} trajectories/s "
+            f"({details[mode]['wall_s']:.1f} s wall)")
+    return results, details
 
 
 def _run_pool(wl, workload_path, modes: list[str], engine: str, seed: int | None, say: Report,
@@ -320,8 +338,9 @@ def add_parser(subparsers) -> None:
         "policy", help="throughput of the allocator (libra) against sync, static splits and the ideal bound",
         description="Run a workload (bench/README.md format) under several modes and report "
                     "trajectories per simulated second, beside the ideal bound.")
-    p.add_argument("workload", help="workload TOML file, e.g. bench/drift.toml")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("workload", nargs="?", help="workload TOML file, e.g. bench/drift.toml (or --sweep)")
+    p.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)} (default: all; "
+                                   f"with --sweep {','.join(bench_sweep.SWEEP_MODES)})")
     p.add_argument("--engine", default="des", choices=ENGINES,
                    help="des: discrete-event simulator; live: also run static, static-best and libra on a real "
                         "Redis, controller and agent with sim workers on compressed time (up to 64 slots); a "
@@ -333,7 +352,16 @@ def add_parser(subparsers) -> None:
                    help="live: where the run directories and logs go")
     p.add_argument("--json", metavar="OUT", help="write the README's JSON shape to OUT")
     p.add_argument("--plot", metavar="OUT.png", help="draw allocation and throughput over time (needs matplotlib)")
-    p.add_argument("--seed", type=int, help="seed of the simulation (default: the workload's [job] seed)")
+    p.add_argument("--seed", type=int, help="seed of the simulation (default: the workload's [job] seed); "
+                                            "with --sweep, of the generated workloads (default 0)")
+    p.add_argument("--sweep", type=int, metavar="N",
+                   help="instead of a workload file, run N random workloads (pipeline/sim/workload_gen.py) "
+                        "and report the distribution of libra/ideal")
+    p.add_argument("--sweep-gpus", nargs=2, type=int, metavar=("MIN", "MAX"),
+                   help="with --sweep: cluster sizes to draw from (default 16 1024, log-uniform)")
+    p.add_argument("--save-worst", nargs="?", const="examples/bench", metavar="DIR",
+                   help=f"with --sweep: write the minimum's workload to DIR/{bench_sweep.MIN_FILE} "
+                        "(DIR default examples/bench)")
     p.set_defaults(func=cmd_bench_policy)
 
 
@@ -346,13 +374,18 @@ def cmd_bench_policy(args) -> int:
     def err(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    if args.sweep is not None or args.save_worst is not None or args.sweep_gpus is not None:
+        return _cmd_sweep(args, err)
+    if args.workload is None:
+        err("libra-ctl bench policy: give a workload file, or --sweep N for random workloads")
+        return 2
     if args.engine == "live":
         # a SIGTERM (timeout, CI cancel, systemd) unwinds like Ctrl-C, so the live engine stops the control
         # plane, its workers and the embedded Redis, which run in sessions of their own
         signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.perf_counter()
     try:
-        result = run_bench(args.workload, args.modes, args.engine, args.seed,
+        result = run_bench(args.workload, args.modes or MODES, args.engine, args.seed,
                            report=lambda line: err(f"bench policy: {line}"),
                            live=LiveSettings(time_scale=args.time_scale, redis_url=args.redis,
                                              runs_dir=args.runs_dir))
@@ -375,4 +408,38 @@ def cmd_bench_policy(args) -> int:
         except ImportError:
             err("libra-ctl bench policy: --plot needs matplotlib: pip install matplotlib")
             return 2
+    return 0
+
+
+def _cmd_sweep(args, err: Report) -> int:
+    """``--sweep N``: 0 done, 2 bad input (a workload file too, a live engine, modes without libra and ideal)."""
+    bad = ("--save-worst and --sweep-gpus need --sweep N" if args.sweep is None
+           else "--sweep N generates its workloads: give no workload file" if args.workload
+           else f"--sweep {args.sweep}: give at least one workload" if args.sweep < 1
+           else "--sweep runs on the des engine: drop --engine live" if args.engine == "live"
+           else "--plot draws one workload: drop it with --sweep" if args.plot else None)
+    try:
+        if bad:
+            raise BenchInputError(bad)
+        modes = _check_modes(args.modes or bench_sweep.SWEEP_MODES)
+        bench_sweep.check_modes(modes)
+    except (BenchInputError, ValueError) as exc:
+        err(f"libra-ctl bench policy: {exc}")
+        return 2
+    t0 = time.perf_counter()
+    try:
+        gpus = tuple(args.sweep_gpus or bench_sweep.GPUS)
+        bench_sweep.workload_at(args.seed or 0, 0, gpus)     # a bad range fails here, before any run
+    except ValueError as exc:
+        err(f"libra-ctl bench policy: --sweep-gpus: {exc}")
+        return 2
+    result = bench_sweep.run_sweep(args.sweep, args.seed or 0, modes,
+                                   lambda wl, ms, say: run_workload(wl, ms, report=say),
+                                   report=lambda line: err(f"bench policy: {line}"), gpus=gpus)
+    print(bench_sweep.format_sweep(result))
+    err(f"bench policy: sweep done in {time.perf_counter() - t0:.1f} s wall")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.save_worst is not None:
+        err(f"bench policy: the minimum's workload is in {bench_sweep.save_min(result, args.save_worst)}")
     return 0

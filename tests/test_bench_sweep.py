@@ -1,0 +1,115 @@
+"""The random workload generator and ``libra-ctl bench policy --sweep``.
+
+The generator's draws go through ``parse_workload`` and back through TOML
+(``to_toml``); the sweep runs on clusters of 16–20 GPUs so that it stays a
+few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+
+import numpy as np
+import pytest
+
+from pipeline.sim import bench_allocator, bench_sweep, workload_gen
+from pipeline.sim.workload import load_workload, parse_workload
+
+DRAWS = 300
+
+
+@pytest.fixture(scope="module")
+def draws():
+    return [bench_sweep.workload_at(seed, i) for seed in range(3) for i in range(DRAWS // 3)]
+
+
+def test_every_draw_is_valid_and_writes_back_as_the_same_toml(draws):
+    for d in draws:
+        wl = parse_workload(d, d["name"])
+        assert tomllib.loads(workload_gen.to_toml(d, "a comment\non two lines")) == d
+        assert not wl.multi_job and 1 <= len(wl.job.phases) <= workload_gen.MAX_PHASES
+        assert workload_gen.GPUS[0] <= wl.cluster.gpus <= workload_gen.GPUS[1]
+        assert 0.8 <= wl.learner.scaling_exponent <= 1.0
+        assert wl.job.steps * wl.job.batch_size <= workload_gen.MAX_TRAJECTORIES
+        assert wl.job.steps >= max(workload_gen.MIN_STEPS, workload_gen.STEPS_PER_PHASE * len(wl.job.phases))
+        prev = 0
+        for ph in wl.job.phases:      # every phase lasts its minimum
+            assert ph.until_step - prev >= workload_gen.STEPS_PER_PHASE
+            prev = ph.until_step
+
+
+def test_draws_cover_both_reward_modes_the_gpu_range_ends_and_each_phase_count(draws):
+    wls = [parse_workload(d, d["name"]) for d in draws]
+    assert {wl.reward.gpu for wl in wls} == {True, False}
+    gpus = [wl.cluster.gpus for wl in wls]
+    assert min(gpus) < 24 and max(gpus) > 700        # log-uniform: ~10% of draws at each end
+    assert {len(wl.job.phases) for wl in wls} == {1, 2, 3}
+    assert any(ph.tool_calls.per_trajectory == 0 for wl in wls for ph in wl.job.phases)
+    assert {wl.job.max_staleness for wl in wls} == {1, 2, 4, 8}
+
+
+def test_a_seed_gives_the_same_workloads_and_another_seed_others():
+    assert bench_sweep.workload_at(7, 3) == bench_sweep.workload_at(7, 3)
+    assert bench_sweep.workload_at(7, 3) != bench_sweep.workload_at(7, 4)
+    assert bench_sweep.workload_at(7, 3) != bench_sweep.workload_at(8, 3)
+    a = workload_gen.random_workload(np.random.default_rng(11), "x", (16, 20))
+    assert a == workload_gen.random_workload(np.random.default_rng(11), "x", (16, 20))
+    assert 16 <= a["cluster"]["gpus"] <= 20
+
+
+def test_a_bad_gpu_range_names_the_fix():
+    with pytest.raises(ValueError, match="3 <= min <= max"):
+        workload_gen.random_workload(np.random.default_rng(0), "x", (64, 16))
+
+
+def _cli(argv) -> int:
+    parser = argparse.ArgumentParser()
+    bench_allocator.add_parser(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+SMALL = ["policy", "--sweep", "3", "--seed", "4", "--sweep-gpus", "16", "20", "--modes", "libra,ideal"]
+
+
+def test_small_sweep_reports_the_distribution_and_saves_the_minimum(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert _cli(SMALL + ["--json", str(out), "--save-worst", str(tmp_path)]) == 0
+    cap = capsys.readouterr()
+    assert "libra/ideal" in cap.out and "min " in cap.out and "p10 " in cap.out and "median " in cap.out
+    assert "worst 3 by libra/ideal" in cap.out
+    assert cap.err.count("bench policy: sweep ") == 3 + 1     # a line per workload, then the total
+    data = json.loads(out.read_text())
+    ratios = [w["libra/ideal"] for w in data["workloads"]]
+    assert data["distribution"]["libra/ideal"]["min"] == min(ratios)
+    assert data["distribution"]["libra/ideal"]["median"] == float(np.median(ratios))
+    assert all(0 < r <= 1.0 for r in ratios)           # the bound holds
+    assert "libra dropped %" in data["distribution"] and "static/ideal" not in data["distribution"]
+    saved = tmp_path / bench_sweep.MIN_FILE
+    text = saved.read_text()
+    assert "seed 4: workload index" in text and "--sweep-gpus 16 20" in text
+    wl = load_workload(saved)
+    worst = data["workloads"][data["worst"][0]]
+    assert wl.name == worst["name"] and worst["libra/ideal"] == min(ratios)
+    assert wl.cluster.gpus == worst["features"]["gpus"]
+
+    # the same seed gives the same figures
+    again = tmp_path / "again.json"
+    assert _cli(SMALL + ["--json", str(again)]) == 0
+    assert json.loads(again.read_text())["distribution"] == data["distribution"]
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["policy"], "give a workload file, or --sweep N"),
+    (["policy", "w.toml", "--sweep", "3"], "give no workload file"),
+    (["policy", "--sweep", "0"], "at least one workload"),
+    (["policy", "--sweep", "3", "--engine", "live"], "des engine"),
+    (["policy", "--sweep", "3", "--modes", "static,ideal"], "needs the modes libra,ideal"),
+    (["policy", "--save-worst"], "need --sweep N"),
+    (["policy", "--sweep", "3", "--sweep-gpus", "2", "10"], "3 <= min <= max"),
+])
+def test_sweep_bad_input_exits_2(capsys, argv, msg):
+    assert _cli(argv) == 2
+    assert msg in capsys.readouterr().err
