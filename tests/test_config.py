@@ -43,6 +43,11 @@ def test_quickstart_config_loads():
     (["learner.is_mask=1"], "learner.is_mask"),
     (["learner.advantage=rloo"], "learner.advantage"),
     (["tracking.wandb=yes"], "tracking.wandb"),
+    (["streams.backlog_batches=-1"], "streams.backlog_batches"),
+    # a learner rank's entries stay pending until its checkpoint: reclaiming them sooner hands a live rank's
+    # step to another (10 x 120 s + 60 s = 1260 s here)
+    (["learner.checkpoint_every=10", "learner.step_budget_s=120", "learner.checkpoint_write_s=60",
+      "streams.learner_min_idle_s=1200"], "1260s"),
 ])
 def test_bad_values_name_the_key(override, needle):
     with pytest.raises(c.ConfigError) as exc:
