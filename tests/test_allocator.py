@@ -77,10 +77,15 @@ def test_learner_min_bound_holds_when_model_wants_more_rollout():
 
 
 def test_no_move_when_gain_is_below_transition_cost():
-    # rollout a little short (~69 vs ~72 traj/s learner side): worth it at 40 s a switch ...
+    # rollout a little short (~69 vs ~72 traj/s learner side): the learner gives GPUs up, so it restarts and
+    # trains nothing for the 40 s switch (~69 x 40 = 2,741 trajectories); worth it over an hour ...
     m = metrics(rollout_gpu_s_per_traj=0.54, traj_tokens=1900.0)
-    cheap = plan(m, INV, [JOB], PlanConfig(min_gain_frac=0.0))
-    assert cheap.changed
+    cheap = plan(m, INV, [JOB], PlanConfig(min_gain_frac=0.0, horizon_s=3600.0))
+    assert cheap.changed and cheap.allocation.learner < 28
+    assert cheap.transition_cost == pytest.approx(cheap.predicted_rate * INV.switch_cost_s, rel=0.01)
+    # ... not over 15 minutes (1,667 gained)
+    short = plan(m, INV, [JOB], PlanConfig(min_gain_frac=0.0))
+    assert not short.changed and short.reason == "gain_below_cost"
     # ... not when a switch costs an hour and the horizon is 15 minutes
     dear = plan(m, Inventory(gpus=G, switch_cost_s=3600.0), [JOB], PlanConfig(min_gain_frac=0.0))
     assert not dear.changed and dear.reason == "gain_below_cost"
@@ -97,14 +102,16 @@ def test_lost_inflight_work_counts_in_the_cost():
 
 
 def test_undoing_the_last_move_needs_a_clearer_gain():
-    # the learner looks ~3.5% short; moving 36/28 -> 35/29 is fine after a quiet spell ...
+    # the learner looks ~3.5% short; moving 36/28 -> 35/29 (a learner restart) pays over an hour after a
+    # quiet spell ...
     m = metrics(traj_tokens=2050.0)
-    assert plan(m, INV, [JOB]).changed
+    hour = PlanConfig(horizon_s=3600.0)
+    assert plan(m, INV, [JOB], hour).changed
     # ... but not right after rollout was grown from 34 to 36: near balance that is noise, not drift
-    back = plan(dataclasses.replace(m, changed_from=Allocation(34, 30)), INV, [JOB])
+    back = plan(dataclasses.replace(m, changed_from=Allocation(34, 30)), INV, [JOB], hour)
     assert not back.changed and back.reason == "gain_below_cost"
     # a clear shift (~6%) still goes through
-    assert plan(dataclasses.replace(m, traj_tokens=2200.0, changed_from=Allocation(34, 30)), INV, [JOB]).changed
+    assert plan(dataclasses.replace(m, traj_tokens=2200.0, changed_from=Allocation(34, 30)), INV, [JOB], hour).changed
 
 
 def test_window_bound_when_both_sides_idle():

@@ -225,13 +225,17 @@ def test_paced_move_that_turns_back_the_last_one_needs_the_larger_gain():
     assert plan(back, inv, [a, b], CFG).reason == "kept"
 
 
-def test_paced_priority_weighs_the_time_to_go():
-    # equal work left on equal shares; a's priority 2 counts its time to go double, so a is given slots
-    a, b = job("a", priority=2.0), job("b")
+def test_paced_higher_priority_takes_slots_down_to_the_lower_jobs_minimum():
+    # equal work left on equal shares: a (priority 2) takes b's slots while they bring its end nearer, however
+    # late that leaves b, but never below b's minimum
+    a, b = job("a", priority=2.0), job("b", min_slots=3)
     m = {n: paced(Allocation(3, 1), 3200) for n in ("a", "b")}
     d = plan(m, INV, [a, b], CFG)
     check(d, [a, b])
-    assert d.reason == "rebalance_jobs" and d.shares["a"] > 4
+    assert d.reason == "rebalance_jobs" and d.shares == {"a": 5, "b": 3}
+    # the other way round nothing moves: b does not take from a job of higher priority
+    m2 = {"a": paced(Allocation(4, 1), 640), "b": paced(Allocation(2, 1), 6400)}
+    assert plan(m2, INV, [a, b], CFG).reason == "kept"
 
 
 # --- invariants on random pools ---------------------------------------------------------------------------------

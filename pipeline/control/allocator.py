@@ -248,6 +248,9 @@ def _plan_job(metrics: Metrics, inventory: Inventory, job: JobSpec, config: Plan
     if best is None:
         return _keep(cur, "no_feasible_split", signals, r0, r0, model.bottleneck(cur))
     r_best = model.rate(best)
+    if metrics.remaining and r0 > 0:
+        # a move pays back only while the job still runs: no gain is counted past its projected end
+        config = replace(config, horizon_s=min(config.horizon_s, metrics.remaining / r0))
     base = dict(current_rate=r0, best_rate=r_best, bottleneck=model.bottleneck(cur), signals=signals)
     if r_best <= r0 * (1 + config.min_gain_frac):
         return Decision(cur, False, "balanced", predicted_rate=r0, expected_gain=0.0,
@@ -314,11 +317,15 @@ def _net_gain(model: "_Model", cur: Allocation, target: Allocation, m: Metrics, 
 
     gain: (rate(target) - rate(cur)) x horizon. cost: while the moved GPUs switch
     the sources have lost them and the destinations lack them, so the pipeline
-    runs at rate(mid) instead of rate(target) for switch_cost_s; and a rollout
-    GPU that leaves throws away its in-flight trajectories, half done on average.
+    runs at rate(mid) instead of rate(target) for switch_cost_s; a learner of
+    another size trains nothing meanwhile (it is one process over its slots,
+    restarted on its new ones); and a rollout GPU that leaves throws away its
+    in-flight trajectories, half done on average.
     """
     r0, r1 = model.rate(cur), model.rate(target)
     mid = Allocation(**{r: min(cur.get(r), target.get(r)) for r in ROLES})
+    if target.learner != cur.learner:
+        mid = replace(mid, learner=0)
     switch = inv.switch_cost_s
     leaving = max(0, cur.rollout - target.rollout)
     per_gpu_inflight = m.rollout_inflight / cur.rollout if cur.rollout else 0.0
@@ -527,21 +534,19 @@ class _Member:
         return self.left > 0
 
     def time_to_go(self, n: int, lost: float = 0.0, switch_s: float = 0.0) -> float:
-        """Priority-weighted seconds to train what is left (plus ``lost`` trajectories) on ``n`` slots.
+        """Seconds to train what is left (plus ``lost`` trajectories) on ``n`` slots.
 
-        ``switch_s``: the slots above what the job holds arrive that much later (the job runs on
-        what it holds meanwhile).
+        ``switch_s``: a share that changes takes that long before the job trains again: its split
+        changes, and a learner of another size restarts on its new slots.
         """
         rate = self.rate(n)
         if rate <= 0:
             return math.inf
-        left = self.left + lost
-        if switch_s > 0 and n > self.held:
-            now = self.rate(self.held)
-            if now * switch_s >= left:
-                return self.job.priority * left / now
-            return self.job.priority * (switch_s + (left - now * switch_s) / rate)
-        return self.job.priority * left / rate
+        return switch_s + (self.left + lost) / rate
+
+    def need(self, n: int) -> tuple[float, float]:
+        """How much the job needs slots on ``n``, for ordering: its priority first, then its time to go."""
+        return (self.job.priority, self.time_to_go(n))
 
     @property
     def measured(self) -> bool:
@@ -580,17 +585,21 @@ def plan_pool(metrics: Mapping[str, Metrics], inventory: Inventory, jobs: Sequen
     3. spare: free slots go where the priority-weighted gain per slot is
        highest (measured jobs), then by priority-weighted fair share;
     4. rebalance: one move of slots from a measured job to another, when the
-       weighted gain over ``horizon_s`` pays the switch cost (the receiver's
-       gain deferred by ``switch_cost_s``, the donor's in-flight rollouts
-       lost), and both are out of their cooldown;
+       weighted gain over ``horizon_s`` pays the switch cost (neither job
+       trains while the slots switch: both splits change and their learners
+       restart; the donor's in-flight rollouts lost), and both are out of
+       their cooldown;
 
        when the jobs report their remaining work (``Metrics.remaining``),
-       steps 3 and 4 aim instead at the pool's last finish: spare slots go
-       to the job with the longest priority-weighted time to go, and a move
-       is made when it brings the later of the two jobs' finishes nearer,
-       switch and lost rollouts counted. A rate-per-slot value ignores the
-       work left: the job with the most to do ends alone, on its cap, with
-       the others' slots idle;
+       steps 3 and 4 aim instead at the jobs' finishes: spare slots go by
+       priority, then to the job with the longest time to go, when they
+       bring its end nearer despite the switch; a job of higher priority
+       takes slots from a lower one (down to its minimum) when that brings
+       its own end nearer, and between jobs of one priority a move is made
+       when it brings the later of the two finishes nearer, switch and lost
+       rollouts counted. A rate-per-slot value ignores the work left: the
+       job with the most to do ends alone, on its cap, with the others'
+       slots idle;
     5. split: a job whose share is unchanged is planned as a single job on
        it; one whose share changed gets the best split of its new share (from
        its model, or its current split grown at rollout and shrunk from the
@@ -607,7 +616,7 @@ def plan_pool(metrics: Mapping[str, Metrics], inventory: Inventory, jobs: Sequen
         reasons.append("guarantee")
     paced = any(m.paced for m in members.values())
     free = inventory.gpus - sum(target.values())
-    if free > 0 and _spread(members, target, free, paced):
+    if free > 0 and _spread(members, target, free, paced, inventory.switch_cost_s):
         reasons.append("spare")
     gain = cost = 0.0
     if not reasons:
@@ -681,12 +690,14 @@ def _guarantee(members: dict[str, _Member], target: dict[str, int], gpus: int) -
     return tuple(short)
 
 
-def _spread(members: dict[str, _Member], target: dict[str, int], free: int, paced: bool = False) -> bool:
+def _spread(members: dict[str, _Member], target: dict[str, int], free: int, paced: bool = False,
+            switch_s: float = 0.0) -> bool:
     """Hand out ``free`` slots: best weighted gain per slot first, then priority-weighted fair share.
 
     ``paced`` (the measured jobs report their remaining work): those with
-    work left take slots by the longest weighted time to go first, each the
-    fewest slots that raise its rate, while any can use them.
+    work left take slots by priority, then by the longest time to go, each
+    the fewest slots that bring its end nearer although its split changes
+    (``switch_s`` without training), while any can use them.
     """
     given = False
     while paced and free > 0:
@@ -695,9 +706,9 @@ def _spread(members: dict[str, _Member], target: dict[str, int], free: int, pace
             if not m.paced:
                 continue
             k = next((k for k in range(1, min(free, m.hi - target[n]) + 1)
-                      if m.rate(target[n] + k) > m.rate(target[n]) * (1 + 1e-9)), None)
-            if k is not None and (best is None or m.time_to_go(target[n]) > best[2]):
-                best = (n, k, m.time_to_go(target[n]))
+                      if m.time_to_go(target[n] + k, switch_s=switch_s) < m.time_to_go(target[n])), None)
+            if k is not None and (best is None or m.need(target[n]) > best[2]):
+                best = (n, k, m.need(target[n]))
         if best is None:
             break
         target[best[0]] += best[1]
@@ -767,7 +778,8 @@ def _rebalance(members: dict[str, _Member], target: dict[str, int], inv: Invento
                 a = md.m.allocation
                 inflight = md.m.rollout_inflight / a.rollout * min(k, a.rollout) / 2 if a.rollout else 0.0
                 lost = md.job.priority * inflight / md.demand
-                cost = up * inv.switch_cost_s + lost
+                # both splits change: their learners restart, and neither job trains while the slots switch
+                cost = (mr.value(target[r] + k) + md.value(target[d] - k)) * inv.switch_cost_s + lost
                 net = delta * cfg.horizon_s - cost
                 if net > 0 and (best is None or net > best[1] - best[2]):
                     best = ((d, r, k), delta * cfg.horizon_s, cost)
@@ -776,16 +788,19 @@ def _rebalance(members: dict[str, _Member], target: dict[str, int], inv: Invento
 
 def _rebalance_paced(members: dict[str, _Member], target: dict[str, int], inv: Inventory,
                      cfg: PlanConfig) -> tuple[tuple[str, str, int], float, float] | None:
-    """The best single move of k slots between two settled paced jobs that brings their finish nearer, or None.
+    """The best single move of k slots between two settled paced jobs that brings a finish nearer, or None.
 
-    A move from a donor to a receiver due to finish later pays when the later
-    of their two weighted times to go shrinks by more than ``min_gain_frac``
-    of it (``reverse_gain_frac`` when the move turns back either job's last
-    change of share), the receiver's new slots arriving ``switch_cost_s``
-    late and the donor redoing its in-flight rollouts thrown away (half done
-    on average).
-    Returned gain and cost are in weighted seconds: the time the pair's later
-    finish gains before the switch, and what the switch takes back.
+    A receiver of higher priority than its donor takes slots (down to the
+    donor's minimum) when its own time to go shrinks by more than
+    ``min_gain_frac`` of it; between jobs of one priority, a move to the one
+    due to finish later pays when the later of their two finishes comes
+    nearer by as much. ``reverse_gain_frac`` replaces ``min_gain_frac`` when
+    the move turns back either job's last change of share. Both jobs train
+    nothing for ``switch_cost_s`` (their splits change, their learners
+    restart), and the donor redoes its in-flight rollouts thrown away (half
+    done on average). Returned gain and cost are in seconds: what the move
+    brings the finish it is judged by nearer before the switch, and what the
+    switch takes back.
     """
     settled = [n for n, m in members.items() if m.settled(cfg)]
     best = None
@@ -794,14 +809,17 @@ def _rebalance_paced(members: dict[str, _Member], target: dict[str, int], inv: I
         for r in settled:
             mr = members[r]
             before = mr.time_to_go(target[r])
-            if r == d or before <= md.time_to_go(target[d]):
+            pre_empts = mr.job.priority > md.job.priority
+            if r == d or mr.job.priority < md.job.priority or (not pre_empts and before <= md.time_to_go(target[d])):
                 continue
             for k in _steps(min(target[d] - md.lo, mr.hi - target[r])):
                 a = md.m.allocation
                 lost = md.m.rollout_inflight / a.rollout * min(k, a.rollout) / 2 if a.rollout else 0.0
-                free_run = max(mr.time_to_go(target[r] + k), md.time_to_go(target[d] - k))
-                after = max(mr.time_to_go(target[r] + k, switch_s=inv.switch_cost_s),
-                            md.time_to_go(target[d] - k, lost=lost))
+                free_run = mr.time_to_go(target[r] + k)
+                after = mr.time_to_go(target[r] + k, switch_s=inv.switch_cost_s)
+                if not pre_empts:
+                    free_run = max(free_run, md.time_to_go(target[d] - k))
+                    after = max(after, md.time_to_go(target[d] - k, lost=lost, switch_s=inv.switch_cost_s))
                 frac = cfg.reverse_gain_frac if _undoes(md, mr) else cfg.min_gain_frac
                 if before - after > frac * before and (best is None or before - after > best[1] - best[2]):
                     best = ((d, r, k), before - free_run, after - free_run)

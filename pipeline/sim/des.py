@@ -141,6 +141,8 @@ class AsyncSim:
         self.steps_done = 0
         self.learner_busy = False
         self.free_at = 0.0           # when the learner last became free
+        self.restart_due = False     # its size changes: it restarts once the step in hand ends
+        self.back_at = 0.0           # ... and starts no step before this time (its restart ends)
         self.wait_total = 0.0
 
     def _init_stats(self) -> None:
@@ -280,7 +282,7 @@ class AsyncSim:
 
     def _try_start_step(self) -> None:
         """Start step k once B fresh trajectories are scored; drop staler groups on the way."""
-        if self.learner_busy or self.k >= self.job.steps:
+        if self.learner_busy or self.k >= self.job.steps or self.t < self.back_at:
             return
         need = self.B // self.gs
         gids = self.groups.queued()
@@ -293,7 +295,7 @@ class AsyncSim:
             return
         last = int(np.searchsorted(cum, need))
         take, dropped = gids[:last + 1][fresh[:last + 1]], gids[:last + 1][~fresh[:last + 1]]
-        start = max(self.free_at, self.groups.ready_at(last))
+        start = max(self.free_at, self.back_at, self.groups.ready_at(last))
         self.groups.pop(last + 1)
         self._drop(dropped)
         self._train(take, start)
@@ -321,9 +323,10 @@ class AsyncSim:
         stale = self.k - self.groups.version.a[groups]
         self.stale_hist += np.bincount(stale, minlength=self.m + 1)[:self.m + 1] * self.gs
         self.meter.steps.append(StepSample(train, le.weight_publish_s, self.B, self.roles.n_learner, tokens, stale))
-        if start > self.free_at:
-            self.meter.add_wait(self.free_at, start)
-            self.wait_total += start - self.free_at
+        idle_from = max(self.free_at, self.back_at)      # a restart is down time, not a wait for data
+        if start > idle_from:
+            self.meter.add_wait(idle_from, start)
+            self.wait_total += start - idle_from
         self.busy += self.roles.n_learner * (train + le.weight_publish_s)
         self.learner_busy = True
         self.k += 1
@@ -335,6 +338,8 @@ class AsyncSim:
         self.V = self.steps_done
         self.learner_busy = False
         self.free_at = t
+        if self.restart_due:
+            self._restart_learner(t)
         sync = self.wl.rollout.weight_sync_s
         self.slots.owe_all(sync)
         self.meter.pause_gpu_s += sync * self.roles.target.rollout
@@ -379,7 +384,30 @@ class AsyncSim:
         """Move GPUs from roles above their new count to roles below it."""
         for gpu, src, dest in self.roles.moves(new, self.slots).internal:
             self.leave(gpu, src, dest, t)
+        self.order(new, t)
+
+    def order(self, new: Allocation, t: float) -> None:
+        """``new`` is ordered from t on (its moves under way): a learner of another size restarts.
+
+        As on the control plane, where the learner is one process over all its
+        slots: it commits the step in hand and exits, and the agent starts it
+        again on its new slots; it trains nothing for ``switch_cost_s`` (a sim
+        learner sleeps that out from its start, ``pipeline.sim.worker``).
+        """
+        if new.learner != self.roles.target.learner:
+            if self.learner_busy:
+                self.restart_due = True
+            else:
+                self._restart_learner(t)
         self.roles.ordered(new, t)
+
+    def _restart_learner(self, t: float) -> None:
+        self.restart_due = False
+        self.back_at = t + self.wl.cluster.switch_cost_s
+        self._push(self.back_at, "learner_back", ())
+
+    def _on_learner_back(self, t: float) -> None:
+        """The restart is over; ``settle`` starts a step if a batch is ready."""
 
     def leave(self, gpu: int, src: str, dest: int, t: float) -> None:
         """GPU ``gpu`` leaves ``src`` (a role or a ``Moves`` source) for role ``dest``, or ``AWAY`` (the pool)."""

@@ -298,7 +298,7 @@ class PoolSim:
                 self._release(job, gpu, src, t)
             need += [(job, ROLE_CODE[r]) for r in moves.incoming]
             self._account(job, t, alloc.total)
-            sim.roles.ordered(alloc, t)
+            sim.order(alloc, t)
         self._fill(need, t)
         self.shares.append({"t": t, "shares": {j: self.sims[j].roles.target.total for j in self.active}})
 
