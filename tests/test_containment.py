@@ -13,7 +13,8 @@ what is tested here).
   shrinking the pool;
 - a reward call that hangs times out, is retried, and its group is
   dead-lettered with the timeout, by a real reward worker that still stops
-  on SIGTERM;
+  on SIGTERM; one that raises is retried and then gets its real reward, or
+  its group is dead-lettered with the error: never a zero reward;
 - a scored entry that makes training raise is dead-lettered with the error
   and the rest of its batch is trained once; a non-finite loss skips the
   step, counts it, and never publishes a NaN;
@@ -42,7 +43,7 @@ from pipeline import config as config_mod
 from pipeline.dataplane import messages as m
 from pipeline.dataplane.keys import GROUP_REWARD, GROUP_ROLLOUT, JOBS, JobKeys
 from pipeline.dataplane.redisconn import ENV_URL
-from pipeline.dataplane.streams import ClaimPolicy, Reject, ensure_groups, run_stage
+from pipeline.dataplane.streams import ClaimPolicy, Reject, ensure_groups, group_pending, run_stage
 from workers.envs.base import Environment, Reply, Task
 from workers.episode import run_episodes
 
@@ -227,22 +228,33 @@ def test_a_hung_reward_times_out_and_is_dead_lettered_never_a_zero():
     assert scored.rewards == [0.5, 0.5]   # the abandoned threads were replaced
 
 
-def test_a_reward_worker_dead_letters_a_hung_verifier_and_still_stops(tmp_path, r, redis_url):
-    from tests.test_streams import unscored_group
-
-    (tmp_path / "slow_judge.py").write_text("import time\n\ndef judge(task, transcript):\n    time.sleep(3600)\n")
-    cfg = config_mod.load(None, ["job.name=ct", "reward.entry=slow_judge:judge", "reward.timeout_s=0.3",
-                                 "reward.verifier_retries=1", "streams.block_ms=50"])
+def _reward_worker(tmp_path: Path, redis_url: str, judge: str, *sets: str) -> subprocess.Popen:
+    """A real reward worker of job ``ct`` whose ``reward.entry`` is ``judge`` (source of a module ``judge``)."""
+    (tmp_path / "judge.py").write_text(textwrap.dedent(judge))
+    cfg = config_mod.load(None, ["job.name=ct", "reward.entry=judge:judge", "streams.block_ms=50", *sets])
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "manifest.json").write_text(json.dumps({"config": cfg.to_dict()}))
+    env = dict(os.environ, **{ENV_URL: redis_url, "PYTHONPATH": f"{ROOT}:{tmp_path}"})
+    return subprocess.Popen([sys.executable, "-m", "workers.reward", "--run-dir", str(run_dir),
+                             "--worker-id", "reward-0"], cwd=ROOT, env=env)
+
+
+def _stop_reward_worker(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_reward_worker_dead_letters_a_hung_verifier_and_still_stops(tmp_path, r, redis_url):
+    from tests.test_streams import unscored_group
+
     keys = JobKeys("ct")
     ensure_groups(r, keys)
     payload = m.encode(unscored_group("slow"))
     r.xadd(keys.rollouts, {m.FIELD: payload})
-    env = dict(os.environ, **{ENV_URL: redis_url, "PYTHONPATH": f"{ROOT}:{tmp_path}"})
-    proc = subprocess.Popen([sys.executable, "-m", "workers.reward", "--run-dir", str(run_dir),
-                             "--worker-id", "reward-0"], cwd=ROOT, env=env)
+    proc = _reward_worker(tmp_path, redis_url, "import time\n\ndef judge(task, transcript):\n    time.sleep(3600)\n",
+                          "reward.timeout_s=0.3", "reward.verifier_retries=1")
     try:
         deadline = time.monotonic() + 120
         while not r.xlen(keys.dead_letters) and time.monotonic() < deadline and proc.poll() is None:
@@ -253,9 +265,51 @@ def test_a_reward_worker_dead_letters_a_hung_verifier_and_still_stops(tmp_path, 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0   # the stuck verifier threads do not hold the process
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop_reward_worker(proc)
+
+
+FLAKY_JUDGE = """
+    calls = {}
+
+    def judge(task, transcript):
+        # "flaky": every sample's first two calls raise, its third answers; "broken": every call raises
+        n = calls[task.prompt_id] = calls.get(task.prompt_id, 0) + 1
+        if task.prompt_id == "broken":
+            raise RuntimeError("judge down")
+        if n % 3:
+            raise ConnectionError(f"judge unreachable (call {n})")
+        return 0.75
+"""
+
+
+def test_a_reward_worker_retries_a_verifier_that_raises_and_never_scores_an_error_zero(tmp_path, r, redis_url):
+    """reward.verifier_retries=2: a verifier that raises twice per sample gets its real reward on the
+    third call; one that always raises has its group dead-lettered with the error, and nothing of it
+    reaches the scored stream, as a zero or otherwise."""
+    from tests.test_streams import unscored_group
+
+    keys = JobKeys("ct")
+    ensure_groups(r, keys)
+    broken = m.encode(unscored_group("broken"))
+    r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group("flaky"))})
+    r.xadd(keys.rollouts, {m.FIELD: broken})
+    proc = _reward_worker(tmp_path, redis_url, FLAKY_JUDGE, "reward.verifier_retries=2")
+    try:
+        deadline = time.monotonic() + 120
+        while (r.xlen(keys.scored) + r.xlen(keys.dead_letters) < 2 and time.monotonic() < deadline
+               and proc.poll() is None):
+            time.sleep(0.1)
+        scored = [m.decode(f[m.FIELD], 1 << 20) for _id, f in r.xrange(keys.scored)]
+        assert [(g.prompt_id, g.rewards) for g in scored] == [("flaky", [0.75, 0.75])]
+        [(_id, dead)] = r.xrange(keys.dead_letters)
+        assert dead[b"reason"].decode() == "reward error after 3 attempts on sample 0: RuntimeError: judge down"
+        assert dead[b"payload"] == broken
+        assert int(r.hget(keys.counters, "scored")) == 2   # the flaky group's two samples, nothing of the other
+        assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        _stop_reward_worker(proc)
 
 
 # --- the learner ---------------------------------------------------------------------------------

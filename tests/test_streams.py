@@ -1,8 +1,9 @@
 import numpy as np
 
 from pipeline.dataplane import messages as m
-from pipeline.dataplane.keys import GROUP_REWARD, JobKeys
-from pipeline.dataplane.streams import ClaimPolicy, Reject, ensure_groups, group_pending, run_stage, stream_lag
+from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, JobKeys
+from pipeline.dataplane.streams import (ClaimPolicy, Reject, ensure_groups, group_pending, read_own_pending,
+                                        run_stage, stream_lag, take_over_pending)
 
 
 def unscored_group(pid: str) -> m.Group:
@@ -133,3 +134,29 @@ def test_trim_point_when_the_group_acks_between_its_two_reads(r):
             return info_then
 
     assert trim_point(StaleInfo(), keys.rollouts) == got[-1][0].decode()
+
+
+def _pending_at(r, stream: str, group: str) -> dict[str, int]:
+    return {c["name"].decode(): int(c["pending"]) for c in r.xinfo_consumers(stream, group)}
+
+
+def test_take_over_pending_moves_a_dead_consumers_entries_to_a_new_name_once(r):
+    """Two ranks of an old world (learner-0, learner-1) die holding entries; a learner under a new
+    consumer name takes them over, reads each once from its own pending list, and acknowledges it."""
+    keys = JobKeys("t")
+    ensure_groups(r, keys)
+    ids = [r.xadd(keys.scored, {m.FIELD: m.encode(unscored_group(f"g{i}"))}) for i in range(6)]
+    r.xreadgroup(GROUP_LEARNER, "learner-0", {keys.scored: ">"}, count=3)
+    r.xreadgroup(GROUP_LEARNER, "learner-1", {keys.scored: ">"}, count=2)
+    r.xack(keys.scored, GROUP_LEARNER, ids[4])               # learner-1 finished one of its two
+    assert take_over_pending(r, keys.scored, GROUP_LEARNER, "learner-new") == 4
+    assert _pending_at(r, keys.scored, GROUP_LEARNER) == {"learner-0": 0, "learner-1": 0, "learner-new": 4}
+    assert take_over_pending(r, keys.scored, GROUP_LEARNER, "learner-new") == 0   # its own are not taken again
+    # the take-over is not a delivery: a poison entry's count stays what the dead consumer made it
+    assert {int(p["times_delivered"]) for p in r.xpending_range(keys.scored, GROUP_LEARNER, "-", "+", 10)} == {1}
+    mine = read_own_pending(r, keys.scored, GROUP_LEARNER, "learner-new", count=100)
+    assert [i for i, _f in mine] == [ids[0], ids[1], ids[2], ids[3]]
+    r.xack(keys.scored, GROUP_LEARNER, *[i for i, _f in mine])
+    new = r.xreadgroup(GROUP_LEARNER, "learner-new", {keys.scored: ">"}, count=100)
+    assert [i for i, _f in new[0][1]] == [ids[5]]           # then only what no one had read
+    assert group_pending(r, keys.scored, GROUP_LEARNER) == 1
