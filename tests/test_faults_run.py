@@ -98,6 +98,12 @@ def _trained(run_dir: Path, job: str) -> int:
         return 0
 
 
+def _after_first_step(proc: subprocess.Popen, run_dir: Path, job: str) -> list[psutil.Process]:
+    """Once the run's learner has trained a step: every process the run started."""
+    wait_for(lambda: _trained(run_dir, job) > 0, 900, "a first learner step")
+    return psutil.Process(proc.pid).children(recursive=True)
+
+
 def _audit(run_dir: Path, job: str) -> dict:
     with EmbeddedRedis(run_dir / "redis") as server:
         return audit(connect(server.url), job, str(run_dir))
@@ -114,8 +120,7 @@ def test_kill_9_of_a_run_leaves_nothing_behind_and_resume_finishes(tmp_path):
     proc, run_dir, env = _start_run(tmp_path, job, steps)
     family: list[psutil.Process] = []
     try:
-        wait_for(lambda: _trained(run_dir, job) > 0, 900, "a first learner step")
-        family = psutil.Process(proc.pid).children(recursive=True)
+        family = _after_first_step(proc, run_dir, job)
         labels = {p.pid: " ".join(p.cmdline())[:80] for p in family}
         names = " ".join(labels.values())
         assert all(w in names for w in ("redis-server", "controller", "agent", "workers.feeder",
@@ -144,6 +149,11 @@ def test_kill_9_of_a_run_leaves_nothing_behind_and_resume_finishes(tmp_path):
             proc.wait()
         for p in _gone(family):   # the killed run's own processes only: never the session's Redis
             p.kill()
+    _resume_and_check(run_dir, job, steps, env)
+
+
+def _resume_and_check(run_dir: Path, job: str, steps: int, env: dict) -> list[int]:
+    """``libra-ctl resume RUN_DIR`` finishes every step, nothing trained twice; returns the learner's step records."""
     resumed = subprocess.run([sys.executable, "-m", "pipeline.cli", "resume", str(run_dir)], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -157,6 +167,37 @@ def test_kill_9_of_a_run_leaves_nothing_behind_and_resume_finishes(tmp_path):
     ea = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     ea.Reload()
     assert {e.step for e in ea.Scalars("train/loss")} == set(range(1, steps + 1))
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [m["step"] for m in map(json.loads, lines) if m.get("kind") == "learner_step"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_sigterm_of_a_run_stops_it_in_order_and_resume_finishes(tmp_path):
+    """SIGTERM (systemd, honcho) is a Ctrl-C: the learner drains, the run exits 130 naming the resume
+    command, nothing is left running, and the resume trains the remaining steps and none of the first again."""
+    job, steps = "term", 6
+    proc, run_dir, env = _start_run(tmp_path, job, steps)
+    family: list[psutil.Process] = []
+    try:
+        family = _after_first_step(proc, run_dir, job)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 130, (tmp_path / f"{job}.out").read_text()
+        # stopped in order before the run exited, not orphaned to die later
+        assert not _gone(family), "\n".join(" ".join(p.cmdline())[:200] for p in _gone(family))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in _gone(family):
+            p.kill()
+    out = (tmp_path / f"{job}.out").read_text()
+    assert f"resume with: libra-ctl resume {run_dir}" in out, out
+    drained = _audit(run_dir, job)["trained"]
+    assert drained > 0, "the drained learner's steps must be checkpointed and acknowledged"
+    trained_steps = _resume_and_check(run_dir, job, steps, env)
+    # the drain checkpointed the step in hand: the resumed learner replays no step of the first run
+    assert trained_steps == list(range(1, steps + 1)), trained_steps
 
 
 @pytest.mark.slow

@@ -8,7 +8,10 @@ trained, and the restart repeats none. With deduplication switched off on
 purpose, a duplicate group is trained twice and the audit fails. At the
 quick-start staleness bound, a crash after a checkpoint and more publishes
 trains the restored line's replayed work instead of dropping it as stale, and
-drops what a discarded version generated only as far as the bound says.
+drops what a discarded version generated only as far as the bound says, and a
+group exactly at the bound is trained while one past it is dropped and
+counted. A learner under another consumer name takes over the entries a dead
+one held and trains them once.
 """
 
 from __future__ import annotations
@@ -88,11 +91,12 @@ def setup_run(tmp_path: Path, r, redis_url: str, policy_dir: Path, dedup: bool,
     return run_dir, cfg
 
 
-def start_learner(run_dir: Path, redis_url: str, slots: str = "") -> subprocess.Popen:
-    """The learner process, holding ``slots`` as the node agent would say them ("0,1": two ranks)."""
+def start_learner(run_dir: Path, redis_url: str, slots: str = "", worker_id: str = "learner-0") -> subprocess.Popen:
+    """The learner process (consumer ``worker_id``), holding ``slots`` as the node agent would say them
+    ("0,1": two ranks)."""
     env = dict(os.environ, **{ENV_URL: redis_url, "LIBRA_SLOTS": slots})
     return subprocess.Popen([sys.executable, "-m", "workers.learner", "--run-dir", str(run_dir),
-                             "--worker-id", "learner-0"], cwd=ROOT, env=env)
+                             "--worker-id", worker_id], cwd=ROOT, env=env)
 
 
 def learner_step(r) -> int:
@@ -223,6 +227,76 @@ def test_crash_between_checkpoints_loses_nothing_and_trains_nothing_twice(tmp_pa
     cli = subprocess.run([sys.executable, "-m", "pipeline.cli", "audit", "--job", "rec", "--json",
                           "--redis", redis_url], cwd=ROOT, capture_output=True, text=True)
     assert cli.returncode == 0 and json.loads(cli.stdout)["trained"] == 96
+
+
+def consumer_pending(r, consumer: str) -> int:
+    return next((int(c["pending"]) for c in r.xinfo_consumers(JobKeys("rec").scored, "learner")
+                 if c["name"].decode() == consumer), 0)
+
+
+@pytest.mark.slow
+def test_a_learner_under_another_name_takes_over_a_dead_ones_pending_entries_and_trains_them_once(
+        tmp_path, r, redis_url, policy_dir):
+    """learner-0 dies (SIGKILL) holding the entries of the step after its checkpoint. A learner under
+    another consumer name (a new world's rank 0) takes them over at start, before reading anything new,
+    and trains every group once. Reclaiming by idle time is off (learner_min_idle_s), so only the
+    take-over can hand those entries on."""
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True,
+                              extra=("streams.learner_min_idle_s=1e6",))
+    groups = scored_groups(policy_dir, 24)  # 6 steps x 4 groups
+    feed(r, groups, issued=len(groups))
+    proc = start_learner(run_dir, redis_url)
+    try:
+        wait_for(lambda: learner_step(r) >= 3)  # checkpoint at step 2; step 3 trained, not yet durable
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    held = consumer_pending(r, "learner-0")
+    assert held >= 4, "the entries of the step after the checkpoint must still be pending at learner-0"
+
+    proc = start_learner(run_dir, redis_url, worker_id="learner-b")
+    try:
+        assert proc.wait(timeout=600) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    events = [json.loads(line) for line in (run_dir / "logs" / "learner-b.jsonl").read_text().splitlines()]
+    assert [e["entries"] for e in events if e["event"] == "took_over_pending"] == [held]
+    assert consumer_pending(r, "learner-0") == 0 and consumer_pending(r, "learner-b") == 0
+    a = audit(r, "rec", str(run_dir))
+    assert a["ok"], a["problems"]
+    assert a["trained"] == 24 * G and a["duplicates_trained"] == 0 and a["in_flight"] == 0
+    assert sorted(records(run_dir, "consumed.txt")) == sorted(ids_of(groups))   # every group, each once
+
+
+@pytest.mark.slow
+def test_at_the_quickstart_bound_a_group_at_the_bound_is_trained_and_one_past_it_dropped_and_counted(
+        tmp_path, r, redis_url, policy_dir):
+    """examples/quickstart.toml's max_staleness B. Every step publishes (v_k after step k), so a group of
+    v0 read at step k is k-1 updates old: steps 1..B+1 train groups of v0 (the last at exactly B), and at
+    step B+2 a group of v0, B+1 updates old, is dropped whole and counted as dropped_stale."""
+    bound = config_mod.load(str(ROOT / "examples" / "quickstart.toml")).learner.max_staleness
+    steps = bound + 2
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True,
+                              extra=(f"learner.max_staleness={bound}", f"job.steps={steps}"))
+    keys = JobKeys("rec")
+    groups = scored_groups(policy_dir, 4 * steps + 1)
+    old, fresh = groups[:4 * (bound + 1)], groups[4 * (bound + 1):]
+    stale, fresh = fresh[0], [replace(g, version=bound + 1) for g in fresh[1:]]
+    feed(r, [*old, stale, *fresh], issued=len(groups))   # read in this order: 4 groups a step
+    proc = start_learner(run_dir, redis_url)
+    assert proc.wait(timeout=600) == 0
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["staleness_max"], m["dropped_stale"]) for m in metrics] == \
+        [(k, k - 1, 0) for k in range(1, bound + 2)] + [(steps, 0, G)]
+    assert metrics[bound]["staleness_hist"] == {str(bound): 4 * G}   # at the bound: all trained
+    assert int(r.hget(keys.counters, "dropped_stale")) == G
+    assert set(records(run_dir, "dropped.txt")) == ids_of([stale])
+    assert set(records(run_dir, "consumed.txt")) == ids_of(old + fresh)
+    a = audit(r, "rec", str(run_dir))
+    assert a["ok"], a["problems"]
+    assert (a["trained"], a["dropped_stale"], a["duplicates_trained"]) == (4 * steps * G, G, 0)
 
 
 @pytest.mark.slow
