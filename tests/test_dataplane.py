@@ -462,6 +462,29 @@ def test_bench_streams_json_and_exactly_once(tmp_path, redis_url):
     assert not connect(redis_url).keys(job_pattern("bench-streams-*"))  # it cleans up after itself
 
 
+def test_bench_streams_grid_of_sizes_and_consumers(tmp_path, redis_url):
+    """--sizes sets tokens to the asked encoded size; --consumers runs that many rollout and reward
+    consumers; every cell delivers every group exactly once and the table has a row per cell."""
+    for kb in (4, 16, 64):
+        spec = bench_streams.BenchSpec(tokens=bench_streams.tokens_for_size(bench_streams.BenchSpec(), kb * 1000))
+        assert bench_streams.scored_bytes_per_trajectory(spec) == pytest.approx(kb * 1000, rel=0.01)
+    out = tmp_path / "grid.json"
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "bench", "streams", "--seconds", "0.5",
+                           "--warmup", "0.2", "--rounds", "1", "--sizes", "4", "--consumers", "1,2", "--json", str(out),
+                           "--redis", redis_url], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["size_kb"], c["consumers"]) for c in cells] == [(4, 1), (4, 2)]
+    for cell in cells:
+        assert cell["bytes_per_trajectory"] == pytest.approx(4000, rel=0.01) and cell["ratio"] > 0
+        eo = cell["exactly_once"]
+        assert eo["issued_groups"] > 0 and eo["drained"] and eo["lost_groups"] == 0 and eo["duplicate_entries"] == 0
+    assert "consumers" in done.stdout and done.stdout.count(" KB ") == 2
+    bad = subprocess.run([sys.executable, "-m", "pipeline.cli", "bench", "streams", "--consumers", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "must be > 0" in bad.stderr
+
+
 # --- lag without moving payloads, on both servers ---------------------------------------------------
 
 

@@ -21,6 +21,12 @@ payload and batching:
   XADD of the same bytes + one XACK loop (no decoding, no transaction, no
   marks), trimmed with MINID behind itself.
 
+``--consumers N`` runs N consumers of the rollout and of the reward stage
+each (one consumer group per stage, as scaled workers are; the learner stays
+one), in both runs. ``--sizes 4,16,64`` sets ``tokens`` so that an encoded
+scored trajectory is about that many KB, and with several consumer counts
+measures every pair (``run_grid``) and prints a table.
+
 Both are fed by the same admission rule (at most ``in_flight_groups`` groups
 issued and not yet consumed by the learner). Trajectories/s is the learner's
 consumption rate after a warm-up; MB/s is that rate times the encoded size of
@@ -31,6 +37,7 @@ whether every issued group arrived exactly once.
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
 import os
@@ -40,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +73,7 @@ class BenchSpec:
     count: int = 16  # groups per XREADGROUP call, and so per write+ack transaction
     in_flight_groups: int = 128  # the feeder's admission bound
     stages: str = "processes"  # processes | threads
+    consumers: int = 1  # consumers of the rollout and of the reward stage each (the learner is one)
     dedup: bool = True  # exactly-once marks, as in production
     max_message_bytes: int = 8 << 20
     block_ms: int = 100
@@ -108,6 +116,16 @@ def scored_bytes_per_trajectory(spec: BenchSpec) -> float:
     return len(messages.encode(scored)) / spec.group_size
 
 
+def tokens_for_size(spec: BenchSpec, size_bytes: int) -> int:
+    """Tokens per trajectory that make an encoded scored trajectory about ``size_bytes`` long (``--sizes``).
+
+    A token costs 9 bytes (int32 id, float32 log-prob, mask byte); the rest is
+    a fixed share of the group's fields, measured at ``spec.tokens``.
+    """
+    fixed = scored_bytes_per_trajectory(spec) - 9 * spec.tokens
+    return max(1, round((size_bytes - fixed) / 9))
+
+
 # --- the stages (each in its own process or thread) ----------------------------------------------
 
 
@@ -119,10 +137,10 @@ def _dedup(spec: BenchSpec, stage: str) -> streams.Dedup | None:
     return streams.Dedup(stage=stage, ttl_s=600) if spec.dedup else None
 
 
-def libra_rollout(r, keys: JobKeys, spec: BenchSpec, stop) -> None:
+def libra_rollout(r, keys: JobKeys, spec: BenchSpec, stop, consumer: str = "rollout-0") -> None:
     trajs = synthetic_trajectories(spec)
-    streams.run_stage(r, keys, source=keys.prompts, group=GROUP_ROLLOUT, consumer="rollout-0",
-                      sink=keys.rollouts, handle=lambda ps: [synthetic_group(p, trajs, "rollout-0") for p in ps],
+    streams.run_stage(r, keys, source=keys.prompts, group=GROUP_ROLLOUT, consumer=consumer,
+                      sink=keys.rollouts, handle=lambda ps: [synthetic_group(p, trajs, consumer) for p in ps],
                       count=spec.count, block_ms=spec.block_ms, max_bytes=spec.max_message_bytes,
                       claims=_claims(), stop=stop, counter="generated", dedup=_dedup(spec, "rollout"))
 
@@ -132,8 +150,8 @@ def _score(groups: list) -> list:
     return [g.with_rewards([float(i % 2) for i in range(len(g.trajectories))], now) for g in groups]
 
 
-def libra_reward(r, keys: JobKeys, spec: BenchSpec, stop) -> None:
-    streams.run_stage(r, keys, source=keys.rollouts, group=GROUP_REWARD, consumer="reward-0",
+def libra_reward(r, keys: JobKeys, spec: BenchSpec, stop, consumer: str = "reward-0") -> None:
+    streams.run_stage(r, keys, source=keys.rollouts, group=GROUP_REWARD, consumer=consumer,
                       sink=keys.scored, handle=_score, count=spec.count, block_ms=spec.block_ms,
                       max_bytes=spec.max_message_bytes, claims=_claims(), stop=stop, counter="scored",
                       dedup=_dedup(spec, "reward"))
@@ -151,7 +169,7 @@ class Tally:
         return {"entries": self.entries, "distinct": len(self.ids), "bad": self.bad}
 
 
-def libra_learner(r, keys: JobKeys, spec: BenchSpec, stop) -> dict:
+def libra_learner(r, keys: JobKeys, spec: BenchSpec, stop, consumer: str = LEARNER) -> dict:
     """The learner's data path with no training: read, decode and validate, check, acknowledge, trim.
 
     The production learner acknowledges at its checkpoints; here every batch
@@ -159,7 +177,7 @@ def libra_learner(r, keys: JobKeys, spec: BenchSpec, stop) -> dict:
     """
     tally, rounds = Tally(), 0
     while not stop():
-        entries = streams.read(r, keys.scored, GROUP_LEARNER, LEARNER, spec.count, spec.block_ms)
+        entries = streams.read(r, keys.scored, GROUP_LEARNER, consumer, spec.count, spec.block_ms)
         if not entries:
             continue
         good, bad = streams.decode_entries(entries, spec.max_message_bytes)
@@ -210,24 +228,27 @@ def raw_stage(r, source: str, group: str, consumer: str, sink: str | None, paylo
     return tally.result()
 
 
-def stage_main(kind: str, role: str, url: str, job: str, spec: BenchSpec, stop_event, ready, results) -> None:
-    """Body of one stage process or thread: connect, say ready, run until ``stop_event``."""
+def stage_main(kind: str, role: str, url: str, job: str, spec: BenchSpec, stop_event, ready, results,
+               index: int = 0) -> None:
+    """Body of one stage process or thread (consumer ``index`` of its stage): connect, say ready, run
+    until ``stop_event``."""
     streams.tune_allocator()  # as run_stage does; the raw loop gets the same process settings
     r = connect(url)
     keys = JobKeys(job)
     stop = stop_event.is_set
+    consumer = LEARNER if role == "learner" else f"{role}-{index}"
     ready.put(role)
     cpu0 = time.thread_time()
     if kind == "libra":
         fn = {"rollout": libra_rollout, "reward": libra_reward, "learner": libra_learner}[role]
-        out = fn(r, keys, spec, stop)
+        out = fn(r, keys, spec, stop, consumer)
     else:
         payload = encoded_unscored(spec) if role == "rollout" else None
         source, group, sink = {"rollout": (keys.prompts, GROUP_ROLLOUT, keys.rollouts),
                                "reward": (keys.rollouts, GROUP_REWARD, keys.scored),
                                "learner": (keys.scored, GROUP_LEARNER, None)}[role]
         counter = (keys.counters, spec.group_size) if role == "learner" else None
-        out = raw_stage(r, source, group, f"{role}-0", sink, payload, spec.count, spec.block_ms, stop, counter)
+        out = raw_stage(r, source, group, consumer, sink, payload, spec.count, spec.block_ms, stop, counter)
     results.put((role, {**(out or {}), "cpu_s": time.thread_time() - cpu0}))
 
 
@@ -281,15 +302,18 @@ class Feeder(threading.Thread):
 
 
 def _start_stages(kind: str, url: str, job: str, spec: BenchSpec, stop_event, ready, results) -> list:
+    """One learner, and ``spec.consumers`` consumers of the reward and of the rollout stage."""
     workers = []
     for role in ("learner", "reward", "rollout"):
-        args = (kind, role, url, job, spec, stop_event, ready, results)
-        if spec.stages == "processes":
-            w = mp.get_context("fork").Process(target=stage_main, args=args, name=f"bench-{role}", daemon=True)
-        else:
-            w = threading.Thread(target=stage_main, args=args, name=f"bench-{role}", daemon=True)
-        w.start()
-        workers.append(w)
+        for index in range(1 if role == "learner" else spec.consumers):
+            args = (kind, role, url, job, spec, stop_event, ready, results, index)
+            name = f"bench-{role}-{index}"
+            if spec.stages == "processes":
+                w = mp.get_context("fork").Process(target=stage_main, args=args, name=name, daemon=True)
+            else:
+                w = threading.Thread(target=stage_main, args=args, name=name, daemon=True)
+            w.start()
+            workers.append(w)
     return workers
 
 
@@ -317,13 +341,14 @@ def measure(kind: str, url: str, job: str, spec: BenchSpec, say=lambda line: Non
     finally:
         feeder.halt.set()
         stop_event.set()
-        tallies = {}
+        tallies: dict[str, dict] = {}   # per stage; the CPU summed over its consumers
         for _ in workers:
             try:
                 role, out = results.get(timeout=30)
-                tallies[role] = out
             except queue.Empty:
                 break
+            cpu_s = tallies.get(role, {}).get("cpu_s", 0.0) + out["cpu_s"]
+            tallies[role] = {**out, "cpu_s": cpu_s}
         for w in workers:
             w.join(timeout=10)
     if feeder.error:
@@ -389,17 +414,43 @@ def _drain(r, keys: JobKeys, spec: BenchSpec, feeder: Feeder) -> bool:
 
 def run_bench(spec: BenchSpec, url: str | None = None, say=lambda line: None) -> dict:
     """Both pipelines on ``url`` (else a private embedded Redis); the JSON shape of ``--json``."""
+    return _on_redis(spec, url, lambda u: _run_all(spec, u, say))
+
+
+def run_grid(spec: BenchSpec, sizes_kb: tuple[int, ...], consumers: tuple[int, ...], url: str | None = None,
+             say=lambda line: None) -> dict:
+    """``run_bench`` for each message size (KB per encoded scored trajectory; none: ``spec.tokens``) and
+    each number of consumers per stage, on one Redis; the JSON shape of ``--json`` with ``--sizes`` or
+    several ``--consumers``."""
+    def cells(u: str) -> list[dict]:
+        out = []
+        for kb in sizes_kb or (0,):
+            tokens = tokens_for_size(spec, kb * 1000) if kb else spec.tokens
+            for n in consumers:
+                cell = replace(spec, tokens=tokens, consumers=n)
+                say(f"cell: {kb or 'default'} KB ({tokens} tokens), {n} consumer(s) per stage")
+                out.append({"size_kb": kb or None, "consumers": n, "tokens": tokens, **_run_all(cell, u, say)})
+        return out
+
+    measured = _on_redis(spec, url, cells)
+    return {"cells": measured, "spec": asdict(spec), "redis": measured[0]["redis"],
+            "load_avg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
+
+
+def _on_redis(spec: BenchSpec, url: str | None, fn):
+    """``fn(url)`` on ``url`` (else ``$LIBRA_REDIS_URL``, else a private embedded server, configured with
+    ``spec.redis_config``)."""
     if spec.stages not in ("processes", "threads"):
         raise ValueError(f"stages = {spec.stages!r}: use processes or threads")
     url = url or os.environ.get(ENV_URL)
     if url:
         if spec.redis_config:
             raise ValueError("--redis-config applies to the embedded server only; configure yours yourself")
-        return _run_all(spec, url, say)
+        return fn(url)
     with tempfile.TemporaryDirectory(prefix="libra-bench-") as tmp, EmbeddedRedis(Path(tmp)) as server:
         for key, value in spec.redis_config:
             connect(server.url).config_set(key, value)
-        return _run_all(spec, server.url, say)
+        return fn(server.url)
 
 
 def _run_all(spec: BenchSpec, url: str, say) -> dict:
@@ -464,6 +515,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--in-flight", type=int, default=d.in_flight_groups, help="groups issued and not yet consumed")
     p.add_argument("--stages", choices=("processes", "threads"), default=d.stages,
                    help="one process per stage (default) or one thread per stage")
+    p.add_argument("--sizes", metavar="KB,...", type=_int_list,
+                   help="encoded scored trajectory sizes to measure, in KB (tokens set to match), e.g. 4,16,64; "
+                        "prints a table of every size x --consumers")
+    p.add_argument("--consumers", metavar="N,...", type=_int_list, default=(d.consumers,),
+                   help="consumers of the rollout and of the reward stage each (the learner is one), e.g. 1,2,4; "
+                        "several: a table")
     p.add_argument("--rounds", type=int, default=d.rounds, help="alternations of the raw and libra runs (median)")
     p.add_argument("--no-dedup", action="store_true", help="switch the exactly-once marks off")
     p.add_argument("--redis-config", action="append", default=[], metavar="KEY=VALUE",
@@ -471,6 +528,17 @@ def add_parser(subparsers) -> None:
                         "auto-aof-rewrite-min-size=8gb; default: as libra-ctl run starts it")
     p.add_argument("--redis", help=f"Redis URL (default: ${ENV_URL}, else a private embedded server)")
     p.set_defaults(func=cmd_bench_streams)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """``4,16,64`` -> (4, 16, 64): a list of positive integers (argparse type of --sizes, --consumers)."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers separated by commas, e.g. 1,2,4") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be > 0")
+    return values
 
 
 def cmd_bench_streams(args) -> int:
@@ -491,11 +559,17 @@ def cmd_bench_streams(args) -> int:
     if spec.redis_config and (args.redis or os.environ.get(ENV_URL)):
         say("--redis-config applies to the embedded server only, not to --redis or $LIBRA_REDIS_URL")
         return 2
-    result = run_bench(spec, args.redis, say)
-    print(format_result(result))
+    if args.sizes or len(args.consumers) > 1:
+        result = run_grid(spec, args.sizes or (), args.consumers, args.redis, say)
+        print(format_grid(result))
+        checks = [cell["exactly_once"] for cell in result["cells"]]
+    else:
+        result = run_bench(replace(spec, consumers=args.consumers[0]), args.redis, say)
+        print(format_result(result))
+        checks = [result["exactly_once"]]
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if result["exactly_once"]["lost_groups"] == 0 and result["exactly_once"]["duplicate_entries"] == 0 else 1
+    return 0 if all(eo["lost_groups"] == 0 and eo["duplicate_entries"] == 0 for eo in checks) else 1
 
 
 def format_result(res: dict) -> str:
@@ -504,10 +578,32 @@ def format_result(res: dict) -> str:
         f"libra  {res['trajectories_per_s']:>10,.0f} trajectories/s  {res['mb_per_s']:>8,.1f} MB/s",
         f"raw    {res['raw_trajectories_per_s']:>10,.0f} trajectories/s  {res['raw_mb_per_s']:>8,.1f} MB/s",
         f"ratio  {res['ratio']:.2f}   ({res['bytes_per_trajectory']:,} bytes per trajectory, "
-        f"groups of {res['spec']['group_size']}, {res['spec']['count']} per call, stages as {res['spec']['stages']})",
+        f"groups of {res['spec']['group_size']}, {res['spec']['count']} per call, stages as {res['spec']['stages']}"
+        f"{', %d consumers per stage' % res['spec']['consumers'] if res['spec'].get('consumers', 1) > 1 else ''})",
         f"redis {res['redis'].get('version')} appendonly={res['redis'].get('appendonly')}, median of "
         f"{res['spec']['rounds']} alternating rounds of {res['spec']['seconds']:g} s, load average "
         f"{res['load_avg'][0]:.2f} on {res['cpus']} CPUs",
         f"exactly once: issued {eo['issued_groups']} groups, learner got {eo['delivered_entries']} "
         f"({eo['distinct_groups']} distinct, lost {eo['lost_groups']})",
     ])
+
+
+def format_grid(res: dict) -> str:
+    """The table of ``run_grid``: one row per message size and number of consumers."""
+    spec = res["spec"]
+    lines = [f"{'size':>8} {'consumers':>9} {'libra traj/s':>13} {'MB/s':>7} {'raw traj/s':>11} {'MB/s':>7} "
+             f"{'ratio':>6}  exactly once"]
+    for cell in res["cells"]:
+        eo = cell["exactly_once"]
+        ok = eo["lost_groups"] == 0 and eo["duplicate_entries"] == 0
+        lines.append(
+            f"{cell['bytes_per_trajectory'] / 1000:>5.1f} KB {cell['consumers']:>9} "
+            f"{cell['trajectories_per_s']:>13,.0f} {cell['mb_per_s']:>7,.1f} {cell['raw_trajectories_per_s']:>11,.0f} "
+            f"{cell['raw_mb_per_s']:>7,.1f} {cell['ratio']:>6.2f}  "
+            + (f"yes ({eo['issued_groups']} groups)" if ok else
+               f"NO: lost {eo['lost_groups']}, duplicated {eo['duplicate_entries']}"))
+    lines.append(f"groups of {spec['group_size']}, {spec['count']} per call, stages as {spec['stages']}; redis "
+                 f"{res['redis'].get('version')} appendonly={res['redis'].get('appendonly')}; median of "
+                 f"{spec['rounds']} alternating rounds of {spec['seconds']:g} s per cell; load average "
+                 f"{res['load_avg'][0]:.2f} on {res['cpus']} CPUs")
+    return "\n".join(lines)
