@@ -70,3 +70,31 @@ def test_the_readme_lists_every_config_key_as_the_code_documents_it():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     block = readme.split("```text", 1)[1].split("```", 1)[0]
     assert block.strip() == c.reference().strip(), "README's config reference is stale: paste libra-ctl config --reference"
+
+
+def test_config_reference_lists_every_field_of_every_section():
+    """``libra-ctl config --reference`` names each key of the typed tree, under its section, with a meaning.
+
+    The sections and their fields come from the dataclasses' own type hints, not from the reference's code,
+    so a key the reference leaves out (or puts under the wrong section) fails here."""
+    import dataclasses
+    import typing
+
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "config", "--reference"], capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    listed: dict[str, dict[str, str]] = {}
+    section = None
+    for line in out.stdout.splitlines():
+        if line.startswith("[") and line.endswith("]"):
+            section = listed.setdefault(line[1:-1], {})
+        elif line.startswith("- `"):
+            key, _eq, rest = line[3:].partition("` = `")
+            section[key] = rest.partition("`: ")[2]
+    hints = typing.get_type_hints(c.Config)
+    expected = {s.name: [f.name for f in dataclasses.fields(hints[s.name])] for s in dataclasses.fields(c.Config)}
+    assert list(listed) == list(expected)
+    for name, keys in expected.items():
+        missing = [k for k in keys if k not in listed[name]]
+        assert not missing, f"[{name}] keys missing from config --reference: {missing}"
+        assert all(listed[name][k].strip() for k in keys), f"[{name}] a key without its meaning"

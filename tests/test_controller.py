@@ -42,12 +42,18 @@ JOB = "simtest"
 
 
 def test_lease_is_exclusive_renewable_and_fenced(r):
-    a = Lease(r, CONTROLLER_LEASE, ttl_s=0.3, epoch_key=CONTROLLER_EPOCH)
-    b = Lease(r, CONTROLLER_LEASE, ttl_s=0.3, epoch_key=CONTROLLER_EPOCH)
+    """Time is the lease's PTTL, set to where the clock would stand: a TTL short enough to wait out would
+    also expire between two lines of a test on a loaded machine."""
+    a = Lease(r, CONTROLLER_LEASE, ttl_s=60, epoch_key=CONTROLLER_EPOCH)
+    b = Lease(r, CONTROLLER_LEASE, ttl_s=60, epoch_key=CONTROLLER_EPOCH)
     assert a.acquire() and not b.acquire()
-    assert a.renew() and not b.renew() and not b.held
+    assert 0 < r.pttl(CONTROLLER_LEASE) <= 60_000                 # taken with its TTL, never for good
+    r.pexpire(CONTROLLER_LEASE, 1_000)                            # 59 s later: a second left
+    assert a.renew() and r.pttl(CONTROLLER_LEASE) > 1_000         # the holder's renewal restores the TTL
+    assert not b.renew() and not b.held
     first = a.epoch
-    wait_for(lambda: r.get(CONTROLLER_LEASE) is None, 5, "the lease to expire")   # a stalls past its TTL
+    r.pexpire(CONTROLLER_LEASE, 0)                                # a stalls past its TTL: the lease expires
+    assert r.get(CONTROLLER_LEASE) is None
     assert b.acquire() and b.epoch > first
     assert not a.renew() and not a.held            # a finds out it lost it, and stops acting
     a.release()                                    # releasing what it no longer holds changes nothing
@@ -444,31 +450,46 @@ def test_scale_takes_effect_within_seconds_and_draining_loses_nothing(r, redis_u
 ROLLOUT_BOUND = dict(time_scale=5.0, job={"steps": 100000, "max_staleness": 3},
                      rollout={"weight_sync_s": 0.1}, learner={"train_tokens_per_s": 2500.0})
 INTERVAL_S = 1.0
-SETTLE_S, MEASURE_S = 3.0, 5.0
+# Windows in learner steps, not wall seconds: a dozen processes on 2 cores slow the steps down, but a
+# window can no longer hold too few of them to measure (a 5 s window could hold one, or none).
+SETTLE_STEPS, MEASURE_STEPS = 2, 8
+STEPS_TIMEOUT_S = 300.0   # a bound for a stuck pipeline only: the slowest split makes a step in seconds
 
 
-def _rate(c: Cluster, seconds: float) -> float:
-    """Trained trajectories per second of virtual time, from the learner steps of the next ``seconds``.
-
-    Measured between the first and the last step inside the window (not by counting steps in it), so a
-    step more or less at an edge does not move the figure by a whole batch.
-    """
+def _learner_steps(c: Cluster, n: int) -> list[dict]:
+    """The next ``n`` learner steps from now, waited for."""
     start = c.r.xrevrange(JobKeys(JOB).metrics, count=1)
     cursor = start[0][0].decode() if start else "0-0"
-    time.sleep(seconds)
-    steps = [json.loads(f[b"data"]) for _i, f in c.r.xrange(JobKeys(JOB).metrics, min=f"({cursor}")
-             if f[b"kind"] == b"learner_step"]
-    if len(steps) < 2:
-        return 0.0
-    span = steps[-1]["at"] - steps[0]["at"]
-    return sum(s["trajectories"] for s in steps[1:]) / (span * ROLLOUT_BOUND["time_scale"])
+
+    def steps():
+        got = [json.loads(f[b"data"]) for _i, f in c.r.xrange(JobKeys(JOB).metrics, min=f"({cursor}")
+               if f[b"kind"] == b"learner_step"]
+        return got[:n] if len(got) >= n else None
+    return wait_for(steps, STEPS_TIMEOUT_S, f"{n} learner steps")
+
+
+def _rate(c: Cluster, steps: int = MEASURE_STEPS) -> float:
+    """Trained trajectories per second of virtual time over the next ``steps`` learner steps.
+
+    Measured between the first and the last step of the window (the first only opens the span), so the
+    figure is the workers' virtual-time rate however long the window takes on the wall clock.
+    """
+    got = _learner_steps(c, steps + 1)
+    span = got[-1]["at"] - got[0]["at"]
+    return sum(s["trajectories"] for s in got[1:]) / (span * ROLLOUT_BOUND["time_scale"])
 
 
 def _pinned_rate(c: Cluster, rollout: int, slots: int) -> float:
     pin(c.r, JOB, {"rollout": rollout, "learner": slots - rollout, "reward": 1})
     wait_for(lambda: c.split() == (rollout, slots - rollout), 30, f"split {rollout}/{slots - rollout}")
-    time.sleep(SETTLE_S)
-    return _rate(c, MEASURE_S)
+    _learner_steps(c, SETTLE_STEPS)          # the steps in flight across the move are not this split's
+    return _rate(c)
+
+
+def _moves(r) -> list[dict]:
+    """Every decision that changed the allocation so far (all of them: counted before and after a point)."""
+    events = read_events(r, JOB, last=max(1, r.xlen(JobKeys(JOB).control_events)))
+    return [e for e in events if e["kind"] == "decision" and e["to"] != e["from"]]
 
 
 @pytest.mark.slow
@@ -483,16 +504,17 @@ def test_allocator_reaches_the_best_split_from_a_bad_one(r, redis_url, tmp_path)
         pinned = {n: _pinned_rate(c, n, slots) for n in (4, 5, 6, 7)}
         bad = _pinned_rate(c, slots // 4, slots)           # rollout at 25% of the slots
         best = max(pinned.values())
+        before = len(_moves(r))
         unpin(r, JOB)
-        time.sleep(10 * INTERVAL_S - MEASURE_S)
-        auto = _rate(c, MEASURE_S)                         # the 5 s up to 10 controller periods after it
-        report = {"pinned": pinned, "bad": bad, "auto": auto, "split": c.split()}
+        wait_for(lambda: len(_moves(r)) > before, 60, "the controller to move away from the bad split")
+        _learner_steps(c, 2 * SETTLE_STEPS)                # its follow-up moves, if any, inside the cooldown
+        auto = _rate(c)
+        report = {"pinned": pinned, "bad": bad, "auto": auto, "split": c.split(), "moves": _moves(r)[before:]}
         (run_dir / "acceptance.json").write_text(json.dumps(report))
         print(report)
         assert auto >= 0.85 * best, report
         assert auto >= 1.5 * bad, report
-        decisions = [e for e in read_events(r, JOB) if e["kind"] == "decision" and e["to"] != e["from"]]
-        assert decisions and decisions[0]["reason"] == "rebalance_rollout_short"
+        assert _moves(r)[before]["reason"] == "rebalance_rollout_short", report
         c.stop()
     finally:
         stop_all(c.procs)

@@ -205,17 +205,20 @@ def test_a_crash_after_more_publishes_trains_the_restored_lines_work_at_the_quic
 def test_crash_between_checkpoints_loses_nothing_and_trains_nothing_twice(tmp_path, r, redis_url, policy_dir):
     run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True)
     groups = scored_groups(policy_dir, 24)  # 6 steps x 4 groups
-    feed(r, groups, issued=len(groups))
+    # 3 steps' data, then none: the learner waits after step 3, so the kill lands between the checkpoint
+    # of step 2 and the next one however slowly the test polls (with all 6 steps fed, it could reach step 4).
+    feed(r, groups[:12], issued=12)
     proc = start_learner(run_dir, redis_url)
-    wait_for(lambda: learner_step(r) >= 3)  # checkpoint at step 2; step 3 trained, not yet durable
+    wait_for(lambda: learner_step(r) == 3)  # checkpoint at step 2; step 3 trained, not yet durable
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     published_before = int(r.hget(JobKeys("rec").policy, "version"))
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
     assert ckpts == ["step-000002"]
     pending = r.xpending(JobKeys("rec").scored, "learner")["pending"]
-    assert pending >= 4, "the entries of the step after the checkpoint must still be pending"
+    assert pending == 4, "the entries of the step after the checkpoint must still be pending"
 
+    feed(r, groups[12:], issued=12)
     proc = start_learner(run_dir, redis_url)
     assert proc.wait(timeout=600) == 0
     a = audit(r, "rec", str(run_dir))

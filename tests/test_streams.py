@@ -48,26 +48,32 @@ def test_stage_writes_acks_and_dead_letters(r):
     assert [g.rewards for g in scored] == [[1.0, 0.0], [1.0, 0.0]]
 
 
-def test_idle_entries_are_reclaimed_then_dead_lettered_after_max_deliveries(r):
-    import time
+def age(r, stream: str, group: str, consumer: str, entry_id: bytes, idle_ms: int) -> None:
+    """Make an entry look idle for ``idle_ms`` without waiting: XCLAIM ... IDLE JUSTID by its holder sets its
+    idle time and counts no delivery, so a test drives claim times instead of racing a short min_idle."""
+    r.xclaim(stream, group, consumer, 0, [entry_id], idle=idle_ms, justid=True)
 
+
+def test_idle_entries_are_reclaimed_then_dead_lettered_after_max_deliveries(r):
     from pipeline.dataplane.streams import ClaimKeeper, delivery_counts, read, reclaim
 
     keys = JobKeys("t")
     ensure_groups(r, keys)
     eid = r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group("a"))})
-    policy = ClaimPolicy(min_idle_ms=50, max_deliveries=2)
+    policy = ClaimPolicy(min_idle_ms=60_000, max_deliveries=2)
+    idle = 2 * policy.min_idle_ms
     assert [i for i, _p in read(r, keys.rollouts, GROUP_REWARD, "reward-0", 10, 10)] == [eid]  # delivery 1
     # Held by a live handler: the keeper's XCLAIM JUSTID keeps it from idling and counts no delivery.
-    keeper = ClaimKeeper(r, keys.rollouts, GROUP_REWARD, "reward-0", 50)
-    time.sleep(0.08)
+    keeper = ClaimKeeper(r, keys.rollouts, GROUP_REWARD, "reward-0", policy.min_idle_ms)
+    age(r, keys.rollouts, GROUP_REWARD, "reward-0", eid, idle)
     keeper([eid]).refresh()
     assert reclaim(r, keys, keys.rollouts, GROUP_REWARD, "reward-1", policy, 10, "0-0")[0] == []
     assert delivery_counts(r, keys.rollouts, GROUP_REWARD, [eid]) == {eid: 1}
-    time.sleep(0.08)
+    age(r, keys.rollouts, GROUP_REWARD, "reward-0", eid, idle)   # its holder died
     got, _cursor = reclaim(r, keys, keys.rollouts, GROUP_REWARD, "reward-1", policy, 10, "0-0")  # delivery 2
     assert [i for i, _p in got] == [eid]
-    time.sleep(0.08)
+    assert reclaim(r, keys, keys.rollouts, GROUP_REWARD, "reward-2", policy, 10, "0-0")[0] == []  # just claimed
+    age(r, keys.rollouts, GROUP_REWARD, "reward-1", eid, idle)
     got, _cursor = reclaim(r, keys, keys.rollouts, GROUP_REWARD, "reward-2", policy, 10, "0-0")  # delivery 3
     assert got == []
     (dl_id, dl), = r.xrange(keys.dead_letters)
@@ -93,6 +99,84 @@ def test_a_group_written_twice_has_its_effect_once(r):
     assert int(r.hget(keys.counters, "duplicates_dropped_reward")) == 2
     assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
     assert 0 < r.ttl(keys.seen("reward", "a")) <= 60
+
+
+def _deliver_and_write(r, keys, pid: str, dedup, client=None) -> None:
+    """One delivery of group ``pid`` to the reward stage, scored and written by ``write_and_ack``."""
+    from pipeline.dataplane.streams import decode_entries, read, write_and_ack
+
+    r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group(pid))})
+    good, bad = decode_entries(read(r, keys.rollouts, GROUP_REWARD, "reward-0", 10, 10), 1 << 20)
+    outputs = [g.with_rewards([1.0, 0.0], 1.0) for _i, g in good]
+    write_and_ack(client or r, keys, keys.rollouts, GROUP_REWARD, keys.scored, good, outputs, bad, "scored", None,
+                  lambda: False, dedup)
+
+
+def test_a_dedup_mark_outlives_every_redelivery_and_then_expires(r):
+    """docs/guarantees.md: the marks expire after (max_deliveries + 1) x min_idle + 60 s, the longest a
+    redelivery can take. Time is the mark's PTTL: set to where the clock would stand, never slept through."""
+    from pipeline import config as config_mod
+    from pipeline.dataplane.worker import dedup_for
+
+    cfg = config_mod.load(None, ["streams.reward_min_idle_s=30", "streams.max_deliveries=2"])
+    dedup = dedup_for(cfg, "reward")
+    window_ms = (2 + 1) * 30 * 1000                 # the last redelivery comes at most this long after the first
+    keys = JobKeys("t")
+    ensure_groups(r, keys)
+    mark = keys.seen("reward", "a")
+    _deliver_and_write(r, keys, "a", dedup)
+    assert r.xlen(keys.scored) == 1
+    assert window_ms < r.pttl(mark) <= window_ms + 60_000     # the documented lifetime, not forever (-1)
+
+    r.pexpire(mark, 1_000)                          # one second before it expires: it still protects
+    _deliver_and_write(r, keys, "a", dedup)
+    assert r.xlen(keys.scored) == 1 and int(r.hget(keys.counters, "duplicates_dropped_reward")) == 2
+
+    r.pexpire(mark, 0)                              # its lifetime is over: gone, and a copy would go through
+    assert r.exists(mark) == 0
+    _deliver_and_write(r, keys, "a", dedup)
+    assert r.xlen(keys.scored) == 2
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
+
+
+def test_a_concurrent_writer_of_the_group_aborts_the_exec_and_the_round_is_redone(r, redis_url):
+    """Two reward workers write the same group: the one whose WATCHed mark the other set between its WATCH
+    and its EXEC gets a WatchError, redoes the round, finds the mark and only acknowledges its input.
+
+    The race is made, not waited for: the other writer runs from a hook just before our EXEC."""
+    import redis
+
+    from pipeline.dataplane.redisconn import connect
+    from pipeline.dataplane.streams import Dedup
+
+    keys = JobKeys("t")
+    ensure_groups(r, keys)
+    dedup = Dedup("reward", 600)
+    tries: list[str] = []
+
+    class RacedPipeline(redis.client.Pipeline):
+        def execute(self, raise_on_error=True):
+            if self.watching and not tries:          # between our WATCH (and MGET of the marks) and our EXEC
+                _deliver_and_write(connect(redis_url), keys, "a", dedup)
+            try:
+                out = super().execute(raise_on_error)
+            except redis.WatchError:
+                tries.append("aborted")
+                raise
+            tries.append("executed")
+            return out
+
+    class Raced(redis.Redis):
+        def pipeline(self, transaction=True, shard_hint=None):
+            return RacedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+
+    raced = Raced(connection_pool=connect(redis_url).connection_pool)
+    _deliver_and_write(r, keys, "a", dedup, client=raced)
+    assert tries == ["aborted", "executed"]
+    assert r.xlen(keys.scored) == 1                                       # the other writer's copy only
+    assert int(r.hget(keys.counters, "scored")) == 2                      # one group of 2 trajectories
+    assert int(r.hget(keys.counters, "duplicates_dropped_reward")) == 2   # ours, counted as a duplicate
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0             # both deliveries acknowledged
 
 
 def test_trim_keeps_everything_a_group_still_needs(r):
