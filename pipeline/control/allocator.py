@@ -730,8 +730,10 @@ def _spread(members: dict[str, _Member], target: dict[str, int], free: int, pace
         free -= best[1]
         given = True
     while free > 0:
-        # a job with no share starts only with its smallest runnable split
-        open_ = [n for n, m in members.items() if target[n] < m.hi and (target[n] or free >= _runnable(m.job))]
+        # a job with no share starts only with its smallest runnable split; a paced job took what pays above
+        # (more would only restart its learner for nothing)
+        open_ = [n for n, m in members.items() if target[n] < m.hi and (target[n] or free >= _runnable(m.job))
+                 and not (paced and m.paced)]
         if not open_:
             break
         n = min(open_, key=lambda x: (target[x] / members[x].job.priority, x))
