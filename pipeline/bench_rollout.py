@@ -95,7 +95,9 @@ class Sink:
     trajectories: int = 0
     entries: int = 0
     bad: int = 0
-    calls: dict = field(default_factory=dict)   # generated_at -> [policy tokens, trajectories, last ack (perf)]
+    # generated_at -> [policy tokens, trajectories, last ack (perf_counter), the worker's CPU seconds then]
+    calls: dict = field(default_factory=dict)
+    worker_pid: int | None = None   # set once the worker is started
     error: BaseException | None = None
 
     @property
@@ -129,8 +131,12 @@ def first_tasks(cfg: config_mod.Config, problems: list, n: int) -> list:
 # --- direct: the engine and the episode loop, no Redis (a child process) -----------------------------------
 
 
-def direct_main(cfg_dict: dict, policy_dir: str, tasks: list, cpus: tuple[int, ...], results) -> None:
-    """Body of the direct run's process: pin, load the engine, play the tasks call by call."""
+def direct_main(cfg_dict: dict, policy_dir: str, tasks: list, cpus: tuple[int, ...], log: str, results) -> None:
+    """Body of the direct run's process: output to ``log`` (as the worker's goes to its ``.out``), pin,
+    load the engine, play the tasks call by call."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
     try:
         results.put(("ok", _direct(config_mod.from_dict(cfg_dict), policy_dir, tasks, cpus)))
     except BaseException as exc:   # reported by the parent, which raises it
@@ -150,24 +156,29 @@ def _direct(cfg: config_mod.Config, policy_dir: str, tasks: list, cpus: tuple[in
     load_s = time.perf_counter() - t0
     env, chat_template = env_from_config(cfg), chat_template_setting(cfg)
     per_call = cfg.rollout.groups_per_call
-    calls = []   # (seconds, policy tokens, trajectories) per engine call
+    calls = []   # (seconds, policy tokens, trajectories, CPU seconds) per engine call
     for k in range(0, len(tasks), per_call):
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), process_cpu_s(os.getpid())
         episodes = play_groups(engine, tokenizer, env, chat_template, cfg, tasks[k:k + per_call])
-        calls.append((time.perf_counter() - t, sum(int(sum(e.completion_mask)) for e in episodes), len(episodes)))
+        calls.append((time.perf_counter() - t, sum(int(sum(e.completion_mask)) for e in episodes), len(episodes),
+                      process_cpu_s(os.getpid()) - cpu))
     # The first call is a warm-up, left out as in the pipeline run.
     seconds, measured = sum(c[0] for c in calls[1:]), calls[1:]
     tokens, trajectories = sum(c[1] for c in measured), sum(c[2] for c in measured)
+    cpu_s = sum(c[3] for c in measured)
     return {"tokens": tokens, "trajectories": trajectories, "seconds": round(seconds, 3),
-            "tokens_per_s": round(tokens / seconds, 1), "all_tokens": sum(c[1] for c in calls),
+            "tokens_per_s": round(tokens / seconds, 1), "cpu_s": round(cpu_s, 2),
+            "tokens_per_cpu_s": round(tokens / cpu_s, 1) if cpu_s else None, "all_tokens": sum(c[1] for c in calls),
             "warmup_s": round(calls[0][0], 3), "load_s": round(load_s, 1),
             "call_s": [round(c[0], 3) for c in calls], "affinity": sorted(os.sched_getaffinity(0))}
 
 
-def run_direct(cfg: config_mod.Config, policy_dir: str, tasks: list, cpus: tuple[int, ...], timeout_s: float) -> dict:
+def run_direct(cfg: config_mod.Config, policy_dir: str, tasks: list, cpus: tuple[int, ...], timeout_s: float,
+               log: Path) -> dict:
+    """The direct run in a child process; its result, or RuntimeError with the end of its ``log``."""
     ctx = mp.get_context("spawn")   # a fresh interpreter: vLLM must not inherit a forked CLI process
     results = ctx.Queue()
-    proc = ctx.Process(target=direct_main, args=(cfg.to_dict(), policy_dir, tasks, cpus, results),
+    proc = ctx.Process(target=direct_main, args=(cfg.to_dict(), policy_dir, tasks, cpus, str(log), results),
                        name="bench-rollout-direct", daemon=True)
     proc.start()
     try:
@@ -178,12 +189,11 @@ def run_direct(cfg: config_mod.Config, policy_dir: str, tasks: list, cpus: tuple
                 break
             except queue.Empty:
                 if not proc.is_alive():
-                    raise RuntimeError(f"bench rollout: the direct run's process exited ({proc.exitcode}) "
-                                       "without a result (see its traceback above)") from None
+                    raise _failed(f"the direct run's process exited ({proc.exitcode}) without a result", log) from None
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"bench rollout: the direct run took over {timeout_s:g} s") from None
+                    raise _failed(f"the direct run took over {timeout_s:g} s", log) from None
         if status != "ok":
-            raise RuntimeError(f"bench rollout: the direct run failed: {out}")
+            raise _failed(f"the direct run failed: {out}", log)
         return out
     finally:
         proc.join(timeout=30)
@@ -253,10 +263,11 @@ def sink(r, keys: JobKeys, cfg: config_mod.Config, out: Sink, want_groups: int, 
             pipe.execute()
             acked = time.perf_counter()
             for group in seen:
-                call = out.calls.setdefault(group.generated_at, [0, 0, 0.0])
+                call = out.calls.setdefault(group.generated_at, [0, 0, 0.0, 0.0])
                 call[0] += sum(int(t.mask.sum()) for t in group.trajectories)
                 call[1] += len(group.trajectories)
                 call[2] = acked
+                call[3] = process_cpu_s(out.worker_pid) if out.worker_pid else 0.0
             out.entries += len(entries)
             out.bad += len(bad)
             out.trajectories += trained
@@ -325,6 +336,7 @@ def run_pipeline(url: str, cfg: config_mod.Config, run_dir: Path, policy_dir: st
     for t in threads:
         t.start()
     proc, worker_log = start_worker(url, run_dir, cpus)
+    out.worker_pid = proc.pid
     try:
         t_start = time.perf_counter()
         t0 = wait_running(r, keys, proc, worker_log, t_start + timeout_s)
@@ -338,13 +350,14 @@ def run_pipeline(url: str, cfg: config_mod.Config, run_dir: Path, policy_dir: st
     spans = read_spans(run_dir / "logs" / f"{WORKER_ID}.jsonl")
     calls = [out.calls[k] for k in sorted(out.calls)]
     # The first call is a warm-up (both runs leave it out): measured from its last ack to the run's last.
-    seconds = calls[-1][2] - calls[0][2]
+    seconds, cpu_s = calls[-1][2] - calls[0][2], calls[-1][3] - calls[0][3]
     tokens, trajectories = sum(c[0] for c in calls[1:]), sum(c[1] for c in calls[1:])
     rollouts, reloads = spans.get("rollout", []), spans.get("weight_sync", [])
     engine_s = sum(d for _t, d in rollouts[1:])
     reload_s = [d for _t, d in reloads]
     res = {"tokens": tokens, "trajectories": trajectories, "seconds": round(seconds, 3),
            "tokens_per_s": round(tokens / seconds, 1), "trajectories_per_s": round(trajectories / seconds, 2),
+           "cpu_s": round(cpu_s, 2), "tokens_per_cpu_s": round(tokens / cpu_s, 1) if cpu_s else None,
            "all_tokens": out.tokens, "warmup_s": round(calls[0][2] - t0, 3), "load_s": round(t0 - t_start, 1),
            "call_s": [round(d, 3) for _t, d in rollouts],
            "engine_s": round(engine_s, 3), "reload_s": [round(x, 4) for x in reload_s],
@@ -383,9 +396,12 @@ def stop_worker(proc: subprocess.Popen) -> None:
 
 
 def _worker_failed(proc: subprocess.Popen, worker_log: Path, what: str) -> RuntimeError:
-    tail = worker_log.read_text(errors="replace")[-3000:] if worker_log.exists() else ""
-    return RuntimeError(f"bench rollout: the rollout worker {what} (exit code {proc.poll()}); "
-                        f"the end of {worker_log}:\n{tail}")
+    return _failed(f"the rollout worker {what} (exit code {proc.poll()})", worker_log)
+
+
+def _failed(what: str, log: Path) -> RuntimeError:
+    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+    return RuntimeError(f"bench rollout: {what}; the end of {log}:\n{tail}")
 
 
 def wait_running(r, keys: JobKeys, proc: subprocess.Popen, worker_log: Path, deadline: float) -> float:
@@ -417,6 +433,12 @@ def wait_done(out: Sink, want: int, proc: subprocess.Popen, worker_log: Path, de
             say(f"{'switch' if switch else 'pipeline'}: {len(out.groups)}/{want} groups at the sink")
             next_say = now + 10
         time.sleep(POLL_S)
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (``/proc/PID/stat``, in clock ticks)."""
+    after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def read_spans(path: Path) -> dict[str, list[tuple[float, float]]]:
@@ -491,7 +513,7 @@ def run_bench(spec: RolloutBenchSpec, say=lambda line: None) -> dict:
             tag = f"round {k + 1}/{spec.rounds}"
             say(f"{tag} direct: loading the engine (~20 s), then {len(tasks)} prompts x {cfg.rollout.group_size} "
                 "samples")
-            direct = run_direct(cfg, policy_dir, tasks, cpus, spec.timeout_s)
+            direct = run_direct(cfg, policy_dir, tasks, cpus, spec.timeout_s, Path(tmp) / f"direct-{k}.out")
             say(f"{tag} direct: {_rate_line(direct)}")
             say(f"{tag} pipeline: starting a rollout worker (~20 s to load its engine)")
             pipe = run_pipeline(server.url, bench_config(spec, f"{base}-pipe-{k}"), Path(tmp) / f"pipeline-{k}",
@@ -516,7 +538,11 @@ def summarise(spec: RolloutBenchSpec, cfg: config_mod.Config, cpus: tuple[int, .
               switch: dict | None) -> dict:
     """Medians over the rounds; the ratio is the median of each round's pipeline/direct."""
     for rd in rounds:
-        rd["ratio"] = round(rd["pipeline"]["tokens_per_s"] / rd["direct"]["tokens_per_s"], 3)
+        d, pl = rd["direct"], rd["pipeline"]
+        rd["ratio"] = round(pl["tokens_per_s"] / d["tokens_per_s"], 3)
+        rd["cpu_ratio"] = (round(pl["tokens_per_cpu_s"] / d["tokens_per_cpu_s"], 3)
+                           if pl["tokens_per_cpu_s"] and d["tokens_per_cpu_s"] else None)
+        rd["overhead_share"] = round(pl["other_s"] / pl["seconds"], 4)
     med = statistics.median
     pipe_traj_s = med(rd["pipeline"]["trajectories_per_s"] for rd in rounds)
     batch = cfg.learner.batch_size
@@ -526,6 +552,11 @@ def summarise(spec: RolloutBenchSpec, cfg: config_mod.Config, cpus: tuple[int, .
         "direct_tokens_per_s": round(med(rd["direct"]["tokens_per_s"] for rd in rounds), 1),
         "pipeline_tokens_per_s": round(med(rd["pipeline"]["tokens_per_s"] for rd in rounds), 1),
         "ratio": round(ratio, 3),
+        # Less disturbed by other work on a shared machine than the wall-clock ratio: tokens per CPU second
+        # of the engine's process (the worker's includes its Redis client, decoding and encoding).
+        "cpu_ratio": _median_or_none([rd["cpu_ratio"] for rd in rounds]),
+        # The pipeline's wall time outside its engine calls: reads, decoding, encoding, writes, waits.
+        "overhead_share": round(med(rd["overhead_share"] for rd in rounds), 4),
         "same_tokens": all(rd["direct"]["all_tokens"] == rd["pipeline"]["all_tokens"] for rd in rounds),
         "step": {"batch_size": batch, "seconds": round(step_s, 3),
                  "definition": "the pipeline's time to generate one batch of learner.batch_size trajectories "
@@ -550,6 +581,11 @@ def summarise(spec: RolloutBenchSpec, cfg: config_mod.Config, cpus: tuple[int, .
         met = met and bool(reloads) and share < TARGET_SWITCH_SHARE
     res["targets"]["met"] = met
     return res
+
+
+def _median_or_none(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 3) if xs else None
 
 
 def _exactly_once(runs: list[dict]) -> dict:
@@ -603,6 +639,9 @@ def cmd_bench_rollout(args) -> int:
     except (ValueError, config_mod.ConfigError) as exc:
         say(str(exc))
         return 2
+    except RuntimeError as exc:   # a run that failed: what failed, and the end of its process's output
+        say(str(exc).removeprefix("bench rollout: "))
+        return 1
     print(format_result(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -610,15 +649,20 @@ def cmd_bench_rollout(args) -> int:
 
 
 def format_result(res: dict) -> str:
-    lines = [f"{'run':<14}{'tokens':>9}{'seconds':>9}{'tokens/s':>10}{'traj':>6}{'engine s':>10}{'other s':>9}"]
+    lines = [f"{'run':<14}{'tokens':>9}{'seconds':>9}{'tokens/s':>10}{'traj':>6}{'engine s':>10}{'other s':>9}"
+             f"{'CPU s':>8}{'tokens/CPU s':>14}"]
     for k, rd in enumerate(res["rounds"], 1):
         for name in ("direct", "pipeline"):
             r = rd[name]
             engine, other = (r["engine_s"], r["other_s"]) if name == "pipeline" else (r["seconds"], 0.0)
             lines.append(f"{f'{k} {name}':<14}{r['tokens']:>9,}{r['seconds']:>9.2f}{r['tokens_per_s']:>10,.0f}"
-                         f"{r['trajectories']:>6}{engine:>10.2f}{other:>9.2f}")
-    lines.append(f"ratio pipeline/direct {res['ratio']:.3f} (median of {len(res['rounds'])} rounds; target >= "
-                 f"{res['targets']['ratio_at_least']}); the same tokens generated: {res['same_tokens']}")
+                         f"{r['trajectories']:>6}{engine:>10.2f}{other:>9.2f}{r['cpu_s']:>8.2f}"
+                         f"{r['tokens_per_cpu_s'] or 0:>14,.0f}")
+    lines.append(f"ratio pipeline/direct {res['ratio']:.3f} (median of {len(res['rounds'])} rounds: "
+                 + ", ".join(f"{rd['ratio']:.3f}" for rd in res["rounds"])
+                 + f"; target >= {res['targets']['ratio_at_least']}); per CPU second {_x(res['cpu_ratio'])}; "
+                 f"outside the engine {res['overhead_share']:.1%} of the pipeline's time")
+    lines.append(f"the same tokens generated on both paths: {res['same_tokens']}")
     step = res["step"]
     lines.append(f"step: {step['batch_size']} trajectories at the pipeline's rate = {step['seconds']:.2f} s")
     s = res.get("switch")
@@ -634,6 +678,10 @@ def format_result(res: dict) -> str:
                  f"distinct trajectories, {eo['duplicate_trajectories']} twice; load average "
                  f"{res['load_avg'][0]:.2f} on {res['cpu_count']} CPUs; targets met: {res['targets']['met']}")
     return "\n".join(lines)
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def _s(x: float | None) -> str:
