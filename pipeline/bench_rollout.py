@@ -62,6 +62,9 @@ from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect
 from pipeline.dataplane.worker import WorkerContext
 from pipeline.run import prepare_policy
 
+# The workers' modules are imported where they are used: some load torch, and the CLI imports this module
+# to build its parser for every command.
+
 WORKER_ID = "rollout-bench-0"
 SINK = "sink-0"
 POLL_S = 0.01
@@ -347,7 +350,14 @@ def run_pipeline(url: str, cfg: config_mod.Config, run_dir: Path, policy_dir: st
         stop_worker(proc)
         for t in threads:
             t.join(timeout=10)
-    spans = read_spans(run_dir / "logs" / f"{WORKER_ID}.jsonl")
+    dead = int(r.hget(keys.counters, "dead_lettered") or 0)
+    return pipeline_figures(out, read_spans(run_dir / "logs" / f"{WORKER_ID}.jsonl"), t0, t0 - t_start, len(tasks),
+                            dead, publisher)
+
+
+def pipeline_figures(out: Sink, spans: dict, t0: float, load_s: float, issued: int, dead_lettered: int,
+                     publisher: Publisher | None) -> dict:
+    """A pipeline run's figures from its sink's records and its worker's spans (``t0``: the worker running)."""
     calls = [out.calls[k] for k in sorted(out.calls)]
     # The first call is a warm-up (both runs leave it out): measured from its last ack to the run's last.
     seconds, cpu_s = calls[-1][2] - calls[0][2], calls[-1][3] - calls[0][3]
@@ -358,14 +368,14 @@ def run_pipeline(url: str, cfg: config_mod.Config, run_dir: Path, policy_dir: st
     res = {"tokens": tokens, "trajectories": trajectories, "seconds": round(seconds, 3),
            "tokens_per_s": round(tokens / seconds, 1), "trajectories_per_s": round(trajectories / seconds, 2),
            "cpu_s": round(cpu_s, 2), "tokens_per_cpu_s": round(tokens / cpu_s, 1) if cpu_s else None,
-           "all_tokens": out.tokens, "warmup_s": round(calls[0][2] - t0, 3), "load_s": round(t0 - t_start, 1),
+           "all_tokens": out.tokens, "warmup_s": round(calls[0][2] - t0, 3), "load_s": round(load_s, 1),
            "call_s": [round(d, 3) for _t, d in rollouts],
            "engine_s": round(engine_s, 3), "reload_s": [round(x, 4) for x in reload_s],
            "other_s": round(seconds - engine_s - sum(reload_s), 3),
-           "exactly_once": {"issued_groups": len(tasks), "received_groups": len(out.groups),
+           "exactly_once": {"issued_groups": issued, "received_groups": len(out.groups),
                             "entries": out.entries, "distinct_trajectories": len(out.trajectory_ids),
                             "duplicate_trajectories": out.trajectories - len(out.trajectory_ids), "bad": out.bad,
-                            "dead_lettered": int(r.hget(keys.counters, "dead_lettered") or 0)}}
+                            "dead_lettered": dead_lettered}}
     if publisher:
         res["versions"] = publisher.version
         res["publish_s"] = [round(x, 4) for x in publisher.publish_s]
