@@ -343,10 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from pipeline import bench_rollout
     from pipeline.sim import bench_allocator, bench_streams
 
     bench_allocator.add_parser(bench_sub)
     bench_streams.add_parser(bench_sub)
+    bench_rollout.add_parser(bench_sub)
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_commands(sub)
     return p

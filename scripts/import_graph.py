@@ -33,7 +33,8 @@ PLANES = {
     "observe": ("pipeline.observe",),
     "sim": ("pipeline.sim",),
     "workers": ("workers",),
-    "top": ("pipeline.cli", "pipeline.run", "pipeline.chaos", "pipeline.verify_resume", "pipeline.experiment"),
+    "top": ("pipeline.cli", "pipeline.run", "pipeline.chaos", "pipeline.verify_resume", "pipeline.experiment",
+            "pipeline.bench_rollout"),
 }
 
 # What each plane may import besides itself (see docs/architecture.md). Arrows point down:

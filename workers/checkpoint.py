@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -91,6 +92,16 @@ def write_published(pub_dir: Path, version: int, model, source_dir: Path) -> Pat
         shutil.rmtree(final)
     os.replace(tmp, final)
     return final
+
+
+def announcement(version: int, path: Path, step: int) -> dict:
+    """The fields of the job's policy hash (``JobKeys.policy``) that announce published weights.
+
+    Written by the learner after ``write_published`` (and by ``libra-ctl
+    bench rollout``, which publishes as the learner does); rollout workers
+    read ``version`` and ``path`` between engine calls and reload.
+    """
+    return {"version": version, "path": str(Path(path).resolve()), "step": step, "published_at": time.time()}
 
 
 def prune_published(pub_dir: Path, keep: int) -> None:

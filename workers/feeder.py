@@ -106,16 +106,26 @@ def run(ctx: WorkerContext) -> None:
         issue_one(ctx, problems, group, outage)
 
 
+def task_at(problems: list[Task], seed: int, cursor: int) -> Task:
+    """The task the feeder issues at ``cursor``, under its prompt id (``<id>@<epoch>``).
+
+    A fresh, seeded order per epoch: reproducible from the manifest's seed.
+    ``libra-ctl bench rollout`` reads the same tasks for its direct path.
+    """
+    epoch, idx = divmod(cursor, len(problems))
+    order = random.Random(seed * 1_000_003 + epoch).sample(range(len(problems)), len(problems))
+    p = problems[order[idx]]
+    return Task(f"{p.prompt_id}@{epoch}", p.prompt, p.answer)
+
+
 def issue_one(ctx: WorkerContext, problems: list[Task], group: int, outage: Outage | None = None) -> None:
     """Issue the prompt under the cursor; cursor and stream entry move together, once
     (``execute_with_backpressure`` also waits out an unreachable Redis)."""
     cursor = int((outage or Outage(ctx.log)).call(ctx.r.hget, ctx.keys.feeder, "cursor") or 0)
-    epoch, idx = divmod(cursor, len(problems))
-    # A fresh, seeded order per epoch: reproducible from the manifest's seed.
-    order = random.Random(ctx.cfg.job.seed * 1_000_003 + epoch).sample(range(len(problems)), len(problems))
-    p = problems[order[idx]]
+    epoch = cursor // len(problems)
+    task = task_at(problems, ctx.cfg.job.seed, cursor)
     version = int((outage or Outage(ctx.log)).call(ctx.r.hget, ctx.keys.policy, "version") or 0)
-    msg = messages.Prompt(prompt_id=f"{p.prompt_id}@{epoch}", prompt=p.prompt, answer=p.answer,
+    msg = messages.Prompt(prompt_id=task.prompt_id, prompt=task.prompt, answer=task.answer,
                           issued_at=time.time(), min_version=version)
 
     def build():

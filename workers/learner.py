@@ -49,8 +49,8 @@ from pipeline.observe.trace import span
 from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
                                         take_over_pending, trajectories_of, transact, trim)
 from pipeline.dataplane.worker import CostMeter, WorkerContext, finish_worker, start_worker
-from workers.checkpoint import (latest_checkpoint, prune_published, read_optimizer, read_state, trained_ids_after,
-                                write_checkpoint, write_published)
+from workers.checkpoint import (announcement, latest_checkpoint, prune_published, read_optimizer, read_state,
+                                trained_ids_after, write_checkpoint, write_published)
 from workers.oom import is_oom, oom_reported, record_oom
 from workers.ranks import RankGroup, pick_device, world_size
 # The step's compute lives in workers.update (shared by every rank); these names stay importable from here.
@@ -537,8 +537,7 @@ class Learner:
             raise RuntimeError(f"refusing to publish version {self.version}: non-finite weights in "
                                f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
         final = write_published(self.pub_dir, self.version, self.model, self.source_dir)
-        announce = {"version": self.version, "path": str(final.resolve()), "step": self.step,
-                    "published_at": time.time()}
+        announce = announcement(self.version, final, self.step)
         self.write(lambda pipe: pipe.hset(self.ctx.keys.policy, mapping=announce))
         self.ctx.set_version(self.version)
         prune_published(self.pub_dir, self.cfg.keep_published)

@@ -15,6 +15,7 @@ import time
 import msgpack
 import numpy as np
 
+from pipeline.config import Config
 from pipeline.dataplane import messages
 from pipeline.dataplane.keys import GROUP_ROLLOUT
 from pipeline.observe.trace import span
@@ -40,8 +41,6 @@ class Rollout:
     """The rollout stage of one worker: its engine, its policy version, its evaluation cursor."""
 
     def __init__(self, ctx: WorkerContext):
-        from workers.engine_vllm import VLLMEngine  # heavy import: only in the worker process
-
         self.ctx = ctx
         self.cfg = ctx.cfg.rollout
         # What the controller plans from: engine time, weight loads (the first included), waits for
@@ -49,12 +48,7 @@ class Rollout:
         self.meter = CostMeter(ctx.r, ctx.keys, ctx.worker_id, "rollout")
         version, path = published_policy(ctx)
         t0 = time.monotonic()
-        self.engine = VLLMEngine(path, gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-                                 seed=ctx.cfg.job.seed, max_model_len=self.cfg.max_model_len,
-                                 dtype=self.cfg.dtype, kv_cache_memory_bytes=self.cfg.kv_cache_bytes,
-                                 enforce_eager=self.cfg.enforce_eager,
-                                 tensor_parallel_size=self.cfg.tensor_parallel_size,
-                                 temperature=self.cfg.temperature)
+        self.engine = make_engine(ctx.cfg, path)
         self.tokenizer = load_tokenizer(path)
         ctx.set_version(version)
         self.meter.add(pause_s=time.monotonic() - t0)
@@ -158,15 +152,9 @@ class Rollout:
         self.catch_up(max((p.min_version for p in prompts), default=0))
         g = self.cfg.group_size
         tasks = [Task(p.prompt_id, p.prompt, p.answer) for p in prompts]
-        items = [(task, i) for task in tasks for i in range(g)]
         version, t0, started = self.ctx.policy_version, time.monotonic(), time.time()
         with span(self.ctx.log, "rollout", groups=len(prompts), version=version):
-            episodes = run_episodes(self.engine, self.tokenizer, items, greedy=False, env=self.env,
-                                    chat_template=self.chat_template, max_turns=self.cfg.max_turns,
-                                    max_tokens_per_turn=self.cfg.max_tokens_per_turn,
-                                    tool_timeout_s=self.cfg.tool_timeout_s, tool_retries=self.cfg.tool_retries,
-                                    on_tool_timeout=self.cfg.on_tool_timeout,
-                                    seed=self.ctx.cfg.job.seed)
+            episodes = play_groups(self.engine, self.tokenizer, self.env, self.chat_template, self.ctx.cfg, tasks)
         gen_s = time.monotonic() - t0
         gen_tokens = sum(int(sum(e.completion_mask)) for e in episodes)
         self.meter.add(busy_s=gen_s, items=len(episodes),
@@ -191,6 +179,35 @@ class Rollout:
                 trajectories=tuple(_trajectory(e) for e in eps),
                 extra={"gen_tokens": sum(int(sum(e.completion_mask)) for e in eps)}))
         return out
+
+
+def make_engine(cfg: Config, path: str):
+    """The job's engine on the weights in ``path``, as every rollout worker runs it.
+
+    Called by ``Rollout`` in the worker process, and by ``libra-ctl bench
+    rollout`` for its direct path (the same engine with no Redis around it).
+    """
+    from workers.engine_vllm import VLLMEngine  # heavy import: only in a process that generates
+
+    rc = cfg.rollout
+    return VLLMEngine(path, gpu_memory_utilization=rc.gpu_memory_utilization, seed=cfg.job.seed,
+                      max_model_len=rc.max_model_len, dtype=rc.dtype, kv_cache_memory_bytes=rc.kv_cache_bytes,
+                      enforce_eager=rc.enforce_eager, tensor_parallel_size=rc.tensor_parallel_size,
+                      temperature=rc.temperature)
+
+
+def play_groups(engine, tokenizer, env, chat_template: bool | None, cfg: Config, tasks: list[Task]) -> list:
+    """``rollout.group_size`` sampled episodes per task, all in one batched multi-turn loop, task by task.
+
+    The rollout worker's generation (``Rollout.generate``), and the direct
+    path of ``libra-ctl bench rollout``.
+    """
+    rc = cfg.rollout
+    items = [(task, i) for task in tasks for i in range(rc.group_size)]
+    return run_episodes(engine, tokenizer, items, greedy=False, env=env, chat_template=chat_template,
+                        max_turns=rc.max_turns, max_tokens_per_turn=rc.max_tokens_per_turn,
+                        tool_timeout_s=rc.tool_timeout_s, tool_retries=rc.tool_retries,
+                        on_tool_timeout=rc.on_tool_timeout, seed=cfg.job.seed)
 
 
 def _trajectory(e) -> messages.Trajectory:
