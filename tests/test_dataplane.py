@@ -351,11 +351,12 @@ def scored_ids_of(r, keys: JobKeys) -> list[str]:
 # --- the feeder's admission bound ---------------------------------------------------------------------
 
 
-def feeder_run(tmp_path: Path, r, redis_url: str, job: str = JOB) -> tuple[Path, config_mod.Config]:
+def feeder_run(tmp_path: Path, r, redis_url: str, job: str = JOB, extra: tuple[str, ...] = ()
+               ) -> tuple[Path, config_mod.Config]:
     """A job's run directory and Redis state, ready for a feeder process (no other worker)."""
     cfg = config_mod.load(None, [f"job.name={job}", "rollout.group_size=4", "learner.batch_size=8",
                                  "learner.max_staleness=1", "learner.publish_every=1",
-                                 "streams.max_queue_size=64"])
+                                 "streams.max_queue_size=64", *extra])
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "manifest.json").write_text(json.dumps({"config": cfg.to_dict(),
@@ -432,6 +433,30 @@ def test_the_feeder_holds_while_the_learner_is_a_batch_behind(tmp_path, r, redis
         r.xreadgroup(GROUP_LEARNER, "learner-0", {keys.scored: ">"}, count=1)      # it takes one: 8 left
         wait_for(lambda: int(r.hget(keys.counters, "issued") or 0) == admission_limit(cfg), 30,
                  "the feeder to fill the window once the learner caught up")
+        r.hset(keys.state, "phase", "done")
+        assert proc.wait(timeout=30) == 0
+
+
+def test_synchronous_refills_stop_at_what_the_learner_reads_in_a_step(tmp_path, r, redis_url):
+    # max_staleness 0, dynamic sampling reading at most 1.5 batches (12 trajectories) a step: a refill past
+    # that would reach the learner after its step, with the weights before it, only to be dropped as stale
+    run_dir, cfg = feeder_run(tmp_path, r, redis_url, extra=(
+        "learner.max_staleness=0", "learner.dynamic_sampling=true", "learner.dynamic_sampling_max=1.5"))
+    keys = JobKeys(JOB)
+
+    def issued() -> int:
+        return int(r.hget(keys.counters, "issued") or 0)
+
+    with feeder_process(run_dir, redis_url) as proc:
+        wait_for(lambda: issued() == 8, 30, "the feeder to issue one batch")
+        r.hset(keys.counters, "filtered_held", 4)      # a group without signal: one refill
+        wait_for(lambda: issued() == 12, 10, "the refill")
+        r.hset(keys.counters, "filtered_held", 8)      # another: its refill would be the 16th trajectory
+        time.sleep(1.0)
+        assert issued() == 12
+        pipe = r.pipeline(transaction=True)            # the step commits: trained, the held ones with it
+        pipe.hincrby(keys.counters, "trained", 12).hset(keys.counters, "filtered_held", 0).execute()
+        wait_for(lambda: issued() == 20, 10, "the next step's batch")
         r.hset(keys.state, "phase", "done")
         assert proc.wait(timeout=30) == 0
 

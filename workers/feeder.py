@@ -6,8 +6,10 @@ feeder continues where it stopped. Each pass over the file is an epoch, and
 the epoch is part of the prompt id, so a prompt issued twice is two distinct
 groups. It pauses while the trajectories in flight (issued and not yet
 trained, dropped or dead-lettered) reach ``streams.max_queue_size``, which
-also bounds how stale the buffer can get, and while the learner is behind by
-``streams.backlog_batches`` batches (``learner_behind``).
+also bounds how stale the buffer can get, while the learner is behind by
+``streams.backlog_batches`` batches (``learner_behind``), and, in synchronous
+training with dynamic sampling, once a step's refills reach what its learner
+reads at most (``step_reads_spent``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,19 @@ def admission_limit(cfg) -> int:
     return min(cfg.streams.max_queue_size, (lr.max_staleness + 1) * lr.batch_size)
 
 
+def step_reads_spent(ctx: WorkerContext) -> bool:
+    """At ``max_staleness = 0`` with dynamic sampling: whether this step's trajectories issued (in flight,
+    or held by the learner for want of signal) reach the ``dynamic_sampling_max`` batches' worth it reads
+    at most. A refill issued beyond that would reach the learner after the step it was issued for, with
+    the weights before it: it could only be dropped as stale."""
+    lr = ctx.cfg.learner
+    if lr.max_staleness or not lr.dynamic_sampling:
+        return False
+    c = {k.decode(): int(v) for k, v in ctx.r.hgetall(ctx.keys.counters).items()}
+    issued = counted_in_flight(c) + c.get("filtered_held", 0)
+    return issued + ctx.cfg.rollout.group_size > lr.dynamic_sampling_max * lr.batch_size
+
+
 def learner_behind(ctx: WorkerContext) -> bool:
     """Whether ``streams.backlog_batches`` learner batches of generated trajectories wait for the learner.
 
@@ -94,7 +109,7 @@ def run(ctx: WorkerContext) -> None:
         try:
             if job_phase(ctx) != "running":
                 break
-            if in_flight(ctx) + group > limit or learner_behind(ctx):
+            if in_flight(ctx) + group > limit or learner_behind(ctx) or step_reads_spent(ctx):
                 ctx.state = "waiting"
                 time.sleep(0.1)
                 continue
