@@ -50,7 +50,12 @@ def in_flight(ctx: WorkerContext) -> int:
     them: after a restore it may replay more stale work than the window holds,
     and its step would otherwise wait for prompts the feeder holds back.
     """
-    return counted_in_flight({k.decode(): int(v) for k, v in ctx.r.hgetall(ctx.keys.counters).items()})
+    return counted_in_flight(counters(ctx))
+
+
+def counters(ctx: WorkerContext) -> dict[str, int]:
+    """The job's counters (issued, trained, dropped, held, dead-lettered, ...)."""
+    return {k.decode(): int(v) for k, v in ctx.r.hgetall(ctx.keys.counters).items()}
 
 
 def admission_limit(cfg) -> int:
@@ -64,17 +69,16 @@ def admission_limit(cfg) -> int:
     return min(cfg.streams.max_queue_size, (lr.max_staleness + 1) * lr.batch_size)
 
 
-def step_reads_spent(ctx: WorkerContext) -> bool:
+def step_reads_spent(cfg, c: dict[str, int]) -> bool:
     """At ``max_staleness = 0`` with dynamic sampling: whether this step's trajectories issued (in flight,
-    or held by the learner for want of signal) reach the ``dynamic_sampling_max`` batches' worth it reads
-    at most. A refill issued beyond that would reach the learner after the step it was issued for, with
-    the weights before it: it could only be dropped as stale."""
-    lr = ctx.cfg.learner
+    or held by the learner for want of signal; ``c``: the job's counters) reach the ``dynamic_sampling_max``
+    batches' worth it reads at most. A refill issued beyond that would reach the learner after the step it
+    was issued for, with the weights before it: it could only be dropped as stale."""
+    lr = cfg.learner
     if lr.max_staleness or not lr.dynamic_sampling:
         return False
-    c = {k.decode(): int(v) for k, v in ctx.r.hgetall(ctx.keys.counters).items()}
     issued = counted_in_flight(c) + c.get("filtered_held", 0)
-    return issued + ctx.cfg.rollout.group_size > lr.dynamic_sampling_max * lr.batch_size
+    return issued + cfg.rollout.group_size > lr.dynamic_sampling_max * lr.batch_size
 
 
 def learner_behind(ctx: WorkerContext) -> bool:
@@ -109,7 +113,8 @@ def run(ctx: WorkerContext) -> None:
         try:
             if job_phase(ctx) != "running":
                 break
-            if in_flight(ctx) + group > limit or learner_behind(ctx) or step_reads_spent(ctx):
+            c = counters(ctx)
+            if counted_in_flight(c) + group > limit or step_reads_spent(cfg, c) or learner_behind(ctx):
                 ctx.state = "waiting"
                 time.sleep(0.1)
                 continue

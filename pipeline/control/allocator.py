@@ -544,6 +544,11 @@ class _Member:
             return math.inf
         return switch_s + (self.left + lost) / rate
 
+    def inflight_lost(self, k: int) -> float:
+        """Trajectories thrown away when ``k`` slots leave it: their rollouts' in-flight work, half done on average."""
+        a = self.m.allocation
+        return self.m.rollout_inflight / a.rollout * min(k, a.rollout) / 2 if a.rollout else 0.0
+
     def need(self, n: int) -> tuple[float, float]:
         """How much the job needs slots on ``n``, for ordering: its priority first, then its time to go."""
         return (self.job.priority, self.time_to_go(n))
@@ -777,9 +782,7 @@ def _rebalance(members: dict[str, _Member], target: dict[str, int], inv: Invento
                 delta = up - (md.value(target[d]) - md.value(target[d] - k))
                 if delta <= cfg.min_gain_frac * total:
                     continue
-                a = md.m.allocation
-                inflight = md.m.rollout_inflight / a.rollout * min(k, a.rollout) / 2 if a.rollout else 0.0
-                lost = md.job.priority * inflight / md.demand
+                lost = md.job.priority * md.inflight_lost(k) / md.demand
                 # both splits change: their learners restart, and neither job trains while the slots switch
                 cost = (mr.value(target[r] + k) + md.value(target[d] - k)) * inv.switch_cost_s + lost
                 net = delta * cfg.horizon_s - cost
@@ -815,8 +818,7 @@ def _rebalance_paced(members: dict[str, _Member], target: dict[str, int], inv: I
             if r == d or mr.job.priority < md.job.priority or (not pre_empts and before <= md.time_to_go(target[d])):
                 continue
             for k in _steps(min(target[d] - md.lo, mr.hi - target[r])):
-                a = md.m.allocation
-                lost = md.m.rollout_inflight / a.rollout * min(k, a.rollout) / 2 if a.rollout else 0.0
+                lost = md.inflight_lost(k)
                 free_run = mr.time_to_go(target[r] + k)
                 after = mr.time_to_go(target[r] + k, switch_s=inv.switch_cost_s)
                 if not pre_empts:

@@ -303,10 +303,15 @@ def split_makespan(views: list[Workload], lo: list[int], hi: list[int], gpus: in
     return hi_t
 
 
+def on_gpus(view: Workload, gpus: int) -> Workload:
+    """The one-job view on a cluster of ``gpus`` (its share): for its static split and its ideal rate."""
+    return dataclasses.replace(view, cluster=dataclasses.replace(view.cluster, gpus=gpus))
+
+
 def _phase_tables(view: Workload, lo: int, hi: int, grid: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per phase of one job: (seconds, GPU-seconds held) for rates from its slowest useful one to its fastest."""
     out = []
-    on_hi = dataclasses.replace(view, cluster=dataclasses.replace(view.cluster, gpus=hi))
+    on_hi = on_gpus(view, hi)
     for n, ph in zip(view.job.phase_trajectories(), view.job.phases):
         fastest = ideal_phase_rate(on_hi, ph)
         # slower than the rate its minimum sustains, a phase only takes longer on the same GPUs

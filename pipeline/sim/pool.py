@@ -37,6 +37,7 @@ from pipeline.control import allocator
 from pipeline.control.allocator import Allocation
 from pipeline.control.job import plan_config
 from pipeline.sim import des, fluid
+from pipeline.sim.fluid import on_gpus
 from pipeline.sim.result import ModeResult
 from pipeline.sim.roles import AWAY, ROLE_CODE
 from pipeline.sim.workload import Job, Workload
@@ -52,11 +53,6 @@ def pool_spec(view: Workload) -> allocator.JobSpec:
     job = view.job
     return dataclasses.replace(des.job_spec(view), min_slots=job.min_gpus or 0, max_slots=job.max_gpus or 0,
                                priority=float(job.priority or 1))
-
-
-def on_gpus(view: Workload, gpus: int) -> Workload:
-    """The one-job view on a cluster of ``gpus`` (its share): for its static split and its ideal rate."""
-    return dataclasses.replace(view, cluster=dataclasses.replace(view.cluster, gpus=gpus))
 
 
 def unmeasured(view: Workload) -> allocator.Metrics:
