@@ -25,6 +25,8 @@ try:  # pytest imports tests/ as a package when it has an __init__.py, else as a
 except ModuleNotFoundError:
     from test_sim_workers import BASE, write_workload
 
+LIVE_VS_DES = (0.9, 1.3)   # live rate over des rate on this file's 8-GPU workload; see its use for the figures
+
 
 def test_control_settings_are_the_des_allocator_in_wall_seconds():
     wl = parse_workload(BASE)
@@ -110,8 +112,11 @@ def test_live_engine_runs_the_async_modes_on_the_control_plane(r, redis_url, tmp
     wl = load_workload(wl_path)
     for mode in ("static", "libra"):
         assert [p["step"] for p in d[mode]["timeline"]] == list(range(1, steps + 1))
-        # the same cost model on two engines: far apart only if the live engine mis-times its runs
-        assert 0.7 <= res["live_vs_des"][mode] <= 1.4, (mode, res["live_vs_des"])
+        # The same cost model on two engines. The live engine runs ahead here because a rollout call outlasts a
+        # learner step and the live engine charges no wave tail (docs/bench.md): measured 1.15-1.16 on a quiet
+        # machine and 1.04-1.15 with two CPU-bound processes beside it on 2 cores. A live engine that mis-times
+        # its runs (a wrong time scale, a switch not slept, a step charged twice) leaves this band.
+        assert LIVE_VS_DES[0] <= res["live_vs_des"][mode] <= LIVE_VS_DES[1], (mode, res["live_vs_des"])
         a = audit(r, f"bench-{mode}", d[mode]["run_dir"])
         assert a["ok"], a["problems"]
         assert a["duplicates_trained"] == 0

@@ -117,7 +117,8 @@ class Rollout:
         every = self.ctx.cfg.job.eval_every
         if every and self.ctx.policy_version // every > self.evaluated_bucket:
             self.evaluated_bucket = self.ctx.policy_version // every
-            if self.ctx.policy_version > 0:
+            # the last version gets the run's final evaluation: no second one of the same weights
+            if 0 < self.ctx.policy_version < self.ctx.cfg.job.steps:
                 self.run_eval("periodic", claim=f"v{self.ctx.policy_version}")
 
     def run_eval(self, tag: str, claim: str) -> None:
