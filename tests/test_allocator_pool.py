@@ -114,6 +114,16 @@ def test_two_new_jobs_split_an_empty_pool_by_priority():
     assert d.shares == {"a": 6, "b": 2} and d.reason == "guarantee+spare"
 
 
+def test_new_jobs_share_an_empty_pool_by_priority_times_the_work_they_declare():
+    # before any rate is measured a job's fair share weighs the trajectories it has to train (steps x batch):
+    # four times the work, four times the slots (each of the three holds at least its smallest split, 2)
+    a, b, c = job("a"), job("b"), job("c")
+    m = {n: dataclasses.replace(unmeasured(), remaining=left) for n, left in (("a", 8192), ("b", 8192), ("c", 2048))}
+    d = plan(m, Inventory(gpus=18, switch_cost_s=10.0), [a, b, c], CFG)
+    check(d, [a, b, c], Inventory(gpus=18, switch_cost_s=10.0))
+    assert d.shares == {"a": 8, "b": 8, "c": 2}
+
+
 def test_spare_slots_go_to_the_highest_weighted_marginal_gain():
     # a is rollout-bound (each slot adds a seventh of its demand); b is learner-bound on a learner that
     # barely scales (on 2 slots it already makes 82% of what 8 would give it)
@@ -217,12 +227,25 @@ def test_paced_move_that_turns_back_the_last_one_needs_the_larger_gain():
     a, b = job("a"), job("b")
     inv = Inventory(gpus=64, switch_cost_s=10.0)
     m = {"a": paced(Allocation(31, 1), 15_500), "b": paced(Allocation(31, 1), 17_050)}
-    d = plan(m, inv, [a, b], CFG)
+    assert plan(m, inv, [a, b], CFG).reason == "kept"      # under pool_gain_frac (5%): not worth two restarts
+    cfg = dataclasses.replace(CFG, pool_gain_frac=0.02)
+    d = plan(m, inv, [a, b], cfg)
     assert d.reason == "rebalance_jobs" and d.shares == {"a": 31, "b": 33}
     # b has just given a slot up (to a): taking it back needs reverse_gain_frac (5%), and 3.1% is not enough
     back = {"a": dataclasses.replace(m["a"], changed_from=Allocation(30, 1)),
             "b": dataclasses.replace(m["b"], changed_from=Allocation(32, 1))}
-    assert plan(back, inv, [a, b], CFG).reason == "kept"
+    assert plan(back, inv, [a, b], cfg).reason == "kept"
+
+
+def test_a_grown_share_keeps_the_learner_when_a_restart_would_cost_more_than_the_better_split_gains():
+    # a is rollout-bound on 4/2; on 8 slots its best split is 7/1 (3.5/s against 6/2's 3/s), but a learner
+    # of another size restarts: with little work left and a long switch, 6/2 finishes first
+    a = job("a")
+    short = plan({"a": paced(Allocation(4, 2), 640)}, Inventory(gpus=8, switch_cost_s=100.0), [a], CFG)
+    assert short.shares == {"a": 8} and short.decisions["a"].allocation == Allocation(6, 2)
+    # with much work left the better split pays for its restart
+    long = plan({"a": paced(Allocation(4, 2), 6400)}, Inventory(gpus=8, switch_cost_s=10.0), [a], CFG)
+    assert long.decisions["a"].allocation == Allocation(7, 1)
 
 
 def test_paced_higher_priority_takes_slots_down_to_the_lower_jobs_minimum():

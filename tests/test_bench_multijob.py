@@ -268,8 +268,8 @@ def test_shipped_multi_job_workloads(name):
     assert max(modes["static"]["trajectories_per_s"], modes["libra"]["trajectories_per_s"]) \
         < modes["ideal"]["trajectories_per_s"]
     if name == "multi3":
-        # the issue asks 0.9; with learner restarts counted (des and policy) it is 0.887 (docs/bench.md)
-        assert res["ratios"]["libra/ideal"] >= 0.87 and res["ratios"]["libra/static"] >= 1.2
+        # the issue's bar, learner restarts counted (des and policy): 0.904 at the default seeds (docs/bench.md)
+        assert res["ratios"]["libra/ideal"] >= 0.9 and res["ratios"]["libra/static"] >= 1.2
     else:
         wl = load_workload(BENCH / "priority2.toml")
         assert [j.priority for j in wl.jobs] == [2, 1]

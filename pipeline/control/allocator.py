@@ -183,6 +183,7 @@ class PlanConfig:
     cooldown_s: float = 150.0           # no move sooner than this after the previous one
     min_gain_frac: float = 0.02         # ignore predicted gains below this share of the current rate
     reverse_gain_frac: float = 0.05     # ... and below this one for a move that undoes the previous move
+    pool_gain_frac: float = 0.05        # a paced move between jobs: the finish it is judged by comes this much nearer
     learner_wait_threshold: float = LEARNER_WAIT_THRESHOLD  # learner idle above this: rollout is short
     idle_slots_threshold: float = 0.2     # rollout slots this empty while the learner waits: window-bound
     backlog_batches: float = 1.0        # a backlog above this many batches and rising means learner short
@@ -536,18 +537,65 @@ class _Member:
     def time_to_go(self, n: int, lost: float = 0.0, switch_s: float = 0.0) -> float:
         """Seconds to train what is left (plus ``lost`` trajectories) on ``n`` slots.
 
-        ``switch_s``: a share that changes takes that long before the job trains again: its split
-        changes, and a learner of another size restarts on its new slots.
+        ``switch_s``: the share changes to ``n``, its moved slots switching that
+        long, over the better of two splits (``split_for``): the best split of
+        ``n``, or the split that keeps the learner it has.
         """
-        rate = self.rate(n)
+        if not switch_s:
+            rate = self.rate(n)
+            return (self.left + lost) / rate if rate > 0 else math.inf
+        return min((self._finish(a, lost, switch_s) for a in self._options(n)), default=math.inf)
+
+    def split_for(self, n: int, switch_s: float) -> Allocation:
+        """The split a new share of ``n`` slots gets: of ``_options``, the one that finishes first."""
+        return min(self._options(n), key=lambda a: self._finish(a, 0.0, switch_s), default=_best_split(self, n))
+
+    def _options(self, n: int) -> list[Allocation]:
+        """The best split of ``n`` slots, and the split of ``n`` that keeps the learner as it is (if any)."""
+        if self.rate(n) <= 0:
+            return []                  # below its smallest split: no split of n runs
+        out = [_best_split(self, n)]
+        kept = self._kept(n)
+        if kept is not None and kept != out[0]:
+            out.append(kept)
+        return out
+
+    def _kept(self, n: int) -> Allocation | None:
+        """The split of ``n`` slots with the learner the job has now, rollout (and reward on GPU) taking the change."""
+        cur, b = self.m.allocation, self.job.bound
+        rest = n - cur.learner
+        if cur.learner <= 0 or rest <= 0:
+            return None
+        rewards = range(b("reward").min, min(b("reward").max, rest) + 1) if self.job.reward_on_gpu else (0,)
+        splits = [Allocation(rollout=rest - w, reward=w, learner=cur.learner) for w in rewards
+                  if b("rollout").min <= rest - w <= b("rollout").max]
+        return max(splits, key=self.model.rate, default=None)
+
+    def _finish(self, a: Allocation, lost: float, switch_s: float) -> float:
+        """Seconds to train what is left on split ``a``, ordered now from the current split.
+
+        While the moved slots switch the job runs on what both splits share, without
+        a learner when its size changes (it restarts on its new slots); then at ``a``'s rate.
+        """
+        cur, rate = self.m.allocation, self.model.rate(a)
         if rate <= 0:
             return math.inf
-        return switch_s + (self.left + lost) / rate
+        mid = Allocation(**{r: min(cur.get(r), a.get(r)) for r in ROLES})
+        during = 0.0 if a.learner != cur.learner else self.model.rate(mid)
+        return switch_s + max(0.0, self.left + lost - during * switch_s) / rate
 
     def inflight_lost(self, k: int) -> float:
         """Trajectories thrown away when ``k`` slots leave it: their rollouts' in-flight work, half done on average."""
         a = self.m.allocation
         return self.m.rollout_inflight / a.rollout * min(k, a.rollout) / 2 if a.rollout else 0.0
+
+    def fair_weight(self, others: "Sequence[_Member]") -> float:
+        """Its weight in a fair share among ``others``: its priority, times the trajectories it has left to
+        train when every one of them reports that (its work's size, before its cost is measured)."""
+        left = [o.m.remaining if o.m is not None else 0 for o in others]
+        if all(n > 0 for n in left) and self.m is not None:
+            return self.job.priority * self.m.remaining / (sum(left) / len(left))
+        return self.job.priority
 
     def need(self, n: int) -> tuple[float, float]:
         """How much the job needs slots on ``n``, for ordering: its priority first, then its time to go."""
@@ -741,7 +789,8 @@ def _spread(members: dict[str, _Member], target: dict[str, int], free: int, pace
                  and not (paced and m.paced)]
         if not open_:
             break
-        n = min(open_, key=lambda x: (target[x] / members[x].job.priority, x))
+        open_members = [members[x] for x in open_]
+        n = min(open_, key=lambda x: (target[x] / members[x].fair_weight(open_members), x))
         k = 1 if target[n] else _runnable(members[n].job)
         target[n] += k
         free -= k
@@ -824,7 +873,7 @@ def _rebalance_paced(members: dict[str, _Member], target: dict[str, int], inv: I
                 if not pre_empts:
                     free_run = max(free_run, md.time_to_go(target[d] - k))
                     after = max(after, md.time_to_go(target[d] - k, lost=lost, switch_s=inv.switch_cost_s))
-                frac = cfg.reverse_gain_frac if _undoes(md, mr) else cfg.min_gain_frac
+                frac = max(cfg.pool_gain_frac, cfg.reverse_gain_frac if _undoes(md, mr) else cfg.min_gain_frac)
                 if before - after > frac * before and (best is None or before - after > best[1] - best[2]):
                     best = ((d, r, k), before - free_run, after - free_run)
     return best
@@ -847,7 +896,10 @@ def _split(m: _Member, share: int, inv: Inventory, cfg: PlanConfig) -> Decision:
         return _keep(cur, "no_share", ()) if cur.total == 0 else Decision(
             Allocation(0, 0, 0), True, "share_withdrawn", current_rate=0.0, predicted_rate=0.0, best_rate=0.0,
             bottleneck="", expected_gain=0.0, transition_cost=0.0, moved=0)
-    alloc = _best_split(m, share) if m.measured else _resized(m.job, cur, share)
+    if m.paced:
+        alloc = m.split_for(share, inv.switch_cost_s)
+    else:
+        alloc = _best_split(m, share) if m.measured else _resized(m.job, cur, share)
     rate = m.rate(share) if m.measured else 0.0
     reason = "share_grown" if share > cur.total else "share_shrunk"
     return Decision(alloc, alloc != cur, reason, current_rate=m.rate(cur.total) if m.measured else 0.0,

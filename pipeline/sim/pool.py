@@ -63,7 +63,7 @@ def unmeasured(view: Workload) -> allocator.Metrics:
         rollout_idle_frac=0.0, reward_s_per_traj=0.0, reward_cpu_workers=view.reward.cpu_workers,
         traj_tokens=0.0, learner_tokens_per_s=0.0, learner_gpus_measured=0, learner_publish_s=0.0,
         learner_wait_frac=0.0, backlog=0, backlog_trend_per_s=0.0, trained=0, staleness_p50=0.0,
-        dropped_stale=0)
+        dropped_stale=0, remaining=view.job.steps * view.job.batch_size)
 
 
 def job_views(wl: Workload) -> dict[str, Workload]:
