@@ -1,9 +1,10 @@
 import numpy as np
+import pytest
 
 from pipeline.dataplane import messages as m
 from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, JobKeys
-from pipeline.dataplane.streams import (ClaimPolicy, Reject, ensure_groups, group_pending, read_own_pending,
-                                        run_stage, stream_lag, take_over_pending)
+from pipeline.dataplane.streams import (ClaimPolicy, Reject, ensure_groups, group_pending, read, read_own_pending,
+                                        replay_own, run_stage, stream_lag, take_over_pending)
 
 
 def unscored_group(pid: str) -> m.Group:
@@ -222,6 +223,58 @@ def test_trim_point_when_the_group_acks_between_its_two_reads(r):
 
 def _pending_at(r, stream: str, group: str) -> dict[str, int]:
     return {c["name"].decode(): int(c["pending"]) for c in r.xinfo_consumers(stream, group)}
+
+
+def test_a_restart_replay_counts_a_delivery_and_dead_letters_past_the_limit(r):
+    """A worker restarted under its name replays what it held; Redis counts each replay as a delivery, so
+    an entry whose handling kills the worker is dead-lettered after max_deliveries, not replayed for ever."""
+    keys = JobKeys("t")
+    ensure_groups(r, keys)
+    poison = m.encode(unscored_group("poison"))
+    r.xadd(keys.rollouts, {m.FIELD: poison})
+    policy = ClaimPolicy(min_idle_ms=60_000, max_deliveries=3)
+    assert len(read(r, keys.rollouts, GROUP_REWARD, "reward-0", 10, 0)) == 1        # delivery 1: the worker dies
+    for _restart in range(2):                                                      # deliveries 2 and 3
+        entries, after = replay_own(r, keys, keys.rollouts, GROUP_REWARD, "reward-0", policy, 10, "0")
+        assert [p for _i, p in entries] == [poison] and after is not None
+    entries, after = replay_own(r, keys, keys.rollouts, GROUP_REWARD, "reward-0", policy, 10, "0")
+    assert entries == [] and after is not None                                     # the 4th: dead-lettered
+    [(_id, dead)] = r.xrange(keys.dead_letters)
+    assert dead[b"reason"] == b"exceeded max_deliveries (3): delivered 4 times" and dead[b"payload"] == poison
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
+    assert replay_own(r, keys, keys.rollouts, GROUP_REWARD, "reward-0", policy, 10, "0") == ([], None)
+
+
+def test_a_stage_restarted_under_its_name_stops_replaying_a_message_that_kills_it(r):
+    """run_stage wiring: each 'process' dies (an exception run_stage does not catch) on the poison group;
+    the fourth start under the same name dead-letters it and scores the group behind it."""
+    keys = JobKeys("t")
+    ensure_groups(r, keys)
+    for pid in ("poison", "fine"):
+        r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group(pid))})
+
+    class Died(BaseException):
+        pass
+
+    def handle(groups):
+        if any(g.prompt_id == "poison" for g in groups):
+            raise Died
+        return [g.with_rewards([1.0, 0.0], 1.0) for g in groups]
+
+    def start():
+        rounds = []
+        run_stage(r, keys, source=keys.rollouts, group=GROUP_REWARD, consumer="reward-0", sink=keys.scored,
+                  handle=handle, count=1, block_ms=50, max_bytes=1 << 20,
+                  stop=lambda: rounds.append(1) or len(rounds) > 4, counter="scored",
+                  claims=ClaimPolicy(min_idle_ms=60_000, max_deliveries=3))
+
+    for _life in range(3):
+        with pytest.raises(Died):
+            start()
+    start()
+    assert [f[b"reason"] for _i, f in r.xrange(keys.dead_letters)] == [b"exceeded max_deliveries (3): delivered 4 times"]
+    assert [m.decode(f[m.FIELD], 1 << 20).prompt_id for _i, f in r.xrange(keys.scored)] == ["fine"]
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
 
 
 def test_take_over_pending_moves_a_dead_consumers_entries_to_a_new_name_once(r):

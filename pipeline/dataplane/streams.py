@@ -98,7 +98,12 @@ def read(r: redis.Redis, stream: str, group: str, consumer: str, count: int, blo
 
 def read_own_pending(r: redis.Redis, stream: str, group: str, consumer: str, count: int,
                      after: str = "0") -> list[Entry]:
-    """Entries delivered to this consumer and not acknowledged, after id ``after`` (no delivery counted)."""
+    """Entries delivered to this consumer and not acknowledged, after id ``after``.
+
+    Each read counts a delivery: Redis (6.2 and 7 alike) raises a pending
+    entry's delivery count when its consumer reads it from its history. Use
+    ``replay_own`` in a stage, which holds the replay to ``max_deliveries``.
+    """
     return _entries(r.xreadgroup(group, consumer, {stream: after}, count=count))
 
 
@@ -349,10 +354,35 @@ def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: st
     next_cursor = next_cursor.decode() if isinstance(next_cursor, bytes) else next_cursor
     if not claimed:
         return [], next_cursor
-    counts = delivery_counts(r, source, group, [i for i, _f in claimed], consumer)
+    keep = _within_deliveries(r, keys, source, group, consumer, policy,
+                              [(i, (f or {}).get(messages.FIELD, b"")) for i, f in claimed], log)
+    if keep and log:
+        log.info("reclaimed", entries=len(keep))
+    return keep, next_cursor
+
+
+def replay_own(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: str, policy: ClaimPolicy,
+               count: int, after: str, log=None) -> tuple[list[Entry], str | None]:
+    """This consumer's own pending entries after ``after`` (a restart under its name, or after an outage).
+
+    The read counts a delivery, so entries past ``max_deliveries`` are
+    dead-lettered as a reclaim's are: a message whose handling kills the
+    worker is not replayed by every restart for ever. Returns the entries to
+    process and where the replay goes on from (None: nothing more is pending).
+    """
+    entries = read_own_pending(r, source, group, consumer, count, after)
+    if not entries:
+        return [], None
+    return _within_deliveries(r, keys, source, group, consumer, policy, entries, log), entries[-1][0]
+
+
+def _within_deliveries(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: str,
+                       policy: ClaimPolicy, entries: list[Entry], log) -> list[Entry]:
+    """``entries`` (all pending with ``consumer``) delivered at most ``max_deliveries`` times; the others are
+    dead-lettered with their count and acknowledged."""
+    counts = delivery_counts(r, source, group, [i for i, _p in entries], consumer)
     keep, over = [], []
-    for entry_id, fields in claimed:
-        payload = (fields or {}).get(messages.FIELD, b"")
+    for entry_id, payload in entries:
         n = counts.get(entry_id, 1)
         (over if n > policy.max_deliveries else keep).append((entry_id, payload, n))
     if over:
@@ -370,9 +400,7 @@ def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: st
         execute_with_backpressure(build, log)
         if log:
             log.warning("dead_lettered_redelivered", entries=len(over))
-    if keep and log:
-        log.info("reclaimed", entries=len(keep))
-    return [(i, p) for i, p, _n in keep], next_cursor
+    return [(i, p) for i, p, _n in keep]
 
 
 def delivery_counts(r: redis.Redis, stream: str, group: str, ids: list[bytes],
@@ -500,8 +528,7 @@ def run_stage(
                     trim(r, source)
                 entries, cursor = reclaim(r, keys, source, group, consumer, claims, count, cursor, log)
                 if not entries and own is not None:
-                    entries = read_own_pending(r, source, group, consumer, count, own)
-                    own = entries[-1][0] if entries else None
+                    entries, own = replay_own(r, keys, source, group, consumer, claims, count, own, log)
                 if not entries:
                     entries = read(r, source, group, consumer, count, block_ms)
                 outage.ok()
