@@ -171,6 +171,7 @@ def test_spawn_with_own_devices_and_identity(r, redis_url, tmp_path, stop_agents
     p = live(a, "rollout-n1-1")
     env = dict(x.split("=", 1) for x in open(f"/proc/{p.pid}/environ").read().split("\0") if "=" in x)
     assert env["CUDA_VISIBLE_DEVICES"] == "5" and env["LIBRA_SLOTS"] == "1" and env["LIBRA_NODE"] == NODE
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"     # device ids as nvidia-smi and NVML number them
     rec = json.loads(r.hget(agent_procs(NODE), worker_key(JOB, "rollout-n1-1")))
     assert (rec["pid"], rec["start"]) == (p.pid, process_start(p.pid))
     assert json.loads(r.hget(JobKeys(JOB).workers, "rollout-n1-1"))["pid"] == p.pid

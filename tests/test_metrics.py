@@ -214,6 +214,7 @@ def test_gpu_figures_through_nvml(monkeypatch, r):
         nvmlDeviceGetHandleByIndex=lambda i: f"h{i}",
         nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=87, memory=40),
         nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=used["v"], total=141 * 2**30),
+        nvmlDeviceGetUUID=lambda h: f"GPU-{h}",
         nvmlDeviceGetComputeRunningProcesses=lambda h: [SimpleNamespace(pid=os.getpid(), usedGpuMemory=3 * 2**30)])
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     fake_job(r, workers={"rollout-n-0": ("rollout", "running")})
@@ -225,6 +226,46 @@ def test_gpu_figures_through_nvml(monkeypatch, r):
     assert s["resources"]["by_role"]["rollout"]["gpu_memory_bytes"] == 3 * 2**30
     used["v"] = 2 * 2**30
     assert sampler.sample()["resources"]["gpus"][0]["memory_peak_bytes"] == 10 * 2**30
+
+
+def test_a_sample_shows_the_gpus_of_its_jobs_workers_not_their_neighbours(monkeypatch, r):
+    """Four GPUs on the node; the job's workers see GPU 1 (by index) and GPU 3 (by UUID), as their agent
+    set CUDA_VISIBLE_DEVICES: the other two belong to another job and are left out of this job's sample."""
+    import sys
+
+    class NVMLError(Exception):
+        pass
+
+    fake = SimpleNamespace(
+        NVMLError=NVMLError, nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 4,
+        nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetUUID=lambda h: f"GPU-{h}".encode(),
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=10 * h, memory=0),
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=h, total=8),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    keys = fake_job(r, workers={"rollout-n-0": ("rollout", "running"), "learner-0": ("learner", "running"),
+                                "reward-n-0": ("reward", "running")})
+    for wid, devices in (("rollout-n-0", ["1"]), ("learner-0", ["GPU-3"]), ("reward-n-0", [])):  # reward: a CPU slot
+        rec = json.loads(r.hget(keys.workers, wid))
+        r.hset(keys.workers, wid, json.dumps({**rec, "devices": devices}))
+    sampler = MetricsSampler(r, "obs", None, probe=ResourceProbe(use_gpu=True))
+    assert [(g["index"], g["uuid"]) for g in sampler.sample()["resources"]["gpus"]] == [(1, "GPU-1"), (3, "GPU-3")]
+    # a worker that sees every GPU (started without CUDA_VISIBLE_DEVICES): the sample shows them all
+    rec = json.loads(r.hget(keys.workers, "reward-n-0"))
+    del rec["devices"]
+    r.hset(keys.workers, "reward-n-0", json.dumps(rec))
+    assert [g["index"] for g in sampler.sample()["resources"]["gpus"]] == [0, 1, 2, 3]
+
+
+def test_a_worker_records_the_devices_its_agent_gave_it(monkeypatch):
+    from pipeline.dataplane.worker import visible_devices
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_devices() is None                      # not set: it sees every GPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_devices() == []                        # a CPU slot: none
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, GPU-5f3a")
+    assert visible_devices() == ["2", "GPU-5f3a"]
 
 
 def test_no_nvml_means_no_gpu_figures(monkeypatch):

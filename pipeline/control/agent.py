@@ -487,8 +487,9 @@ class Agent:
         # the URL (it may hold a password) travels in the environment: argv is visible to every user
         env = dict(os.environ, **{ENV_URL: self.url, "PYTHONUNBUFFERED": "1", NODE_ENV: self.node,
                                   SLOTS_ENV: ",".join(str(i) for i in d["slots"]),
-                                  # a CPU slot hides every GPU; a GPU slot shows only its own
-                                  "CUDA_VISIBLE_DEVICES": ",".join(devices)})
+                                  # a CPU slot hides every GPU; a GPU slot shows only its own, numbered
+                                  # as nvidia-smi and NVML number them (CUDA's default puts the fastest first)
+                                  "CUDA_VISIBLE_DEVICES": ",".join(devices), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
         argv = worker_argv(d["backend"], d["role"], d["run_dir"], d["worker"])
         out = _log_file(d["run_dir"], d["worker"])
         try:

@@ -27,7 +27,7 @@ import structlog
 
 from pipeline.dataplane.keys import JobKeys
 from pipeline.observe.measures import aggregate_steps, append_line, rates, slot_busy
-from pipeline.observe.resources import ResourceProbe
+from pipeline.observe.resources import LIVE_STATES, ResourceProbe
 from pipeline.observe.status import job_status
 
 SCHEMA_VERSION = 1
@@ -109,7 +109,8 @@ class MetricsSampler:
             role["rss_bytes"] += w["rss_bytes"]
             if "gpu_memory_bytes" in w:
                 role["gpu_memory_bytes"] = role.get("gpu_memory_bytes", 0) + w["gpu_memory_bytes"]
-        return {"workers": per_worker, "by_role": by_role, "node": self.probe.node(dt), "gpus": self.probe.gpus()}
+        return {"workers": per_worker, "by_role": by_role, "node": self.probe.node(dt),
+                "gpus": self.probe.gpus(job_devices(workers, self.node))}
 
     def queues(self, st: dict, agg: dict) -> dict:
         stages = {s["name"]: {"stream": s["stream"], "length": s["length"], "lag": s["lag"],
@@ -153,6 +154,15 @@ QUALITY_KEYS = ("steps", "step", "loss", "reward_mean", "reward_std", "success_r
                 "staleness_mean", "staleness_max", "staleness_hist", "trained", "dropped_stale",
                 "zero_signal_share", "diversity_distinct_rate", "diversity_similarity",
                 "diversity_equal_reward_share")
+
+
+def job_devices(workers: list[dict], node: str) -> set[str] | None:
+    """The GPUs the job's live workers on ``node`` see (their CUDA_VISIBLE_DEVICES), so that a sample
+    shows the job's GPUs and not its neighbours'; None (every GPU) when a worker sees them all."""
+    mine = [w for w in workers if w.get("node") == node and w.get("state") in LIVE_STATES]
+    if any("devices" not in w for w in mine):
+        return None
+    return {d for w in mine for d in w["devices"]}
 
 
 def _workers_by_state(workers: list[dict]) -> dict:

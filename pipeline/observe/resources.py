@@ -93,10 +93,13 @@ class ResourceProbe:
         self.prev_io = (now, net, disk)
         return row
 
-    def gpus(self) -> list[dict]:
+    def gpus(self, devices: set[str] | None = None) -> list[dict]:
+        """This node's GPUs; with ``devices`` (CUDA_VISIBLE_DEVICES ids: an index or a UUID) only those."""
         if not self.nvml:
             return []
         rows = self.nvml.devices()
+        if devices is not None:
+            rows = [g for g in rows if str(g["index"]) in devices or g.get("uuid") in devices]
         for g in rows:
             self.gpu_peak[g["index"]] = max(self.gpu_peak.get(g["index"], 0), g["memory_used_bytes"])
             g["memory_peak_bytes"] = self.gpu_peak[g["index"]]
@@ -129,9 +132,11 @@ class _Nvml:
             try:
                 util = self.nv.nvmlDeviceGetUtilizationRates(h)
                 mem = self.nv.nvmlDeviceGetMemoryInfo(h)
+                uuid = self.nv.nvmlDeviceGetUUID(h)
             except self.nv.NVMLError:
                 continue
-            out.append({"index": i, "util_percent": float(util.gpu), "memory_util_percent": float(util.memory),
+            out.append({"index": i, "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
+                        "util_percent": float(util.gpu), "memory_util_percent": float(util.memory),
                         "memory_used_bytes": int(mem.used), "memory_total_bytes": int(mem.total)})
         return out
 

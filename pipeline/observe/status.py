@@ -103,6 +103,7 @@ def job_status(r: redis.Redis, job: str) -> dict:
                         "node": placed.get("node", rec["node"]), "slots": placed.get("slots", rec.get("slots", [])),
                         "state": state, "managed": managed,
                         "rate_per_s": rec.get("rate_per_s", 0.0), "policy_version": rec.get("policy_version"),
+                        **({"devices": rec["devices"]} if "devices" in rec else {}),    # its CUDA_VISIBLE_DEVICES
                         **({"failure": rec["failure"]} if rec.get("failure") else {})})   # e.g. oom (workers.oom)
     stages = []
     for stage, stream, group in keys.stages:
