@@ -87,10 +87,11 @@ def test_run_figures_of_the_four_kinds():
     steps = [step(i, 10 * i, reward=0.1 * i, trajectories=32 if i != 6 else 64) for i in range(1, 7)]
     steps[3]["diversity_distinct_rate"] = 0.8
     samples = [sample(10, 0.2, 10, lq=1, rq=3, gpus=(50, 70)), sample(20, 0.6, 30, lq=3, rq=1, gpus=(90, 90)),
+               sample(25, 0.5, 10, phase="trained", lq=9),            # closes training: its busy time counts
                sample(30, 0.0, 10, phase="trained", lq=9)]            # after training: not counted
     f = compare.run_figures(summary, steps, samples)
     assert f["trajectories_per_s"] == 2.74
-    assert f["slot_busy"] == pytest.approx((2 + 18) / 40)             # slot-seconds busy over held
+    assert f["slot_busy"] == pytest.approx((2 + 18 + 5) / 50)         # slot-seconds busy over held
     assert f["slot_busy_sd"] == pytest.approx(statistics.pstdev([0.2, 0.6]))
     assert f["gpu_util"] == pytest.approx(75.0) and f["gpu_util_sd"] == pytest.approx(15.0)
     assert f["learner_queue"] == pytest.approx(2.0) and f["reward_queue"] == pytest.approx(2.0)
@@ -100,6 +101,17 @@ def test_run_figures_of_the_four_kinds():
     assert f["diversity"] == 0.8 and f["success_final"] == 0.5 and f["trajectories"] == 198
     assert f["curve"][-1] == {"version": 6, "success": 0.5, "t_s": 60.0, "trajectories": 198}
     assert [p["reward"] for p in f["reward_curve"]] == pytest.approx([0.1 * i for i in range(1, 7)])
+
+
+def test_a_short_runs_work_reported_as_training_ends_is_counted():
+    # a 2-step run on a loaded machine: its one rollout call and both learner steps ended with the training,
+    # so every running sample saw 0 busy and the sample that closed the phase all of it (measured: 0.0 -> 0.03)
+    samples = [sample(t, 0.0, 1.0) for t in range(1, 11)] + [sample(11, 0.74, 1.0, phase="trained"),
+                                                             sample(12, 0.5, 1.0, phase="trained")]
+    f = compare.run_figures({"started_at": T0}, [], samples)
+    assert f["slot_busy"] == pytest.approx(0.74 / 11)
+    assert compare.training_window(samples) == samples[:11]
+    assert compare.training_window(samples[11:]) == samples[11:]      # no running sample: all of them
 
 
 def test_run_figures_without_samples_are_none_not_zero():

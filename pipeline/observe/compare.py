@@ -95,13 +95,28 @@ def reward_curve(steps: list[dict], t0: float) -> list[dict]:
              "reward": s.get("reward_mean")} for s in sorted(steps, key=lambda s: s["step"]) if "at" in s]
 
 
+def training_window(samples: list[dict]) -> list[dict]:
+    """The samples taken while the job trained (phase ``running``) and the one that closes that phase.
+
+    Workers report a call's cost when it ends, so the calls that end the
+    training reach the first sample taken after it: in a short run that can
+    be all of them (a 2-step run measured a slot busy share of 0 over its
+    running samples on a loaded machine). No sample ran: all of them.
+    """
+    idx = [i for i, s in enumerate(samples) if s.get("phase") == "running"]
+    if not idx:
+        return samples
+    return [s for i, s in enumerate(samples) if s.get("phase") == "running" or i == idx[-1] + 1]
+
+
 def run_figures(summary: dict, steps: list[dict], samples: list[dict]) -> dict:
     """One finished run as the figures of the four kinds, its totals and its two curves.
 
     ``summary``: the run's ``summary.json``; ``steps`` and ``samples``: its
     ``learner_step`` and ``sample`` lines of ``metrics.jsonl``. Resources and
     queues come from the samples taken while the job trained (phase
-    ``running``); ``slot_busy`` is slot-seconds busy over slot-seconds held,
+    ``running``); ``slot_busy`` (over the ``training_window``, which adds the
+    sample that closes the phase) is slot-seconds busy over slot-seconds held,
     ``slot_busy_sd`` the standard deviation of the samples' busy share over
     time (the field guide's "fluctuation"). A figure the run did not record
     is None.
@@ -109,8 +124,9 @@ def run_figures(summary: dict, steps: list[dict], samples: list[dict]) -> dict:
     t0 = summary.get("started_at") or min((s["at"] for s in steps + samples if "at" in s), default=0.0)
     steps = sorted(steps, key=lambda s: s["step"])
     running = [s for s in samples if s.get("phase") == "running"] or samples
-    busy = [(s.get("resources") or {}).get("slot_busy") or {} for s in running]
-    fracs = [b["frac"] for b in busy if b.get("frac") is not None]
+    busy = [(s.get("resources") or {}).get("slot_busy") or {} for s in training_window(samples)]
+    fracs = [b["frac"] for b in ((s.get("resources") or {}).get("slot_busy") or {} for s in running)
+             if b.get("frac") is not None]
     slot_s = sum(b.get("slot_s", 0.0) for b in busy)
     gpu = [_mean(g.get("util_percent") for g in (s.get("resources") or {}).get("gpus") or []) for s in running]
     gpu = [g for g in gpu if g is not None]
