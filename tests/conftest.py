@@ -17,6 +17,7 @@ Libra jobs above all, stops the session with the reason.
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import redis
@@ -31,6 +32,17 @@ OWNER_KEY = "libra-test:owner"        # marks a database as the test suite's to 
 
 # whatever a shell or deploy/libra.env exported, no test and no process a test starts talks to it
 _PRODUCTION_URL = os.environ.pop(ENV_URL, None)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """A test that runs an agent in this process leaves rq's SIGINT/SIGTERM handlers behind, and the
+    session then ignores Ctrl-C (seen: three SIGINTs to a loaded run did nothing). Put pytest's back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        if signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
 
 
 def claim(client: redis.Redis, url: str) -> None:

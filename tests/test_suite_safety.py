@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -37,3 +38,12 @@ def test_a_database_holding_libra_jobs_is_refused_and_left_as_it_was(redis_url):
     clean(other, redis_url)
     assert other.dbsize() == 1 and other.get(OWNER_KEY) is not None
     other.flushdb()
+
+
+def test_a_test_that_takes_over_ctrl_c_here_one():
+    # as an agent or controller run in this process does (cli, agent.main): the next test checks it is undone
+    signal.signal(signal.SIGINT, lambda _signum, _frame: None)
+
+
+def test_the_next_test_has_pytests_ctrl_c_back():
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
