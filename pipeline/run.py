@@ -382,6 +382,9 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
     # honcho and systemd stop us with SIGTERM: take it as Ctrl-C, so the controller, the agent,
     # the workers and the embedded Redis are stopped in order instead of being orphaned.
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    # and Ctrl-C even when started with SIGINT ignored, as a shell starts a script's background job
+    # (`libra-ctl run ... &`): Python then leaves it ignored, and the run could only be killed
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     own_runs()   # every process started below this one ends with it, also after a SIGKILL of ours
     os.environ[ENV_OUTAGE] = str(cfg.redis.outage_s)   # for the controller and the agent
     try:

@@ -76,7 +76,7 @@ def test_the_embedded_redis_of_a_directory_is_single_and_dies_with_its_owner(tmp
         assert connect(again.url).get("kept") == b"yes"
 
 
-def _start_run(tmp_path: Path, job: str, steps: int) -> tuple[subprocess.Popen, Path, dict]:
+def _start_run(tmp_path: Path, job: str, steps: int, preexec_fn=None) -> tuple[subprocess.Popen, Path, dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("LIBRA_REDIS_URL",)}
     env["PYTHONPATH"] = str(ROOT)
     runs = tmp_path / "runs"
@@ -85,7 +85,8 @@ def _start_run(tmp_path: Path, job: str, steps: int) -> tuple[subprocess.Popen, 
             "--set", f"run.runs_dir={json.dumps(str(runs))}", "--set", f"policy.cache_dir={json.dumps(str(cache))}",
             "--set", f"job.name={job}", "--set", f"job.steps={steps}", *sum((["--set", s] for s in SETTINGS), [])]
     log = open(tmp_path / f"{job}.out", "a")
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=preexec_fn)
     run_dir = wait_for(lambda: next(iter(runs.glob("*/redis.url")), None), 600, "the run's Redis").parent
     return proc, run_dir, env
 

@@ -63,9 +63,11 @@ def test_ctrl_c_stops_every_process_of_the_run_and_removes_the_redis_socket(tmp_
     job = "ctrlc"
     deep = tmp_path / ("d" * 60)   # runs/<id>/redis/redis.sock would pass 100 bytes: the socket goes to /tmp
     deep.mkdir()
-    # a run far longer than the test: Ctrl-C lands mid-run however slowly the machine brings its processes up
-    # (with 40 steps, a loaded run once trained them all and exited 0 before the signal came)
-    proc, run_dir, _env = _start_run(deep, job, 10_000)
+    # a run far longer than the test, so that Ctrl-C always lands mid-run; started with SIGINT ignored, as
+    # a shell starts a script's background job (`libra-ctl run ... &`): the run takes Ctrl-C all the same
+    # (two loaded suite runs failed here when an earlier test had left SIGINT ignored in pytest's process)
+    proc, run_dir, _env = _start_run(deep, job, 10_000,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     family: list[psutil.Process] = []
     try:
         socket = Path((run_dir / "redis.url").read_text().strip().removeprefix("unix://"))
