@@ -36,8 +36,9 @@ _PRODUCTION_URL = os.environ.pop(ENV_URL, None)
 
 @pytest.fixture(autouse=True)
 def _signal_handlers_restored():
-    """A test that runs an agent in this process leaves rq's SIGINT/SIGTERM handlers behind, and the
-    session then ignores Ctrl-C (seen: three SIGINTs to a loaded run did nothing). Put pytest's back."""
+    """Put pytest's SIGINT and SIGTERM handling back after every test. A test that changes it in this
+    process (which one did was not found) left a loaded session deaf to three SIGINTs, and the runs later
+    tests started inherited SIGINT ignored."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     yield
     for s, handler in saved.items():

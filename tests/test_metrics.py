@@ -201,22 +201,27 @@ def test_top_rates_over_snapshots():
     assert out["trained"] == 32.0 and out["rollout_tokens"] == 500.0
 
 
-def test_gpu_figures_through_nvml(monkeypatch, r):
-    """The NVML path with a stand-in pynvml module (CI has no GPU): devices, peaks, per-worker memory."""
+def stand_in_nvml(monkeypatch, count: int, **calls) -> None:
+    """A pynvml module with ``count`` GPUs (handle i for GPU i, UUID "GPU-i") and ``calls`` for the readings."""
     import sys
 
     class NVMLError(Exception):
         pass
 
+    fake = SimpleNamespace(**{"NVMLError": NVMLError, "nvmlInit": lambda: None, "nvmlDeviceGetCount": lambda: count,
+                              "nvmlDeviceGetHandleByIndex": lambda i: i, "nvmlDeviceGetUUID": lambda h: f"GPU-{h}",
+                              "nvmlDeviceGetComputeRunningProcesses": lambda h: [], **calls})
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+
+
+def test_gpu_figures_through_nvml(monkeypatch, r):
+    """The NVML path with a stand-in pynvml module (CI has no GPU): devices, peaks, per-worker memory."""
     used = {"v": 10 * 2**30}
-    fake = SimpleNamespace(
-        NVMLError=NVMLError, nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1,
-        nvmlDeviceGetHandleByIndex=lambda i: f"h{i}",
+    stand_in_nvml(
+        monkeypatch, 1,
         nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=87, memory=40),
         nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=used["v"], total=141 * 2**30),
-        nvmlDeviceGetUUID=lambda h: f"GPU-{h}",
         nvmlDeviceGetComputeRunningProcesses=lambda h: [SimpleNamespace(pid=os.getpid(), usedGpuMemory=3 * 2**30)])
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
     fake_job(r, workers={"rollout-n-0": ("rollout", "running")})
     sampler = MetricsSampler(r, "obs", None, probe=ResourceProbe(use_gpu=True))
     s = sampler.sample()
@@ -231,18 +236,9 @@ def test_gpu_figures_through_nvml(monkeypatch, r):
 def test_a_sample_shows_the_gpus_of_its_jobs_workers_not_their_neighbours(monkeypatch, r):
     """Four GPUs on the node; the job's workers see GPU 1 (by index) and GPU 3 (by UUID), as their agent
     set CUDA_VISIBLE_DEVICES: the other two belong to another job and are left out of this job's sample."""
-    import sys
-
-    class NVMLError(Exception):
-        pass
-
-    fake = SimpleNamespace(
-        NVMLError=NVMLError, nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 4,
-        nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetUUID=lambda h: f"GPU-{h}".encode(),
-        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=10 * h, memory=0),
-        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=h, total=8),
-        nvmlDeviceGetComputeRunningProcesses=lambda h: [])
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    stand_in_nvml(monkeypatch, 4, nvmlDeviceGetUUID=lambda h: f"GPU-{h}".encode(),   # older pynvml: bytes
+                  nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=10 * h, memory=0),
+                  nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=h, total=8))
     keys = fake_job(r, workers={"rollout-n-0": ("rollout", "running"), "learner-0": ("learner", "running"),
                                 "reward-n-0": ("reward", "running")})
     for wid, devices in (("rollout-n-0", ["1"]), ("learner-0", ["GPU-3"]), ("reward-n-0", [])):  # reward: a CPU slot

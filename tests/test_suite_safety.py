@@ -41,7 +41,8 @@ def test_a_database_holding_libra_jobs_is_refused_and_left_as_it_was(redis_url):
 
 
 def test_a_test_that_takes_over_ctrl_c_here_one():
-    # as an agent or controller run in this process does (cli, agent.main): the next test checks it is undone
+    # as code run in this process may (cli and agent entry points install their own): the next test checks
+    # that the conftest fixture undid it
     signal.signal(signal.SIGINT, lambda _signum, _frame: None)
 
 

@@ -42,16 +42,16 @@ STALE_S = 10.0           # a record without a heartbeat for this long belongs to
 START_GRACE_S = 120.0    # ... except while "starting": torch and vLLM load before the first heartbeat
 NODE_ENV = "LIBRA_NODE"  # the node a worker runs on (set by its agent, or by libra-ctl worker)
 EXTERNAL = "external"    # the ``managed`` field of a worker started outside the agents
+CLAIM_TRIES = 50         # WATCH retries when registering: every heartbeat of the job's workers changes the table
+# States in which a worker holds its place in the job's allocation: at work, about to be (a learner queued for
+# learner-0), or done with its work (a learner after its last step: not to be replaced).
+HOLDS_PLACE = ("starting", "running", "waiting", "queued", "done")
 
 
 def visible_devices() -> list[str] | None:
     """The GPUs this process may use (CUDA_VISIBLE_DEVICES: indices or UUIDs; [] on a CPU slot), None if unset."""
     raw = os.environ.get("CUDA_VISIBLE_DEVICES")
     return None if raw is None else [d.strip() for d in raw.split(",") if d.strip()]
-CLAIM_TRIES = 50         # WATCH retries when registering: every heartbeat of the job's workers changes the table
-# States in which a worker holds its place in the job's allocation: at work, about to be (a learner queued for
-# learner-0), or done with its work (a learner after its last step: not to be replaced).
-HOLDS_PLACE = ("starting", "running", "waiting", "queued", "done")
 
 
 def record_alive(rec: dict, now: float) -> bool:
@@ -78,6 +78,7 @@ class WorkerContext:
     external: bool = False   # started by libra-ctl worker, not by an agent
     drain_requested: bool = False   # an external worker asked to drain (JobKeys.external_drain)
     node: str = field(default_factory=lambda: os.environ.get(NODE_ENV) or socket.gethostname())
+    devices: list[str] | None = field(default_factory=visible_devices)   # fixed for the process's life
     state: str = "starting"
     done: int = 0  # trajectories handled, for the rate
     rate_per_s: float = 0.0
@@ -99,7 +100,7 @@ class WorkerContext:
                 "node": self.node, "slots": [], "state": self.state,
                 "heartbeat": time.time(), "done": self.done, "rate_per_s": round(self.rate_per_s, 3),
                 "policy_version": self.policy_version, **({"managed": EXTERNAL} if self.external else {}),
-                **({"devices": devices} if (devices := visible_devices()) is not None else {}),
+                **({"devices": self.devices} if self.devices is not None else {}),
                 **({"failure": self.failure} if self.failure else {})}
 
     def publish_state(self, state: str | None = None) -> None:

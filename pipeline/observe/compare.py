@@ -109,6 +109,10 @@ def training_window(samples: list[dict]) -> list[dict]:
     return [s for i, s in enumerate(samples) if s.get("phase") == "running" or i == idx[-1] + 1]
 
 
+def _slot_busy(sample: dict) -> dict:
+    return (sample.get("resources") or {}).get("slot_busy") or {}
+
+
 def run_figures(summary: dict, steps: list[dict], samples: list[dict]) -> dict:
     """One finished run as the figures of the four kinds, its totals and its two curves.
 
@@ -124,9 +128,8 @@ def run_figures(summary: dict, steps: list[dict], samples: list[dict]) -> dict:
     t0 = summary.get("started_at") or min((s["at"] for s in steps + samples if "at" in s), default=0.0)
     steps = sorted(steps, key=lambda s: s["step"])
     running = [s for s in samples if s.get("phase") == "running"] or samples
-    busy = [(s.get("resources") or {}).get("slot_busy") or {} for s in training_window(samples)]
-    fracs = [b["frac"] for b in ((s.get("resources") or {}).get("slot_busy") or {} for s in running)
-             if b.get("frac") is not None]
+    busy = [_slot_busy(s) for s in training_window(samples)]
+    fracs = [b["frac"] for b in map(_slot_busy, running) if b.get("frac") is not None]
     slot_s = sum(b.get("slot_s", 0.0) for b in busy)
     gpu = [_mean(g.get("util_percent") for g in (s.get("resources") or {}).get("gpus") or []) for s in running]
     gpu = [g for g in gpu if g is not None]

@@ -27,7 +27,7 @@ import structlog
 
 from pipeline.dataplane.keys import JobKeys
 from pipeline.observe.measures import aggregate_steps, append_line, rates, slot_busy
-from pipeline.observe.resources import LIVE_STATES, ResourceProbe
+from pipeline.observe.resources import ResourceProbe, live_on
 from pipeline.observe.status import job_status
 
 SCHEMA_VERSION = 1
@@ -159,7 +159,7 @@ QUALITY_KEYS = ("steps", "step", "loss", "reward_mean", "reward_std", "success_r
 def job_devices(workers: list[dict], node: str) -> set[str] | None:
     """The GPUs the job's live workers on ``node`` see (their CUDA_VISIBLE_DEVICES), so that a sample
     shows the job's GPUs and not its neighbours'; None (every GPU) when a worker sees them all."""
-    mine = [w for w in workers if w.get("node") == node and w.get("state") in LIVE_STATES]
+    mine = live_on(workers, node)
     if any("devices" not in w for w in mine):
         return None
     return {d for w in mine for d in w["devices"]}

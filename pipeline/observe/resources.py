@@ -12,6 +12,11 @@ import time
 
 LIVE_STATES = ("starting", "running", "waiting", "draining")   # worker states whose processes are measured
 
+
+def live_on(records: list[dict], node: str) -> list[dict]:
+    """The worker records of live processes on ``node`` (those a sample measures)."""
+    return [w for w in records if w.get("node") == node and w.get("state") in LIVE_STATES]
+
 class ResourceProbe:
     """CPU% and RSS of worker process trees (psutil), this node's totals, and GPUs (nvidia-ml-py).
 
@@ -60,9 +65,7 @@ class ResourceProbe:
     def workers(self, records: list[dict], node: str) -> dict:
         gpu_mem = self.nvml.process_memory() if self.nvml else {}
         out = {}
-        for w in records:
-            if w.get("node") != node or w.get("state") not in LIVE_STATES:
-                continue
+        for w in live_on(records, node):
             tree = self.process_tree(int(w["pid"]))
             if tree is None:
                 continue
