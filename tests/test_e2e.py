@@ -36,13 +36,16 @@ LOGPROB_TOL_MAX = 1e-3
 LOGPROB_TOL_MEAN = 1e-5
 
 # The quick start as shipped learns. Held-out greedy success starts at 27.0%
-# (the warm start: the same weights every run, evaluated greedily) and ended at
-# 50.4% and 44.1% (seed 0, twice), 38.7% (seed 1) and 53.5% (seed 2) on this
-# machine: gains of +11.7 to +26.6 points, +19.7 +- 6.5. A build that does not
-# learn ends where it started (no update: exactly; a wrong-signed one: below), so
-# the margin is 5 points: under half the lowest gain, over 2 sd under the mean.
-# The training reward over the last 5 steps against the first 5 rose by 0.18 to
-# 0.31 (+0.23 +- 0.06); its margin is 0.08, more than 2.5 sd under the mean.
+# (the warm start: the same weights every run, evaluated greedily). With lr
+# 2.5e-4 it ended at 43.0% (seed 0), 43.4% (seed 1) and 40.2% (seed 2) on a
+# 2-core AMD EPYC machine, the last two beside two other runs; a fourth seed-0
+# run under that load stood at 38.3% at version 35 (+11.3). Gains +11.3 to
+# +16.4 points. A build that does not learn ends where it started (no update:
+# exactly; a wrong-signed one: below), so the margin is 5 points: under half the
+# lowest gain. (lr 5e-4, the quick start's earlier setting, learned on another
+# machine, +11.7 to +26.6 in four runs, and in none of eight here: 17.2% twice.)
+# The training reward over the last 5 steps against the first 5 rose by 0.20 to
+# 0.27 in the three finished runs (0.05 -> 0.26-0.32); its margin is 0.08.
 SUCCESS_MARGIN = 0.05
 REWARD_MARGIN = 0.08
 
@@ -167,6 +170,7 @@ def check_greedy_matches_learner(run_dir: Path, redis_url: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 318-383 s alone on 2 cores; 585-643 s beside two other such runs
 def test_e2e_embedded_redis(tmp_path):
     """The README's main job as shipped (40 steps of 256): it runs, and it learns."""
     run_dir, out, statuses = run_job(tmp_path, None, [])
