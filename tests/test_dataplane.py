@@ -330,7 +330,7 @@ def test_a_full_redis_makes_producers_wait_and_loses_nothing(small_redis):
         t.start()
     try:
         time.sleep(1.5)
-        assert all(t.is_alive() for t in threads) and not errors
+        assert all(t.is_alive() for t in threads) and not errors, errors
         assert r.xlen(keys.scored) == 0 and r.xlen(keys.prompts) == 0  # nothing written ...
         assert group_pending(r, keys.rollouts, GROUP_REWARD) == 4  # ... and the batch in hand still held
         assert r.xlen(keys.dead_letters) == 0

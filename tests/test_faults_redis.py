@@ -76,10 +76,11 @@ def server(tmp_path):
 
 
 class ExecDropper:
-    """A TCP proxy to ``port`` that, once armed, forwards one EXEC and closes the connection before its reply."""
+    """A TCP proxy to ``port`` that, once armed, forwards one EXEC (or the command named by ``trigger``) and
+    closes the connection before its reply."""
 
-    def __init__(self, port: int):
-        self.upstream = port
+    def __init__(self, port: int, trigger: bytes = b"EXEC\r\n"):
+        self.upstream, self.trigger = port, trigger
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -108,7 +109,7 @@ class ExecDropper:
                     for s in (src, dst):
                         s.shutdown(socket.SHUT_RDWR)
                     return
-                if upstream and self.armed.is_set() and b"EXEC\r\n" in data:
+                if upstream and self.armed.is_set() and self.trigger in data:
                     self.armed.clear()
                     cut.set()
                 dst.sendall(data)
@@ -137,6 +138,31 @@ def test_a_transaction_whose_exec_reply_is_lost_runs_once(server):
         direct = connect(server.url)
         assert direct.xlen(keys.prompts) == 1
         assert direct.hget(keys.counters, "issued") == b"4"
+    finally:
+        proxy.close()
+
+
+def test_a_scripted_write_whose_reply_is_lost_runs_once(server):
+    """A stage's round without dead letters is one script (``write_and_ack``): its reply lost, the retry finds
+    the round's mark and does nothing; the group is written once and not counted as a duplicate."""
+    from pipeline.dataplane.streams import Dedup, ensure_groups, group_pending
+    from pipeline.dataplane.keys import GROUP_REWARD
+    from tests.test_streams import _deliver_and_write
+
+    proxy = ExecDropper(server.port, trigger=b"EVALSHA\r\n")
+    try:
+        r = connect(f"redis://127.0.0.1:{proxy.port}/0")
+        keys, dedup = JobKeys("blip"), Dedup("reward", 600)
+        ensure_groups(r, keys)
+        _deliver_and_write(r, keys, "a", dedup)    # the server now holds the script: the next call runs it
+        proxy.armed.set()
+        _deliver_and_write(r, keys, "b", dedup)
+        assert proxy.dropped.is_set()
+        direct = connect(server.url)
+        assert direct.xlen(keys.scored) == 2
+        assert direct.hget(keys.counters, "scored") == b"4"
+        assert direct.hget(keys.counters, "duplicates_dropped_reward") is None
+        assert group_pending(direct, keys.rollouts, GROUP_REWARD) == 0
     finally:
         proxy.close()
 

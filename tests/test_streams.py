@@ -102,13 +102,16 @@ def test_a_group_written_twice_has_its_effect_once(r):
     assert 0 < r.ttl(keys.seen("reward", "a")) <= 60
 
 
-def _deliver_and_write(r, keys, pid: str, dedup, client=None) -> None:
-    """One delivery of group ``pid`` to the reward stage, scored and written by ``write_and_ack``."""
-    from pipeline.dataplane.streams import decode_entries, read, write_and_ack
+def _deliver_and_write(r, keys, pid: str, dedup, client=None, rejected: str | None = None) -> None:
+    """One delivery of group ``pid`` to the reward stage, scored and written by ``write_and_ack``; with
+    ``rejected``, a second group in the same round that the stage rejects (a dead letter)."""
+    from pipeline.dataplane.streams import Reject, decode_entries, read, write_and_ack
 
-    r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group(pid))})
+    for p in (pid, rejected) if rejected else (pid,):
+        r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group(p))})
     good, bad = decode_entries(read(r, keys.rollouts, GROUP_REWARD, "reward-0", 10, 10), 1 << 20)
-    outputs = [g.with_rewards([1.0, 0.0], 1.0) for _i, g in good]
+    outputs = [Reject("unscorable") if g.prompt_id == rejected else g.with_rewards([1.0, 0.0], 1.0)
+               for _i, g in good]
     write_and_ack(client or r, keys, keys.rollouts, GROUP_REWARD, keys.scored, good, outputs, bad, "scored", None,
                   lambda: False, dedup)
 
@@ -140,11 +143,41 @@ def test_a_dedup_mark_outlives_every_redelivery_and_then_expires(r):
     assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
 
 
-def test_a_concurrent_writer_of_the_group_aborts_the_exec_and_the_round_is_redone(r, redis_url):
-    """Two reward workers write the same group: the one whose WATCHed mark the other set between its WATCH
-    and its EXEC gets a WatchError, redoes the round, finds the mark and only acknowledges its input.
+def test_a_concurrent_writer_of_the_group_leaves_ours_a_duplicate(r, redis_url):
+    """Two reward workers write the same group: the other one writes it after our read and before our
+    write; our round (one script, atomic) finds its mark, writes nothing and acknowledges its input.
 
-    The race is made, not waited for: the other writer runs from a hook just before our EXEC."""
+    The race is made, not waited for: the other writer runs from a hook just before our script."""
+    import redis
+
+    from pipeline.dataplane.redisconn import connect
+    from pipeline.dataplane.streams import Dedup
+
+    keys = JobKeys("t")
+    ensure_groups(r, keys)
+    dedup = Dedup("reward", 600)
+    calls: list[str] = []
+
+    class Raced(redis.Redis):
+        def evalsha(self, *args):
+            if not calls:
+                _deliver_and_write(connect(redis_url), keys, "a", dedup)
+            calls.append("script")
+            return super().evalsha(*args)
+
+    raced = Raced(connection_pool=connect(redis_url).connection_pool)
+    _deliver_and_write(r, keys, "a", dedup, client=raced)
+    assert calls == ["script"]                                            # one round trip, no retry
+    assert r.xlen(keys.scored) == 1                                       # the other writer's copy only
+    assert int(r.hget(keys.counters, "scored")) == 2                      # one group of 2 trajectories
+    assert int(r.hget(keys.counters, "duplicates_dropped_reward")) == 2   # ours, counted as a duplicate
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0             # both deliveries acknowledged
+
+
+def test_a_concurrent_writer_aborts_the_exec_of_a_round_with_a_dead_letter_and_it_is_redone(r, redis_url):
+    """A round that dead-letters goes through WATCH / MULTI / EXEC: the other writer sets the mark we WATCH
+    between our WATCH (and MGET of the marks) and our EXEC, our EXEC gets a WatchError, the round is redone,
+    finds the mark, writes the dead letter and acknowledges both inputs."""
     import redis
 
     from pipeline.dataplane.redisconn import connect
@@ -157,7 +190,7 @@ def test_a_concurrent_writer_of_the_group_aborts_the_exec_and_the_round_is_redon
 
     class RacedPipeline(redis.client.Pipeline):
         def execute(self, raise_on_error=True):
-            if self.watching and not tries:          # between our WATCH (and MGET of the marks) and our EXEC
+            if self.watching and not tries:
                 _deliver_and_write(connect(redis_url), keys, "a", dedup)
             try:
                 out = super().execute(raise_on_error)
@@ -172,12 +205,13 @@ def test_a_concurrent_writer_of_the_group_aborts_the_exec_and_the_round_is_redon
             return RacedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
 
     raced = Raced(connection_pool=connect(redis_url).connection_pool)
-    _deliver_and_write(r, keys, "a", dedup, client=raced)
+    _deliver_and_write(r, keys, "a", dedup, client=raced, rejected="b")
     assert tries == ["aborted", "executed"]
     assert r.xlen(keys.scored) == 1                                       # the other writer's copy only
-    assert int(r.hget(keys.counters, "scored")) == 2                      # one group of 2 trajectories
-    assert int(r.hget(keys.counters, "duplicates_dropped_reward")) == 2   # ours, counted as a duplicate
-    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0             # both deliveries acknowledged
+    assert int(r.hget(keys.counters, "scored")) == 2
+    assert int(r.hget(keys.counters, "duplicates_dropped_reward")) == 2
+    assert [f[b"reason"] for _i, f in r.xrange(keys.dead_letters)] == [b"unscorable"]
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
 
 
 def test_trim_keeps_everything_a_group_still_needs(r):

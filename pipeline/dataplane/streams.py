@@ -2,16 +2,17 @@
 
 A stage is a function from decoded input messages to output messages (or
 ``Reject``s); ``run_stage`` wraps it between two Redis streams. Output and the
-acknowledgement of its input go in one MULTI/EXEC transaction, so a crash
-leaves either both or neither. Messages that fail to decode, and inputs the
+acknowledgement of its input go in one atomic step (a Lua script, or a
+MULTI/EXEC transaction in a round that dead-letters), so a crash leaves
+either both or neither. Messages that fail to decode, and inputs the
 stage rejects, go to the job's dead-letter stream with the reason. Called by
 the rollout and reward worker processes; the learner uses ``read`` and
 ``dead_letter`` but defers its acks to its checkpoints.
 
 Redis blips: every transaction here runs once even when its EXEC reply is
 lost (the connection dropped after the server ran it): it writes a mark
-(``keys.txn_mark``) and checks it under WATCH before each try, so a retry
-finds the mark and stops. While Redis is unreachable a write waits
+(``keys.txn_mark``) and checks it before each try (inside the script, or
+under WATCH), so a retry finds the mark and stops. While Redis is unreachable a write waits
 (``redisconn.Outage``) with its outputs in hand, and ``run_stage`` retries the
 round, then reads its own pending entries first: those whose XREADGROUP
 reply was lost are delivered to it and would otherwise wait for a reclaim
@@ -167,7 +168,9 @@ def execute_with_backpressure(build: Callable[[], "redis.client.Pipeline"], log=
     """
     wait, outage = FullRedisWait(log, stop), Outage(log, stop=stop)
     mark = None
-    while True:
+
+    def attempt():
+        nonlocal mark
         pipe = build()
         stack, pipe.command_stack = pipe.command_stack, []
         if mark is None:
@@ -175,22 +178,19 @@ def execute_with_backpressure(build: Callable[[], "redis.client.Pipeline"], log=
         try:
             pipe.watch(mark)
             if pipe.exists(mark):
-                outage.ok()
                 return None   # an earlier try ran; its reply was lost
             pipe.multi()
             pipe.command_stack.extend(stack)
             pipe.set(mark, 1, ex=txn_mark_ttl_s())
-            out = pipe.execute()[:-1]
-            outage.ok()
-            return out
+            return pipe.execute()[:-1]
         except redis.WatchError:
-            continue
-        except UNAVAILABLE as exc:
-            outage.wait(exc)
-        except redis.ResponseError as exc:
-            wait.after(exc)
+            return _AGAIN
         finally:
             pipe.reset()
+
+    while (out := _waiting_out_redis(attempt, wait, outage)) is _AGAIN:
+        pass
+    return out
 
 
 def _first_key(stack) -> str:
@@ -215,6 +215,23 @@ class FullRedisWait:
             self.log.warning("redis_full_waiting", delay_s=self.delay)
         time.sleep(self.delay)
         self.delay = min(self.delay * 2, 5.0)
+
+
+_AGAIN = object()   # an attempt a concurrent writer aborted: try again
+
+
+def _waiting_out_redis(attempt: Callable[[], object], wait: FullRedisWait, outage: Outage):
+    """``attempt()``'s result, tried again while Redis is unreachable (up to the outage limit) or full."""
+    while True:
+        try:
+            result = attempt()
+        except UNAVAILABLE as exc:
+            outage.wait(exc)
+        except redis.ResponseError as exc:
+            wait.after(exc)
+        else:
+            outage.ok()
+            return result
 
 
 # Counts the entries of KEYS[1] after id ARGV[1] (exclusive), at most ARGV[2], in pages, inside the
@@ -339,6 +356,14 @@ class ClaimPolicy:
 
     min_idle_ms: int  # longer than the stage's slowest handler (and, for the learner, a checkpoint)
     max_deliveries: int
+
+    @property
+    def scan_every_s(self) -> float:
+        """Between two scans for idle entries that found none: an entry turns idle at ``min_idle_ms``, so
+        a scan every round finds nothing more than one every quarter of it (at most every second) would,
+        and costs a round trip and a walk of the pending list each time. It delays a takeover by at most
+        this much."""
+        return min(1.0, self.min_idle_ms / 4000)
 
 
 def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: str, policy: ClaimPolicy,
@@ -505,7 +530,8 @@ def run_stage(
     """The loop every streaming stage runs until ``stop()``.
 
     Each round: ``before_read`` (reloads, evaluations, backpressure; False
-    skips the round), then entries reclaimed from idle consumers, else new
+    skips the round), then entries reclaimed from idle consumers (scanned for
+    at most every ``claims.scan_every_s`` once a scan found none), else new
     ones; ``handle`` maps decoded messages to outputs in order (a message for
     ``sink`` or a ``Reject``); outputs and acks go in one transaction.
     ``counter`` names the counter increased by the trajectories written.
@@ -517,7 +543,7 @@ def run_stage(
     # Where the replay of our own pending entries has got to: at the start (a worker restarted under its
     # stable name takes its predecessor's batch back at once, not after min_idle) and after an outage.
     own: str | None = "0"
-    rounds = 0
+    rounds, next_scan = 0, 0.0
     try:
         while not stop():
             try:
@@ -526,7 +552,11 @@ def run_stage(
                 rounds += 1
                 if rounds % TRIM_EVERY == 0:
                     trim(r, source)
-                entries, cursor = reclaim(r, keys, source, group, consumer, claims, count, cursor, log)
+                entries = []
+                if cursor != "0-0" or time.monotonic() >= next_scan:   # a scan in progress goes on
+                    entries, cursor = reclaim(r, keys, source, group, consumer, claims, count, cursor, log)
+                    if cursor == "0-0" and not entries:
+                        next_scan = time.monotonic() + claims.scan_every_s
                 if not entries and own is not None:
                     entries, own = replay_own(r, keys, source, group, consumer, claims, count, own, log)
                 if not entries:
@@ -570,47 +600,107 @@ class Dedup:
 
 def write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop,
                   dedup: Dedup | None = None, raw: dict[bytes, bytes] | None = None) -> None:
-    """Outputs, dead letters and the acks of their inputs, in one MULTI/EXEC transaction.
+    """Outputs, dead letters and the acks of their inputs, atomically: one script (``_write_scripted``)
+    when the round has no dead letter, else one MULTI/EXEC transaction.
 
     ``raw`` maps each input's entry id to its payload as read: a rejected
     input is dead-lettered with those bytes (without it, re-encoded).
 
-    With ``dedup``, the transaction WATCHes each output's mark, writes only
+    With ``dedup``, the script skips an output whose mark is set and sets the marks of those it writes;
+    the transaction WATCHes each output's mark, writes only
     the outputs whose group has none yet and sets their marks; a concurrent
     writer of the same group makes EXEC fail and the round is redone, so a
     redelivered or regenerated group has its effect once.
     """
     marks = [keys.seen(dedup.stage, out.prompt_id) if dedup and not isinstance(out, Reject) else None
              for out in outputs]
-    # Only a dead letter needs the group size (a round trip): bad entries and rejects are rare.
-    group_size = job_group_size(r, keys) if bad or any(isinstance(o, Reject) for o in outputs) else 0
+    rejects = any(isinstance(o, Reject) for o in outputs)
     wait, outage = FullRedisWait(log, stop), Outage(log, stop=stop)
     done = txn_mark(sink, uuid.uuid4().hex)   # this round's writes have run (a lost EXEC reply)
-    while True:
+    if not bad and not rejects:
+        _write_scripted(r, keys, source, group, sink, good, outputs, marks, counter, dedup, done, wait, outage)
+        return
+    # Only a dead letter needs the group size (a round trip): bad entries and rejects are rare.
+    group_size = job_group_size(r, keys)
+
+    def attempt() -> bool:
+        """One try of the transaction; False when a concurrent writer aborted it."""
         with r.pipeline(transaction=True) as pipe:
             try:
                 watched = [m for m in marks if m]
                 pipe.watch(done, *watched)
                 values = pipe.mget([done, *watched])
                 if values[0] is not None:
-                    break
+                    return True
                 already = {m for m, v in zip(watched, values[1:]) if v is not None}
                 pipe.multi()
                 _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already,
                               dedup, group_size, raw or {})
                 pipe.set(done, 1, ex=txn_mark_ttl_s())
                 pipe.execute()
-                break
+                return True
             except redis.WatchError:
-                continue
-            except UNAVAILABLE as exc:
-                outage.wait(exc)
-            except redis.ResponseError as exc:
-                wait.after(exc)
-    outage.ok()
+                return False
+
+    while not _waiting_out_redis(attempt, wait, outage):
+        pass   # a concurrent writer aborted it: redo the round
     for _id, _payload, reason in bad:
         if log:
             log.warning("dead_lettered", reason=reason)
+
+
+# One round's outputs, their exactly-once marks and the acknowledgement of their inputs, atomically and
+# in one round trip (the WATCH / MGET / MULTI...EXEC / UNWATCH of the general path are four).
+# KEYS: the round's done mark, source, sink, counters, then the marks. ARGV: group, field, done TTL, mark
+# TTL, counter, duplicates counter, n_acks, the acked ids, then per output: its mark's index in KEYS after
+# the first four (0: none), its trajectories, its payload. Only the first write can meet a full Redis
+# (once a script has written, Redis lets it finish), so an OOM error comes back before anything is written,
+# as an error whose code is OOM (Redis 6.2 words a refused call inside a script otherwise).
+_WRITE_AND_ACK = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+local n_acks = tonumber(ARGV[7])
+local written, dups, i = 0, 0, 8 + n_acks
+while i <= #ARGV do
+  local mark, size = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
+  if mark > 0 and redis.call('EXISTS', KEYS[4 + mark]) == 1 then
+    dups = dups + size
+  else
+    local id = redis.pcall('XADD', KEYS[3], '*', ARGV[2], ARGV[i + 2])
+    if type(id) == 'table' and id.err then
+      if string.find(id.err, 'OOM', 1, true) then return redis.error_reply('OOM ' .. id.err) end
+      return redis.error_reply(id.err)
+    end
+    if mark > 0 then redis.call('SET', KEYS[4 + mark], 1, 'EX', ARGV[4]) end
+    written = written + size
+  end
+  i = i + 3
+end
+if n_acks > 0 then redis.call('XACK', KEYS[2], ARGV[1], unpack(ARGV, 8, 7 + n_acks)) end
+if ARGV[5] ~= '' and written > 0 then redis.call('HINCRBY', KEYS[4], ARGV[5], written) end
+if dups > 0 then redis.call('HINCRBY', KEYS[4], ARGV[6], dups) end
+redis.call('SET', KEYS[1], 1, 'EX', ARGV[3])
+return {written, dups}
+"""
+_write_and_ack_script = None
+
+
+def _write_scripted(r, keys, source, group, sink, good, outputs, marks, counter, dedup, done, wait, outage):
+    """``write_and_ack`` of a round with no dead letter: one script, run once even when its reply is lost."""
+    global _write_and_ack_script
+    if _write_and_ack_script is None:
+        _write_and_ack_script = r.register_script(_WRITE_AND_ACK)
+    script_keys, index = [done, source, sink, keys.counters], {}
+    acked, tail = [], []
+    # Only inputs with an output are acknowledged, as in _queue_writes.
+    for (entry_id, _msg), out, mark in zip(good, outputs, marks):
+        acked.append(entry_id)
+        if mark and mark not in index:
+            script_keys.append(mark)
+            index[mark] = len(index) + 1
+        tail += (index[mark] if mark else 0, _size(out), messages.encode(out))
+    args = [group, messages.FIELD, txn_mark_ttl_s(), dedup.ttl_s if dedup else 0, counter or "",
+            f"duplicates_dropped_{dedup.stage}" if dedup else "", len(acked), *acked, *tail]
+    _waiting_out_redis(lambda: _write_and_ack_script(keys=script_keys, args=args, client=r), wait, outage)
 
 
 def _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already, dedup,
