@@ -149,12 +149,12 @@ def test_a_scripted_write_whose_reply_is_lost_runs_once(server):
     from pipeline.dataplane.keys import GROUP_REWARD
     from tests.test_streams import _deliver_and_write
 
-    proxy = ExecDropper(server.port, trigger=b"EVALSHA\r\n")
+    proxy = ExecDropper(server.port, trigger=b"EVAL\r\n")
     try:
         r = connect(f"redis://127.0.0.1:{proxy.port}/0")
         keys, dedup = JobKeys("blip"), Dedup("reward", 600)
         ensure_groups(r, keys)
-        _deliver_and_write(r, keys, "a", dedup)    # the server now holds the script: the next call runs it
+        _deliver_and_write(r, keys, "a", dedup)
         proxy.armed.set()
         _deliver_and_write(r, keys, "b", dedup)
         assert proxy.dropped.is_set()

@@ -159,11 +159,11 @@ def test_a_concurrent_writer_of_the_group_leaves_ours_a_duplicate(r, redis_url):
     calls: list[str] = []
 
     class Raced(redis.Redis):
-        def evalsha(self, *args):
+        def eval(self, *args):
             if not calls:
                 _deliver_and_write(connect(redis_url), keys, "a", dedup)
             calls.append("script")
-            return super().evalsha(*args)
+            return super().eval(*args)
 
     raced = Raced(connection_pool=connect(redis_url).connection_pool)
     _deliver_and_write(r, keys, "a", dedup, client=raced)

@@ -681,14 +681,10 @@ if dups > 0 then redis.call('HINCRBY', KEYS[4], ARGV[6], dups) end
 redis.call('SET', KEYS[1], 1, 'EX', ARGV[3])
 return {written, dups}
 """
-_write_and_ack_script = None
 
 
 def _write_scripted(r, keys, source, group, sink, good, outputs, marks, counter, dedup, done, wait, outage):
     """``write_and_ack`` of a round with no dead letter: one script, run once even when its reply is lost."""
-    global _write_and_ack_script
-    if _write_and_ack_script is None:
-        _write_and_ack_script = r.register_script(_WRITE_AND_ACK)
     script_keys, index = [done, source, sink, keys.counters], {}
     acked, tail = [], []
     # Only inputs with an output are acknowledged, as in _queue_writes.
@@ -700,7 +696,7 @@ def _write_scripted(r, keys, source, group, sink, good, outputs, marks, counter,
         tail += (index[mark] if mark else 0, _size(out), messages.encode(out))
     args = [group, messages.FIELD, txn_mark_ttl_s(), dedup.ttl_s if dedup else 0, counter or "",
             f"duplicates_dropped_{dedup.stage}" if dedup else "", len(acked), *acked, *tail]
-    _waiting_out_redis(lambda: _write_and_ack_script(keys=script_keys, args=args, client=r), wait, outage)
+    _waiting_out_redis(lambda: r.eval(_WRITE_AND_ACK, len(script_keys), *script_keys, *args), wait, outage)
 
 
 def _queue_writes(pipe, keys, source, group, sink, good, outputs, bad, counter, marks, already, dedup,
