@@ -348,6 +348,19 @@ def test_allocation_status_shape(r, redis_url, tmp_path):
                                                                        "state": "running", "role": "rollout"}
 
 
+def test_a_learner_counts_its_ranks_so_scale_wait_sees_a_pinned_learner_running(r, redis_url, tmp_path, capsys):
+    # a pinned learner=2 is one process on two slots: counting processes, `scale --wait` never returned
+    # (it waited out its limit while the 2-rank learner trained)
+    sim_job(r, redis_url, tmp_path, control={"mode": "pinned"})
+    fake_agent(r, "n1", 3)
+    for worker, role, slots in (("learner-0", "learner", [0, 1]), ("rollout-n1-2", "rollout", [2])):
+        r.hset(agent_procs("n1"), f"{JOB}/{worker}", json.dumps({
+            "job": JOB, "worker": worker, "role": role, "slots": slots, "pid": 42, "state": "running"}))
+    assert allocation_status(r, JOB)["roles"] == {"learner": 2, "rollout": 1}
+    assert cli.main(["scale", "learner=2", "rollout=1", "--wait", "5", "--redis", redis_url]) == 0
+    assert "running learner=2 rollout=1" in capsys.readouterr().out
+
+
 def test_drain_goes_through_the_controller_or_straight_to_the_agent(r, redis_url, tmp_path, capsys):
     sim_job(r, redis_url, tmp_path, control={"mode": "pinned"})
     pin(r, JOB, {"rollout": 2})

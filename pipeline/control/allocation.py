@@ -94,14 +94,15 @@ def external_counts(workers: dict[str, dict]) -> dict[str, int]:
 def allocation_status(r: redis.Redis, job: str) -> dict:
     """The job's allocation for ``libra-ctl status``: mode, counts per role, and every node's slots.
 
-    ``{"mode": "auto"|"pinned", "roles": {role: workers running}, "target": {role: count},
+    ``{"mode": "auto"|"pinned", "roles": {role: count running}, "target": {role: count},
     "pinned": {role: count}, "nodes": [{"node", "host", "alive", "heartbeat_age_s",
     "slots": [{"index", "device", "job", "worker", "role", "pid", "state"}]}],
     "workers": {worker: {"node", "slots", "pid", "state"}},
     "external": {worker: {"node", "role", "pid", "state"}}}``; a slot without a
     worker has ``worker: None``, a worker without slots (reward on CPU) appears
     under ``workers`` only; a lost node (heartbeat older than ``AGENT_DEAD_S``) keeps its last slots
-    but adds nothing to ``workers`` or ``roles``. ``roles`` counts the live agents' running workers and the
+    but adds nothing to ``workers`` or ``roles``. ``roles`` counts the live agents' running workers (the
+    learner by its slots, as ``target`` and ``pinned`` do: a learner of 2 ranks is learner=2) and the
     counted external ones (``external``: started by ``libra-ctl worker``, on no slot).
     """
     alloc = get_allocation(r, job)
@@ -125,7 +126,9 @@ def allocation_status(r: redis.Redis, job: str) -> dict:
                 workers[p["worker"]] = {"node": node, "slots": p["slots"], "pid": p["pid"], "state": p["state"],
                                         "role": p["role"]}
                 if p["state"] == "running" and p["role"] in ROLES:
-                    roles[p["role"]] = roles.get(p["role"], 0) + 1
+                    # counted as the allocation counts: the learner in slots (its ranks), other roles in workers
+                    n = len(p["slots"]) if p["role"] == "learner" and p["slots"] else 1
+                    roles[p["role"]] = roles.get(p["role"], 0) + n
         nodes.append({"node": node, "host": rec["host"], "alive": alive,
                       "heartbeat_age_s": round(now - rec["heartbeat"], 1), "slots": slots})
     ext = external_workers(r, job, now)
