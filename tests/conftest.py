@@ -6,7 +6,8 @@ started once per session, or ``$LIBRA_TEST_REDIS_URL`` when set. Never
 the suite removes it from its environment at start (and every process a test
 starts inherits that). ``server_redis_url`` is a Redis 7 server
 (``$LIBRA_TEST_REDIS7_URL`` or 127.0.0.1:6379 db 15): the end-to-end test runs
-on both.
+on both. Under pytest-xdist (``scripts/test`` runs two workers) worker gwN
+takes the database numbered N below the one given.
 
 Each test gets a clean database, but a database the suite did not start is
 flushed only once it is proven the suite's: empty when first seen (then
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
@@ -26,12 +28,32 @@ from pipeline.dataplane.keys import JOBS
 from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect
 from pipeline.redaction import redact
 
-SERVER_URL = os.environ.get("LIBRA_TEST_REDIS7_URL", "redis://127.0.0.1:6379/15")
 TEST_URL = "LIBRA_TEST_REDIS_URL"
+
+
+def worker_db(url: str) -> str:
+    """The URL for this pytest process: under pytest-xdist, worker gwN takes database number minus N, so
+    the workers never flush each other's database (each proves its own the suite's, as below)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or url.startswith("unix:"):
+        return url
+    parts = urlsplit(url)
+    db = int(parts.path.strip("/") or 0) - int(worker[2:])
+    if db < 0:
+        raise pytest.UsageError(f"{redact(url)}: too few databases below it for pytest-xdist worker {worker}")
+    return urlunsplit(parts._replace(path=f"/{db}"))
+
+
+SERVER_URL = worker_db(os.environ.get("LIBRA_TEST_REDIS7_URL", "redis://127.0.0.1:6379/15"))
 OWNER_KEY = "libra-test:owner"        # marks a database as the test suite's to flush
 
 # whatever a shell or deploy/libra.env exported, no test and no process a test starts talks to it
 _PRODUCTION_URL = os.environ.pop(ENV_URL, None)
+
+
+# what this session started with: pytest's handler, or SIG_IGN when the suite was started as a background job
+# of a non-interactive shell (bash starts those with SIGINT ignored)
+SESSION_SIGINT = signal.getsignal(signal.SIGINT)
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +93,7 @@ def clean(client: redis.Redis, url: str) -> None:
 def _session_redis_url(tmp_path_factory):
     url = os.environ.get(TEST_URL)
     if url:
-        yield url
+        yield worker_db(url)
         return
     with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as server:
         yield server.url

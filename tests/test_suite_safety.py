@@ -11,9 +11,9 @@ from pipeline.dataplane.keys import JOBS
 from pipeline.dataplane.redisconn import ENV_URL, connect
 
 try:
-    from tests.conftest import OWNER_KEY, claim, clean
+    from tests.conftest import OWNER_KEY, SESSION_SIGINT, claim, clean
 except ImportError:   # tests/ on sys.path instead of the repository root
-    from conftest import OWNER_KEY, claim, clean
+    from conftest import OWNER_KEY, SESSION_SIGINT, claim, clean
 
 
 def test_no_test_or_process_it_starts_sees_the_production_redis_url():
@@ -40,11 +40,13 @@ def test_a_database_holding_libra_jobs_is_refused_and_left_as_it_was(redis_url):
     other.flushdb()
 
 
+@pytest.mark.xdist_group("ctrl-c")      # under pytest-xdist (--dist loadgroup) the pair runs on one worker, in order
 def test_a_test_that_takes_over_ctrl_c_here_one():
     # as code run in this process may (cli and agent entry points install their own): the next test checks
     # that the conftest fixture undid it
     signal.signal(signal.SIGINT, lambda _signum, _frame: None)
 
 
+@pytest.mark.xdist_group("ctrl-c")
 def test_the_next_test_has_pytests_ctrl_c_back():
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is SESSION_SIGINT
