@@ -36,7 +36,9 @@ from workers.envs import load_env
 from workers.envs.base import BadLine, Environment, Task
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = {"run": 0}   # cases run by this module's tests, checked and printed by the last one
+# cases run by this module's tests, checked and printed by the last one (one process: scripts/test runs
+# pytest-xdist with --dist loadfile, which keeps a module on one worker, in order)
+CASES = {"run": 0}
 
 
 def fuzz(n: int):

@@ -40,13 +40,11 @@ def test_a_database_holding_libra_jobs_is_refused_and_left_as_it_was(redis_url):
     other.flushdb()
 
 
-@pytest.mark.xdist_group("ctrl-c")      # under pytest-xdist (--dist loadgroup) the pair runs on one worker, in order
 def test_a_test_that_takes_over_ctrl_c_here_one():
     # as code run in this process may (cli and agent entry points install their own): the next test checks
-    # that the conftest fixture undid it
+    # that the conftest fixture undid it (scripts/test's --dist loadfile runs a module on one worker, in order)
     signal.signal(signal.SIGINT, lambda _signum, _frame: None)
 
 
-@pytest.mark.xdist_group("ctrl-c")
 def test_the_next_test_has_pytests_ctrl_c_back():
     assert signal.getsignal(signal.SIGINT) is SESSION_SIGINT

@@ -257,12 +257,16 @@ def test_loop_finishes_on_max_turns_length_and_eos(tokenizer):
 
 def test_loop_records_tool_timeouts(tokenizer):
     problems = calc.make_problems(0, 4, "eval")
-    episodes = _run(ScriptedGenerator(tokenizer, problems), tokenizer, problems, tool_timeout_s=0.05,
-                    env=calc.Calculator(tool_delay_s=0.5))
+    # the deadline covers the final answer's step too, which does not sleep: at 0.05 s a loaded machine
+    # missed it (the answer got a timeout reply and the episode a fourth turn), so 1 s against a 10 s tool
+    episodes = _run(ScriptedGenerator(tokenizer, problems), tokenizer, problems, tool_timeout_s=1.0,
+                    env=calc.Calculator(tool_delay_s=10.0))
     for ep in episodes:
         assert ep.tool_timeouts == ep.tool_calls == 2
         assert "<result>error</result>" in ep.text
-        assert all(lat < 0.4 for lat in ep.tool_latency_s)
+        # a loop that waited for the tool takes its 10 s; one that gave up takes the 1 s deadline and what
+        # a loaded machine adds: half the delay tells them apart without a race
+        assert all(lat < 5.0 for lat in ep.tool_latency_s)
 
 
 def test_loop_respects_max_total_tokens(tokenizer):
