@@ -235,6 +235,9 @@ class ControlJobRunner:
             def _install_signal_handlers(self):
                 pass   # the agent owns SIGTERM and SIGINT
 
+            def subscribe(self):
+                pass   # nor rq's command channel: no `rq shutdown` stops an agent, and no thread is left behind
+
         self.node = node
         self.log = log or structlog.get_logger("agent").bind(node=node)
         self.queue = actions.queue(r, node)
