@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+# about 60 s quiet; beside another full suite and a CPU hog (load 11-14) the bench outlasted 280 s, so the
+# limits only catch a bench that hangs
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS, PER_CALL, GROUP, BATCH = 16, 4, 8, 32
@@ -30,7 +32,7 @@ def test_bench_rollout_reports_both_paths_and_the_switch(tmp_path):
         [sys.executable, "-m", "pipeline.cli", "bench", "rollout", "--prompts", str(PROMPTS), "--rounds", "1",
          "--set", f"rollout.groups_per_call={PER_CALL}", "--set", f"learner.batch_size={BATCH}",
          "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=280)
+        cwd=ROOT, capture_output=True, text=True, timeout=1140)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
     assert "ratio pipeline/direct" in proc.stdout
     res = json.loads(out.read_text())
