@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
 import redis
@@ -35,12 +35,16 @@ def worker_db(url: str) -> str:
     """The URL for this pytest process: under pytest-xdist, worker gwN takes database number minus N, so
     the workers never flush each other's database (each proves its own the suite's, as below)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if not worker.startswith("gw") or url.startswith("unix:"):
+    if not worker.startswith("gw"):
         return url
     parts = urlsplit(url)
-    db = int(parts.path.strip("/") or 0) - int(worker[2:])
+    unix = parts.scheme == "unix"          # unix:///path.sock?db=N; redis[s]://host:port/N
+    query = dict(parse_qsl(parts.query))
+    db = int((query.get("db") if unix else parts.path.strip("/")) or 0) - int(worker[2:])
     if db < 0:
         raise pytest.UsageError(f"{redact(url)}: too few databases below it for pytest-xdist worker {worker}")
+    if unix:   # urlunsplit would write unix:/path, which redis-py refuses
+        return url.split("?", 1)[0] + "?" + urlencode({**query, "db": db})
     return urlunsplit(parts._replace(path=f"/{db}"))
 
 

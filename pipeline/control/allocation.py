@@ -126,9 +126,8 @@ def allocation_status(r: redis.Redis, job: str) -> dict:
                 workers[p["worker"]] = {"node": node, "slots": p["slots"], "pid": p["pid"], "state": p["state"],
                                         "role": p["role"]}
                 if p["state"] == "running" and p["role"] in ROLES:
-                    # counted as the allocation counts: the learner in slots (its ranks), other roles in workers
-                    n = len(p["slots"]) if p["role"] == "learner" and p["slots"] else 1
-                    roles[p["role"]] = roles.get(p["role"], 0) + n
+                    # as targets and pins count: a worker's slots (a learner's ranks), one for a worker on none
+                    roles[p["role"]] = roles.get(p["role"], 0) + (len(p["slots"]) or 1)
         nodes.append({"node": node, "host": rec["host"], "alive": alive,
                       "heartbeat_age_s": round(now - rec["heartbeat"], 1), "slots": slots})
     ext = external_workers(r, job, now)
