@@ -43,6 +43,15 @@ def _gone(procs: list[psutil.Process]) -> list[psutil.Process]:
     return alive
 
 
+def _cmdline(p: psutil.Process) -> str:
+    """``p``'s command line as one string; empty once it has ended (a process can end between a listing
+    of the live ones and this read: the race CI met in the Ctrl-C test)."""
+    try:
+        return " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return ""
+
+
 def _owner_script(data_dir: Path) -> str:
     return textwrap.dedent(f"""
         import time
@@ -111,7 +120,7 @@ def _audit(run_dir: Path, job: str) -> dict:
 
 
 def _by_name(procs: list[psutil.Process], word: str) -> list[psutil.Process]:
-    return [p for p in _gone(procs) if word in " ".join(p.cmdline())]
+    return [p for p in _gone(procs) if word in _cmdline(p)]
 
 
 @pytest.mark.slow
@@ -122,7 +131,7 @@ def test_kill_9_of_a_run_leaves_nothing_behind_and_resume_finishes(tmp_path):
     family: list[psutil.Process] = []
     try:
         family = _after_first_step(proc, run_dir, job)
-        labels = {p.pid: " ".join(p.cmdline())[:80] for p in family}
+        labels = {p.pid: _cmdline(p)[:80] for p in family}
         names = " ".join(labels.values())
         assert all(w in names for w in ("redis-server", "controller", "agent", "workers.feeder",
                                         "workers.rollout", "workers.reward", "workers.learner")), names
@@ -141,7 +150,7 @@ def test_kill_9_of_a_run_leaves_nothing_behind_and_resume_finishes(tmp_path):
             wait_for(_track, 60, "every process of the killed run to end")
             print("\n".join(f"{t:6.1f}s {label}" for t, label in sorted(ends.values())))
         except AssertionError as e:
-            left = "\n".join(f"{p.pid} {p.status()} {' '.join(p.cmdline())[:200]}" for p in _gone(family))
+            left = "\n".join(f"{p.pid} {_cmdline(p)[:200]}" for p in _gone(family))
             raise AssertionError(f"{e}; still running:\n{left}") from None
         print(f"{len(family)} processes of the killed run ended within {time.monotonic() - t0:.1f}s")
     finally:
@@ -185,7 +194,7 @@ def test_sigterm_of_a_run_stops_it_in_order_and_resume_finishes(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=300) == 130, (tmp_path / f"{job}.out").read_text()
         # stopped in order before the run exited, not orphaned to die later
-        assert not _gone(family), "\n".join(" ".join(p.cmdline())[:200] for p in _gone(family))
+        assert not _gone(family), "\n".join(_cmdline(p)[:200] for p in _gone(family))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -212,7 +221,7 @@ def test_a_killed_controller_and_agent_are_restarted_and_the_run_finishes(tmp_pa
         workers = _by_name(family, "--worker-id")
         # rq renames the agent's process title after its worker ("rq:worker:libra-agent-<node>-...")
         targets = [_by_name(family, word) for word in ("pipeline.cli controller", "libra-agent-")]
-        assert all(len(t) == 1 for t in targets), "\n".join(" ".join(p.cmdline()) for p in _gone(family))
+        assert all(len(t) == 1 for t in targets), "\n".join(_cmdline(p) for p in _gone(family))
         for (p,) in targets:
             p.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=900) == 0, (tmp_path / f"{job}.out").read_text()

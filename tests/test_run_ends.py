@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.test_faults_run import _gone, _start_run
+from tests.test_faults_run import _cmdline, _gone, _start_run
 from tests.test_sim_workers import wait_for
 
 ROLES = ("workers.feeder", "workers.rollout", "workers.reward", "workers.learner", "controller", "agent",
@@ -35,7 +35,7 @@ def _of_run(run_dir: Path) -> list[psutil.Process]:
 
 
 def _describe(procs: list[psutil.Process]) -> str:
-    return "\n".join(f"{p.pid} {' '.join(p.cmdline())[:200]}" for p in procs)
+    return "\n".join(f"{p.pid} {_cmdline(p)[:200]}" for p in procs)
 
 
 @pytest.mark.slow
@@ -76,7 +76,7 @@ def test_ctrl_c_stops_every_process_of_the_run_and_removes_the_redis_socket(tmp_
         def all_up():
             nonlocal family
             family = psutil.Process(proc.pid).children(recursive=True)
-            names = " ".join(" ".join(p.cmdline()) for p in _gone(family))
+            names = " ".join(_cmdline(p) for p in _gone(family))
             return all(role in names for role in ROLES)
         wait_for(all_up, 600, "the feeder, controller, agent, every stage's worker and Redis")
         proc.send_signal(signal.SIGINT)   # a terminal's Ctrl-C reaches the run alone: its children have sessions
