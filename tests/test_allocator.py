@@ -57,6 +57,32 @@ def test_cooldown_blocks_any_move():
     assert d.allocation == Allocation(36, 28)
 
 
+def test_no_move_while_the_window_reaches_back_past_the_last_change():
+    # a window stretched to hold two learner steps (300 s here) that began before the move of 200 s ago mixes
+    # both splits and the move's own transient: the plan waits until the window is the new split's alone
+    m = dict(rollout_gpu_s_per_traj=1.0, learner_wait_frac=0.45, window_s=300.0,
+             changed_from=Allocation(rollout=40, learner=24))
+    assert plan(metrics(since_change_s=200.0, **m), INV, [JOB]).reason == "cooldown"
+    assert plan(metrics(since_change_s=300.0, **m), INV, [JOB]).changed
+
+
+def test_weight_loads_cost_per_version_not_per_window():
+    # 3 s loads, one version per 4096-trajectory batch. A 150 s window at ~60 traj/s holds the loads of one
+    # version or of two (pause share 2% or 4%): with the measured load time the plan is the same for both
+    one, two = (metrics(rollout_pause_frac=f, rollout_load_s=3.0, rollout_gpu_s_per_traj=0.6,
+                        learner_wait_frac=0.3) for f in (0.02, 0.04))
+    d1, d2 = plan(one, INV, [JOB]), plan(two, INV, [JOB])
+    assert d1.allocation == d2.allocation and d1.current_rate == pytest.approx(d2.current_rate)
+    # without it the share is all the plan has, and the two windows disagree
+    assert plan(dataclasses.replace(one, rollout_load_s=0.0), INV, [JOB]).current_rate != pytest.approx(
+        plan(dataclasses.replace(two, rollout_load_s=0.0), INV, [JOB]).current_rate)
+    # every rollout GPU loads every version: 36 GPUs x 3 s per 4096 trajectories on top of 0.6 GPU-s each
+    assert d1.current_rate == pytest.approx(36 / (0.6 + 36 * 3.0 / 4096))
+    # and a job that publishes every other step loads half as often
+    job2 = dataclasses.replace(JOB, publish_every=2)
+    assert plan(one, INV, [job2]).current_rate == pytest.approx(36 / (0.6 + 36 * 3.0 / 8192))
+
+
 def test_warming_up_without_measured_rates():
     assert plan(metrics(learner_tokens_per_s=0.0), INV, [JOB]).reason == "warming_up"
     assert plan(metrics(rollout_gpu_s_per_traj=0.0), INV, [JOB]).reason == "warming_up"

@@ -142,9 +142,9 @@ def test_fit_trims_the_role_most_above_its_minimum():
 # --- live metrics onto plan() inputs ----------------------------------------------------------------------
 
 
-def _costs(role, since, at, busy, pause=0.0, items=0, tokens=0.0, lanes=1):
+def _costs(role, since, at, busy, pause=0.0, items=0, tokens=0.0, lanes=1, reloads=0):
     return json.dumps({"role": role, "since": since, "at": at, "busy_s": busy, "pause_s": pause, "items": items,
-                       "tokens": tokens, "lanes": lanes})
+                       "tokens": tokens, "lanes": lanes, "reload_s": 0.5 * reloads, "reloads": reloads})
 
 
 def test_observer_maps_live_metrics_onto_plan_inputs(r, redis_url, tmp_path):
@@ -160,7 +160,7 @@ def test_observer_maps_live_metrics_onto_plan_inputs(r, redis_url, tmp_path):
     # 10 s later: rollout busy 8 s and paused 1 s of 10 (10% idle), reward busy 2 lane-s for 40 trajectories,
     # two learner steps of 32 trajectories on 2 slots, waiting 2 s in all, a backlog of 3 scored groups
     r.hset(keys.worker_costs, mapping={"rollout-a-0": _costs("rollout", t0 - 50, t0 + 10, busy=48, pause=6,
-                                                                  items=100, tokens=30000),
+                                                                  items=100, tokens=30000, reloads=2),
                                        "reward-a-c0": _costs("reward", t0 - 50, t0 + 10, busy=6, items=120, lanes=4)})
     for i in (1, 2):
         step = {"step": i, "trajectories": 32, "tokens": 9600.0, "gpus": 2, "train_s": 2.0, "publish_s": 0.5,
@@ -176,6 +176,8 @@ def test_observer_maps_live_metrics_onto_plan_inputs(r, redis_url, tmp_path):
     assert m.window_s == pytest.approx(10.0)
     assert m.rollout_gpu_s_per_traj == pytest.approx(8 / 20)
     assert m.rollout_pause_frac == pytest.approx(0.1) and m.rollout_idle_frac == pytest.approx(0.1)
+    # two reloads of 0.5 s in the window (the rest of the pause is the engine's first load, before it)
+    assert m.rollout_load_s == pytest.approx(0.5)
     assert m.traj_tokens == pytest.approx(300.0)
     assert m.reward_s_per_traj == pytest.approx(2 / 40) and m.reward_cpu_workers == 4
     assert m.learner_tokens_per_s == pytest.approx(9600 / 2.0) and m.learner_gpus_measured == 2
@@ -185,6 +187,7 @@ def test_observer_maps_live_metrics_onto_plan_inputs(r, redis_url, tmp_path):
     assert (m.trained, m.dropped_stale, m.staleness_p50) == (64, 4, 1.0)
     # the pool's pacing input: the steps left after the latest learner step, in trajectories
     assert info.steps > 2 and m.remaining == (info.steps - 2) * info.batch_size
+    assert info.spec().publish_every == info.publish_every >= 1      # from the manifest's learner table
     d = allocator.plan(m, allocator.Inventory(gpus=3, switch_cost_s=5.0), [info.spec()], plan_config(info.control))
     assert d.reason != "warming_up"
 

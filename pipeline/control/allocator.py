@@ -11,7 +11,9 @@ fractions), never a workload's cost-model parameters.
 How it decides, in order:
 
 1. cooldown: no move within ``cooldown_s`` of the last one (against flapping,
-   and so that the metrics window sees the new allocation);
+   and so that the metrics window sees the new allocation), nor while the
+   window (stretched to hold ``MIN_STEPS`` learner steps) still reaches back
+   past it: such a window mixes two splits and the move's own transient;
 2. warm-up: no move until every stage has a measured service rate;
 3. model: from the measured per-worker service rates, each stage's capacity as
    a function of its GPU count (the learner with its scaling exponent); the
@@ -88,6 +90,7 @@ class JobSpec:
     max_staleness: int               # versions; older groups are dropped
     reward_on_gpu: bool              # reward workers hold GPUs from the pool
     learner_scaling_exponent: float  # n learner GPUs train at n**e x one (config, or fitted from step times)
+    publish_every: int = 1           # learner steps per published version: rollout GPUs load one per so many batches
     bounds: dict[str, RoleBounds] = field(default_factory=dict)   # per role; missing: min 1 (0 for reward on CPU)
     # in a pool of several jobs (see plan_pool)
     min_slots: int = 0                # guaranteed slots; raised to the smallest split the job runs on
@@ -137,9 +140,14 @@ class Metrics:
     # trajectories the job has still to train; 0: none left, or not known. When any job of a pool reports
     # its remaining work, the pool is shared to bring the last finish nearest (see plan_pool)
     remaining: int = 0
+    # seconds a rollout GPU spends on one weight load, the mean over the window's loads; 0: none seen
+    rollout_load_s: float = 0.0
 
 
 # --- what the metrics are made of: one definition for the live observer and the simulator ------------------
+
+MIN_STEPS = 2            # learner steps the metrics window holds at least (it stretches for them) ...
+MAX_WINDOW_FACTOR = 10   # ... up to this many control.window_s
 
 
 def ratio(a: float, b: float) -> float:
@@ -237,7 +245,7 @@ def _plan_job(metrics: Metrics, inventory: Inventory, job: JobSpec, config: Plan
     """One job's split of ``inventory.gpus`` slots."""
     cur = metrics.allocation
     signals = _signals(metrics, job, config)
-    if metrics.since_change_s < config.cooldown_s:
+    if metrics.since_change_s < max(config.cooldown_s, metrics.window_s):
         return _keep(cur, "cooldown", signals)
     if "window_bound" in signals:
         return _keep(cur, "window_bound", signals)
@@ -339,7 +347,10 @@ class _Model:
     """Stage capacities (trajectories/s) as functions of GPU counts, from measured rates."""
 
     gpus: int
-    rollout_gps: float        # GPU-seconds per trained trajectory: weight loads and stale drops included
+    rollout_gps: float        # GPU-seconds of generation per trained trajectory, stale drops included
+    # seconds each rollout GPU spends loading weights per trajectory trained: every GPU loads every published
+    # version, so the share of rollout time lost to loads grows with the rate and with the rollout GPUs
+    load_s_per_traj: float
     reward_s: float
     reward_cpu: int
     reward_on_gpu: bool
@@ -360,8 +371,16 @@ class _Model:
         pause = min(max(m.rollout_pause_frac, 0.0), 0.9)
         # a dropped group was generated for nothing: it costs rollout time, not learner time
         waste = min(m.dropped_stale / (m.dropped_stale + m.trained), 0.9) if m.trained else 0.0
+        gps = m.rollout_gpu_s_per_traj / (1 - waste)
+        if m.rollout_load_s > 0:
+            # every rollout GPU loads every published version: per trajectory trained, a load over the
+            # trajectories between two versions. Not the window's pause share, which swings with whether it
+            # holds one version's loads or two
+            load = m.rollout_load_s / (job.batch_size * job.publish_every)
+        else:
+            gps, load = gps / (1 - pause), 0.0
         e = job.learner_scaling_exponent
-        return cls(gpus=inv.gpus, rollout_gps=m.rollout_gpu_s_per_traj / (1 - pause) / (1 - waste),
+        return cls(gpus=inv.gpus, rollout_gps=gps, load_s_per_traj=load,
                    reward_s=m.reward_s_per_traj, reward_cpu=m.reward_cpu_workers,
                    reward_on_gpu=job.reward_on_gpu,
                    # sized from what rollout finishes now, so a change of lengths shows up before
@@ -372,7 +391,8 @@ class _Model:
                    bounds={r: job.bound(r) for r in ROLES})
 
     def caps(self, a: Allocation) -> dict[str, float]:
-        rollout = a.rollout / self.rollout_gps
+        # at rate x each of the n GPUs generates for x * gps / n and loads for x * load_s_per_traj of every second
+        rollout = a.rollout / (self.rollout_gps + a.rollout * self.load_s_per_traj)
         workers = a.reward if self.reward_on_gpu else self.reward_cpu
         reward = math.inf if self.reward_s <= 0 else workers / self.reward_s
         learner = 0.0
@@ -389,7 +409,9 @@ class _Model:
 
     def needs(self, rate: float) -> dict[str, float] | None:
         """Fewest GPUs per role to sustain ``rate`` (bounds applied), or None if impossible."""
-        n = {"rollout": math.ceil(rate * self.rollout_gps - 1e-9)}
+        if rate * self.load_s_per_traj >= 1:
+            return None       # every rollout GPU would spend all its time loading weights
+        n = {"rollout": math.ceil(rate * self.rollout_gps / (1 - rate * self.load_s_per_traj) - 1e-9)}
         if self.reward_on_gpu:
             n["reward"] = math.ceil(rate * self.reward_s - 1e-9)
         else:
@@ -619,8 +641,8 @@ class _Member:
         return self.value(n + k) - self.value(n)
 
     def settled(self, cfg: PlanConfig) -> bool:
-        """Measured and out of its cooldown: its share may be moved for throughput."""
-        return self.measured and self.m.since_change_s >= cfg.cooldown_s
+        """Measured and out of its cooldown (its window all after its last change): its share may be moved."""
+        return self.measured and self.m.since_change_s >= max(cfg.cooldown_s, self.m.window_s)
 
 
 def plan_pool(metrics: Mapping[str, Metrics], inventory: Inventory, jobs: Sequence[JobSpec],

@@ -59,11 +59,13 @@ class JobInfo:
     initial: dict                # role -> count from the config
     control: ControlConfig
     steps: int = 0               # learner steps the job runs (0: not known)
+    publish_every: int = 1       # learner steps per published version
 
     def spec(self) -> allocator.JobSpec:
         return allocator.JobSpec(name=self.name, batch_size=self.batch_size, max_staleness=self.max_staleness,
                                  reward_on_gpu=self.control.reward_on_slots,
                                  learner_scaling_exponent=self.control.learner_scaling_exponent,
+                                 publish_every=self.publish_every,
                                  bounds=role_bounds(self.control, self.backend), min_slots=self.control.min_slots,
                                  max_slots=self.control.max_slots, priority=self.control.priority)
 
@@ -74,7 +76,7 @@ def config_spec(cfg: config_mod.Config) -> allocator.JobSpec:
                    group_size=cfg.rollout.group_size, max_staleness=cfg.learner.max_staleness,
                    initial={"rollout": cfg.rollout.workers, "reward": cfg.reward.workers,
                             "learner": cfg.learner.workers},
-                   control=cfg.control).spec()
+                   control=cfg.control, publish_every=cfg.learner.publish_every).spec()
 
 
 def check_admission(r: redis.Redis, cfg: config_mod.Config, own_slots: int) -> None:
@@ -116,4 +118,5 @@ def load_job(r: redis.Redis, job: str) -> JobInfo | None:
                    initial={"rollout": cfg["rollout"]["workers"], "reward": cfg["reward"]["workers"],
                             "learner": cfg["learner"]["workers"]},
                    control=control_settings(manifest.get("control") or cfg.get("control")),
-                   steps=int(cfg.get("job", {}).get("steps", 0)))
+                   steps=int(cfg.get("job", {}).get("steps", 0)),
+                   publish_every=int(cfg["learner"].get("publish_every", 1)))

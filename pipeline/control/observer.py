@@ -16,13 +16,12 @@ import redis
 
 from pipeline.control import allocator
 from pipeline.control.allocation import AGENT_DEAD_S
-from pipeline.control.allocator import Allocation, learner_speed, median_of_counts, ratio
+from pipeline.control.allocator import (MAX_WINDOW_FACTOR, MIN_STEPS, Allocation, learner_speed, median_of_counts,
+                                        ratio)
 from pipeline.control.job import JobInfo
 from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_ROLLOUT, LEARNER, JobKeys
 from pipeline.dataplane.streams import group_pending, stream_lag
 
-MIN_STEPS = 2            # learner steps the metrics window holds at least (it stretches for them) ...
-MAX_WINDOW_FACTOR = 10   # ... up to this many control.window_s
 
 @dataclass
 class Snapshot:
@@ -116,13 +115,14 @@ class Observer:
             learner_wait_frac=self._wait_frac(steps, first, last, span),
             backlog=last.backlog, backlog_trend_per_s=(last.backlog - first.backlog) / span,
             trained=delta["trained"], staleness_p50=staleness_median(steps), dropped_stale=delta["dropped_stale"],
-            remaining=max(0, self.job.steps - self.step) * self.job.batch_size)
+            remaining=max(0, self.job.steps - self.step) * self.job.batch_size,
+            rollout_load_s=ratio(ro["reload"], ro["reloads"]))
 
     @staticmethod
     def _role_costs(role: str, first: Snapshot, last: Snapshot) -> dict:
         """Summed busy/pause/time alive/items/tokens of a role's workers over the window."""
         out = {"busy": 0.0, "pause": 0.0, "wait": 0.0, "blocked": 0.0, "elapsed": 0.0, "items": 0, "tokens": 0.0,
-               "lanes": 0}
+               "lanes": 0, "reload": 0.0, "reloads": 0}
         for w, now in last.costs.items():
             if now["role"] != role:
                 continue
@@ -133,6 +133,8 @@ class Observer:
             out["pause"] += now["pause_s"] - before["pause_s"]
             out["wait"] += now.get("wait_s", 0.0) - before.get("wait_s", 0.0)
             out["blocked"] += now.get("blocked_s", 0.0) - before.get("blocked_s", 0.0)
+            out["reload"] += now.get("reload_s", 0.0) - before.get("reload_s", 0.0)
+            out["reloads"] += now.get("reloads", 0) - before.get("reloads", 0)
             out["items"] += now["items"] - before["items"]
             out["tokens"] += now["tokens"] - before["tokens"]
             # time alive in the window, up to its last report (a worker that stopped before it has none)

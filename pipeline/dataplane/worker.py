@@ -382,7 +382,8 @@ class CostMeter:
     """A worker's cumulative costs, in wall seconds, in ``JobKeys.worker_costs``; read by the controller.
 
     ``busy_s``: seconds of slot time spent on work (for a reward process of
-    several scorers, scorer-seconds); ``pause_s``: weight loads; ``wait_s``:
+    several scorers, scorer-seconds); ``pause_s``: weight loads (the engine's
+    first load included), ``reload_s`` and ``reloads``: those of new versions; ``wait_s``:
     waiting for input (an empty stream); ``blocked_s``: held back by
     backpressure (no room downstream); ``items``: trajectories done;
     ``tokens``: their prompt + response tokens; ``lanes``: scorers in the
@@ -397,7 +398,7 @@ class CostMeter:
     def __init__(self, r: redis.Redis, keys: JobKeys, worker: str, role: str):
         self.r, self.keys, self.worker = r, keys, worker
         self.rec = {"role": role, "since": time.time(), "at": time.time(), "busy_s": 0.0, "pause_s": 0.0,
-                    "wait_s": 0.0, "blocked_s": 0.0, "items": 0, "tokens": 0.0, "lanes": 1}
+                    "reload_s": 0.0, "reloads": 0, "wait_s": 0.0, "blocked_s": 0.0, "items": 0, "tokens": 0.0, "lanes": 1}
         self._read_at: float | None = None
         self.publish()
 

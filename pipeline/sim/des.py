@@ -343,6 +343,7 @@ class AsyncSim:
         sync = self.wl.rollout.weight_sync_s
         self.slots.owe_all(sync)
         self.meter.pause_gpu_s += sync * self.roles.target.rollout
+        self.meter.loads += self.roles.target.rollout
         self.admission.open(self.B)
         for gpu, dest in self.roles.release_learners():
             self._begin_switch(gpu, dest, t)

@@ -16,10 +16,11 @@ from typing import NamedTuple
 import numpy as np
 
 from pipeline.control import allocator
-from pipeline.control.allocator import Allocation, learner_speed, median_of_counts, ratio
+from pipeline.control.allocator import (MAX_WINDOW_FACTOR, MIN_STEPS, Allocation, learner_speed, median_of_counts,
+                                        ratio)
 from pipeline.sim.workload import Workload
 
-_COUNTERS = ("n_done", "cost", "tokens", "rollout_gpu_s", "pause_gpu_s", "idle_slot_s", "dropped")
+_COUNTERS = ("n_done", "cost", "tokens", "rollout_gpu_s", "pause_gpu_s", "loads", "idle_slot_s", "dropped")
 
 
 class StepSample(NamedTuple):
@@ -51,7 +52,7 @@ class Meter:
 
     def __init__(self, wl: Workload, concurrency: int):
         self.wl, self.C = wl, concurrency
-        self.ticks: deque[dict] = deque(maxlen=64)
+        self.ticks: deque[dict] = deque(maxlen=64)   # a window of 5 ticks stretches to 50
         self.waits: deque[tuple[float, float]] = deque()   # learner waiting periods (start, end)
         self._reset(0.0)
 
@@ -62,6 +63,7 @@ class Meter:
         self.tokens = 0.0                # their prompt + response tokens
         self.steps: list[StepSample] = []
         self.rollout_gpu_s = self.pause_gpu_s = self.idle_slot_s = 0.0
+        self.loads = 0                   # weight loads on rollout GPUs (all of pause_gpu_s is theirs)
         self.dropped = 0
 
     def add_rollout(self, cost: np.ndarray, tokens: np.ndarray) -> None:
@@ -80,8 +82,17 @@ class Meter:
         self._reset(t)
 
     def metrics(self, t: float, window: int, now: Gauges) -> allocator.Metrics:
-        """The policy's inputs over the last ``window`` ticks."""
-        ticks = list(self.ticks)[-window:]
+        """The policy's inputs over the last ``window`` ticks, or more, as the live observer stretches it.
+
+        A window that holds fewer than ``MIN_STEPS`` learner steps takes older ticks (up to
+        ``MAX_WINDOW_FACTOR`` windows): shorter, it would not see the learner's speed.
+        """
+        ticks = list(self.ticks)
+        n = window
+        while n < len(ticks) and n < MAX_WINDOW_FACTOR * window \
+                and sum(len(tk["steps"]) for tk in ticks[-n:]) < MIN_STEPS:
+            n += 1
+        ticks = ticks[-n:]
         span = max(t - ticks[0]["t0"], 1e-9)
         total = {k: sum(tk[k] for tk in ticks) for k in _COUNTERS}
         steps = [s for tk in ticks for s in tk["steps"]]
@@ -107,7 +118,8 @@ class Meter:
             backlog_trend_per_s=(ticks[-1]["backlog"] - ticks[0]["backlog"]) / span,
             trained=sum(s.trajectories for s in steps),
             staleness_p50=median_of_counts(dict(zip(*np.unique(stale, return_counts=True)))),
-            dropped_stale=total["dropped"], remaining=now.remaining)
+            dropped_stale=total["dropped"], remaining=now.remaining,
+            rollout_load_s=ratio(total["pause_gpu_s"], total["loads"]))
 
     def _wait_in(self, a: float, b: float, idle_since: float | None) -> float:
         """Seconds in [a, b] the learner spent waiting for data (a wait still going on counts up to b)."""

@@ -165,15 +165,16 @@ class SimRollout:
         v = self.ctx.r.hget(self.ctx.keys.policy, "version")
         return int(v) if v is not None else 0
 
-    def load_weights(self) -> None:
+    def load_weights(self, reload: bool = False) -> None:
         version = self.published_version()
-        self.meter.add(pause_s=self.clock.sleep(self.model.wl.rollout.weight_sync_s))
+        slept = self.clock.sleep(self.model.wl.rollout.weight_sync_s)
+        self.meter.add(pause_s=slept, **({"reload_s": slept, "reloads": 1} if reload else {}))
         self.ctx.set_version(version)
 
     def between(self) -> bool:
         """Reload a newer version, then wait while downstream is full (as the vLLM worker does)."""
         if self.published_version() > self.ctx.policy_version:
-            self.load_weights()
+            self.load_weights(reload=True)
         return room_downstream(self.ctx, self.group_size, pause_s=0.05)
 
     def generate(self, prompts: list) -> list:
