@@ -7,7 +7,6 @@ calibration test is marked slow (about a minute on 2 cores).
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
@@ -297,9 +296,9 @@ def test_torch_loop_is_reproducible_per_episode_id(model, tokenizer):
 def test_ensure_policy_caches_by_spec(tmp_path):
     spec = {"warm_steps": 3, "warm_problems": 200, "warm_target_success": None}
     first = tp.ensure_policy(tmp_path, spec)
-    started = time.monotonic()
-    assert tp.ensure_policy(tmp_path, spec) == first
-    assert time.monotonic() - started < 1.0
+    said: list[str] = []
+    assert tp.ensure_policy(tmp_path, spec, progress=said.append) == first
+    assert said == []                         # found in the cache: nothing trained, nothing built
     assert tp.ensure_policy(tmp_path, {**spec, "seed": 1}) != first
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
     with pytest.raises(ValueError, match="unknown"):
@@ -308,9 +307,9 @@ def test_ensure_policy_caches_by_spec(tmp_path):
 
 @pytest.mark.slow
 def test_warm_start_succeeds_sometimes_but_not_mostly(tmp_path):
-    started = time.monotonic()
+    # (how long the build takes is a figure `scripts/build_policy.py` prints, ~50 s on an idle 2-core
+    # machine, not a test's to assert: a loaded run took longer than the 180 s once held here)
     model_dir = tp.ensure_policy(tmp_path, {})
-    build_s = time.monotonic() - started
     tokenizer, model = tp.load_tokenizer(model_dir), tp.load_model(model_dir).eval()
     rate, episodes = evaluate(
         tp.TorchGenerator(model, tokenizer),
@@ -322,4 +321,3 @@ def test_warm_start_succeeds_sometimes_but_not_mostly(tmp_path):
     )
     assert 0.15 <= rate <= 0.6, rate
     assert sum(e.finish == "answer" for e in episodes) >= 150  # the format is learned
-    assert build_s < 180  # ~50 s on an idle 2-core machine
