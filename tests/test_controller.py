@@ -291,6 +291,11 @@ def test_scale_and_events_commands(r, redis_url, tmp_path, capsys):
     assert events[-1]["kind"] == "pinned" and events[-1]["to"]["rollout"] == 2
     assert cli.main(["scale", "--auto", "--redis", redis_url]) == 0
     assert get_allocation(r, JOB)["mode"] == "auto"
+    # --wait gives up at once on a job that has trained its last step: its workers end, the counts never come
+    r.hset(JobKeys(JOB).state, "phase", "trained")
+    capsys.readouterr()
+    assert cli.main(["scale", "rollout=3", "learner=1", "--wait", "600", "--redis", redis_url]) == 1
+    assert "the job ended (phase trained) before the counts were running" in capsys.readouterr().err
 
 
 def test_auto_mode_records_the_decision_with_its_inputs(r, redis_url, tmp_path):

@@ -96,12 +96,18 @@ def cmd_scale(args) -> int:
 
 
 def _wait_for_counts(r: redis.Redis, job: str, want: dict, timeout_s: float) -> int:
+    """0 once the pinned counts run; 1 at the timeout, or as soon as the job has trained its last step
+    (its workers are ending: the counts will not come)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         running = allocation_status(r, job)["roles"]
         if all(running.get(k, 0) == v for k, v in want.items()):
             print(f"{job}: running " + " ".join(f"{k}={v}" for k, v in sorted(running.items())))
             return 0
+        phase = (r.hget(JobKeys(job).state, "phase") or b"").decode()
+        if phase in ("trained", "done"):
+            print(f"{job}: the job ended (phase {phase}) before the counts were running: {running}", file=sys.stderr)
+            return 1
         time.sleep(0.2)
     print(f"{job}: not all counts running after {timeout_s:g}s: {allocation_status(r, job)['roles']}",
           file=sys.stderr)
@@ -162,7 +168,9 @@ def add_commands(sub) -> None:
     s.add_argument("counts", nargs="*", metavar="ROLE=N")
     s.add_argument("--auto", action="store_true", help="return control to the allocator")
     s.add_argument("--job", help="the job to pin; no other job's allocation changes (needed when several run)")
-    s.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for the counts")
+    s.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="wait up to S seconds for the counts to run (exit 1 if they do not, or once the job "
+                        "has trained its last step)")
     s.add_argument("--redis")
     s.set_defaults(func=cmd_scale)
 
