@@ -82,9 +82,10 @@ class Rollout:
         t0 = time.monotonic()
         with span(self.ctx.log, "weight_sync", version=version):
             self.engine.reload(path)
-        self.meter.add(pause_s=time.monotonic() - t0, reload_s=time.monotonic() - t0, reloads=1)
+        took = time.monotonic() - t0
+        self.meter.add(pause_s=took, reload_s=took, reloads=1)
         self.ctx.set_version(version)
-        self.ctx.log.info("weights_reloaded", version=version, reload_s=round(time.monotonic() - t0, 2))
+        self.ctx.log.info("weights_reloaded", version=version, reload_s=round(took, 2))
 
     def catch_up(self, version: int) -> None:
         """Load weights at least as new as ``version`` before generating (the prompts' ``min_version``).

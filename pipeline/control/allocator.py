@@ -245,7 +245,7 @@ def _plan_job(metrics: Metrics, inventory: Inventory, job: JobSpec, config: Plan
     """One job's split of ``inventory.gpus`` slots."""
     cur = metrics.allocation
     signals = _signals(metrics, job, config)
-    if metrics.since_change_s < max(config.cooldown_s, metrics.window_s):
+    if _cooling(metrics, config):
         return _keep(cur, "cooldown", signals)
     if "window_bound" in signals:
         return _keep(cur, "window_bound", signals)
@@ -278,6 +278,11 @@ def _plan_job(metrics: Metrics, inventory: Inventory, job: JobSpec, config: Plan
                         transition_cost=cost, moved=0, **base)
     return Decision(target, True, f"rebalance_{base['bottleneck']}_short", predicted_rate=model.rate(target),
                     expected_gain=gain, transition_cost=cost, moved=cur.moved(target), **base)
+
+
+def _cooling(m: Metrics, cfg: PlanConfig) -> bool:
+    """Too soon after the last change: within the cooldown, or the window still reaches back past it."""
+    return m.since_change_s < max(cfg.cooldown_s, m.window_s)
 
 
 def _keep(cur: Allocation, reason: str, signals: tuple[str, ...], r0: float = 0.0, rb: float = 0.0,
@@ -642,7 +647,7 @@ class _Member:
 
     def settled(self, cfg: PlanConfig) -> bool:
         """Measured and out of its cooldown (its window all after its last change): its share may be moved."""
-        return self.measured and self.m.since_change_s >= max(cfg.cooldown_s, self.m.window_s)
+        return self.measured and not _cooling(self.m, cfg)
 
 
 def plan_pool(metrics: Mapping[str, Metrics], inventory: Inventory, jobs: Sequence[JobSpec],

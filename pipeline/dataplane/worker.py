@@ -398,7 +398,8 @@ class CostMeter:
     def __init__(self, r: redis.Redis, keys: JobKeys, worker: str, role: str):
         self.r, self.keys, self.worker = r, keys, worker
         self.rec = {"role": role, "since": time.time(), "at": time.time(), "busy_s": 0.0, "pause_s": 0.0,
-                    "reload_s": 0.0, "reloads": 0, "wait_s": 0.0, "blocked_s": 0.0, "items": 0, "tokens": 0.0, "lanes": 1}
+                    "reload_s": 0.0, "reloads": 0, "wait_s": 0.0, "blocked_s": 0.0, "items": 0, "tokens": 0.0,
+                    "lanes": 1}
         self._read_at: float | None = None
         self.publish()
 
