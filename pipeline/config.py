@@ -195,6 +195,10 @@ class LearnerConfig:
                                 "of groups with signal (the others are consumed and counted as filtered)")
     dynamic_sampling_max: float = _f(4.0, "dynamic sampling reads at most this many batch_size's worth of "
                                      "trajectories for one step, then trains what it has")
+    prefetch: bool = _f(True, "train each admitted group as it arrives (its gradient accumulated, a micro-batch "
+                        "at a time) and step the optimizer once the batch is whole, so the learner does not "
+                        "wait idle for a batch's last groups; one rank and one mini-batch only (the same "
+                        "update, to float rounding)")
     checkpoint_every: int = _f(10, "steps between checkpoints (model, optimizer, consumed ids)")
     keep_published: int = _f(4, "published weight versions kept on disk")
     threads: int = _f(1, "torch CPU threads of the learner")

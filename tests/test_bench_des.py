@@ -210,10 +210,10 @@ def test_the_engines_metrics_window_stretches_for_learner_steps_as_the_live_one_
 @pytest.mark.slow
 def test_admission_held_for_a_learner_behind_cuts_stale_drops_on_drift():
     # drift's last phase is learner-heavy: with admission open to the whole staleness window, rollout runs
-    # ahead, a backlog of up to max_staleness batches builds, and groups that finish late go stale (3.2%
-    # of trained); held while 1.25 batches wait, the backlog stays short (0.8%) and the rate is kept within
-    # 1%: measured 37.12 held against 37.32 open (0.995; the policy makes other moves on either path, so the
-    # two rates differ by its choices as much as by the hold)
+    # ahead, a backlog of up to max_staleness batches builds, and groups that finish late go stale (2.1%
+    # of trained, the learner prefetching); held while 1.25 batches wait, the backlog stays short (0.4%) and
+    # the rate is kept within 1% (the policy makes other moves on either path, so the two rates differ by
+    # its choices as much as by the hold)
     wl = load_workload(BENCH / "drift.toml")
     trained = wl.job.steps * wl.job.batch_size
 
@@ -224,7 +224,7 @@ def test_admission_held_for_a_learner_behind_cuts_stale_drops_on_drift():
         return sim.run()
 
     held, open_ = run(True), run(False)
-    assert held.dropped_stale / trained < 0.012 < 0.025 < open_.dropped_stale / trained
+    assert held.dropped_stale / trained < 0.01 < 0.018 < open_.dropped_stale / trained
     assert held.trajectories_per_s >= open_.trajectories_per_s * 0.99
 
 

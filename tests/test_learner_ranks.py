@@ -160,6 +160,37 @@ def test_several_mini_batches_take_several_optimizer_steps_clipped_at_the_proxim
     assert sums.fresh_n == sums.tokens and sums.fresh_max < 1e-3
 
 
+@pytest.mark.parametrize("extra", [(), ("learner.advantage=dr_grpo",), ("learner.objective=behaviour",)])
+def test_a_batch_prefetched_as_its_groups_arrive_makes_the_whole_batch_update(policy_dir, groups, extra):
+    """``learner.prefetch``: groups handed over in uneven pieces, micro-batches trained as they fill, the
+    normaliser applied at the end: the same loss, gradient and AdamW step as ``train_share`` on the batch."""
+    cfg = _cfg(*extra).learner
+    assert update.Prefetch.eligible(cfg, 1) and not update.Prefetch.eligible(cfg, 2)
+    assert not update.Prefetch.eligible(_cfg("learner.mini_batches=2").learner, 1)
+    assert not update.Prefetch.eligible(_cfg("learner.prefetch=false").learner, 1)
+    stale = [i % 3 for i in range(len(groups))]
+    ref = _model(policy_dir)
+    one = update.train_share(ref, update.make_optimizer(ref, cfg),
+                             update.plan_shares(groups, stale, 0, 0, 1, cfg, 80)[0], cfg, 1.0)
+    model = _model(policy_dir)
+    pf = update.Prefetch(model, update.make_optimizer(model, cfg), cfg, 1.0, 80)
+    flushed = []
+    for a, b in ((0, 1), (1, 4), (4, 5), (5, 8)):
+        pf.add(groups[a:b], stale[a:b])
+        flushed.append(len(pf.tally.stats))
+    assert flushed[0] < flushed[-1]          # micro-batches were trained while groups still came in
+    assert pf.covers(groups) and not pf.covers(groups[:-1]) and not pf.covers(list(reversed(groups)))
+    got = pf.step(0)
+    print(f"loss {one.loss:.6g} vs {got.loss:.6g}, grad norm {one.grad_norm:.6g} vs {got.grad_norm:.6g}")
+    assert (got.tokens, got.fresh_n, got.optimizer_steps) == (one.tokens, one.fresh_n, 1) and got.tokens > 0
+    assert got.loss == pytest.approx(one.loss, rel=1e-5, abs=1e-7)
+    assert got.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
+    assert got.clip_weighted / got.clip_weight == pytest.approx(one.clip_weighted / one.clip_weight, abs=1e-6)
+    # Summed unnormalised, in other micro-batches, then divided: measured 1.3e-6 of the gradient's scale,
+    # and AdamW's first step magnifies that on 31-52 of 518,016 parameters (at most 0.028 lr).
+    _assert_same_update(model, ref, cfg.lr, 1e-5, 2e-4)
+
+
 def test_frames_carry_a_share_and_stop(groups):
     share = update.plan_shares(groups, [2] * len(groups), 2, 7, 2)[1]
     pipe = io.BytesIO(ranks.encode_share(share) + ranks.encode_stop())
@@ -246,7 +277,7 @@ def two_ranks_vs_one(tmp_path: Path, policy_dir: Path, extra: tuple[str, ...] = 
     assert float(diff.max()) <= 0.25 * lr
 
 
-def _assert_same_update(model, ref, lr: float, grad_tol: float = GRAD_TOL) -> None:
+def _assert_same_update(model, ref, lr: float, grad_tol: float = GRAD_TOL, moved_tol: float = 1e-4) -> None:
     """The first step: the same summed gradient to float rounding, and AdamW's step from it.
 
     Measured: the gradients differ by 2e-7 of their scale. AdamW's first step
@@ -264,7 +295,7 @@ def _assert_same_update(model, ref, lr: float, grad_tol: float = GRAD_TOL) -> No
           f"{float(diff.max()):.2g} ({float(diff.max()) / lr:.2g} lr), {int((diff > 1e-3 * lr).sum())} of "
           f"{diff.numel()} above 1e-3 lr")
     assert grad_gap <= grad_tol * scale
-    assert float(diff.max()) <= 0.25 * lr and int((diff > 1e-3 * lr).sum()) <= 1e-4 * diff.numel()
+    assert float(diff.max()) <= 0.25 * lr and int((diff > 1e-3 * lr).sum()) <= moved_tol * diff.numel()
 
 
 # --- the learner process (slow) ---------------------------------------------------------------------

@@ -57,8 +57,8 @@ from workers.ranks import RankGroup, pick_device, world_size
 from workers.update import accumulate_gradients as accumulate_gradients
 from workers.update import autocast as autocast
 from workers.update import micro_batches as micro_batches
-from workers.update import (StepSums, active_rows, group_rows, load_policy, lr_at, make_optimizer, plan_shares,
-                            row_tokens, set_lr, train_share)
+from workers.update import (Prefetch, StepSums, active_rows, group_rows, load_policy, lr_at, make_optimizer,
+                            plan_shares, row_tokens, set_lr, train_share)
 
 DEDUP_STEPS = 200  # steps a trained id is remembered (in memory and restored from checkpoints)
 PENDING_PAGE = 500  # ids per XPENDING call when the learner looks over its own pending list
@@ -76,6 +76,7 @@ class Batch:
     duplicates: int = 0  # trajectories of groups already trained, skipped
     no_signal: int = 0  # trajectories of admitted groups whose rewards are all equal (learner.dynamic_sampling)
     wait_s: float = 0.0
+    prefetch_s: float = 0.0  # training the groups while the batch filled (learner.prefetch)
     raw: dict[bytes, bytes] = field(default_factory=dict)  # entry id -> payload as read (for dead letters)
 
     @property
@@ -126,6 +127,7 @@ class Learner:
         if start is not None:
             self.optimizer.load_state_dict(start)
         self.set_lr()
+        self.prefetch: Prefetch | None = None  # the step in hand, trained as its groups arrive (learner.prefetch)
         self.ranks: RankGroup | None = None  # ranks 1..N-1, when there are any
         if world > 1:
             self.ranks = RankGroup.start(ctx.run_dir, ctx.worker_id, world, self.model, self.source_dir,
@@ -219,6 +221,7 @@ class Learner:
         held_drops = 0   # this batch's stale drops, published as the counter dropped_held until the step commits
         held_filtered = 0  # this batch's groups without signal (dynamic sampling), as the counter filtered_held
         self.replay_from = "-"
+        self.prefetch = self.start_prefetch()
         while batch.counted(dyn) < need and batch.trajectories < cap and not self.ctx.stopping():
             t0 = time.monotonic()
             want = max(1, (need - batch.counted(dyn)) // gs)
@@ -244,6 +247,7 @@ class Learner:
                     batch.staleness.append(staleness)
                     if len(set(group.rewards)) == 1:
                         batch.no_signal += len(group.trajectories)
+            self.feed(batch)
             if batch.dropped_trajectories != held_drops:   # room for the feeder now, not at the step's end
                 held_drops = batch.dropped_trajectories
                 self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, "dropped_held", held_drops))
@@ -251,6 +255,37 @@ class Learner:
                 held_filtered = batch.no_signal
                 self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, "filtered_held", held_filtered))
         return batch
+
+    def start_prefetch(self) -> Prefetch | None:
+        if not Prefetch.eligible(self.cfg, self.world):
+            return None
+        ro = self.ctx.cfg.rollout
+        return Prefetch(self.model, self.optimizer, self.cfg, ro.temperature, ro.max_turns * ro.max_tokens_per_turn)
+
+    def feed(self, batch: Batch) -> None:
+        """Train the groups admitted since the last call (``learner.prefetch``).
+
+        On an error, or a group the GPU must not see (``outside_vocabulary``),
+        the prefetch is given up: ``train_contained`` then trains the whole
+        batch as without it, and finds the group at fault.
+        """
+        pf = self.prefetch
+        if pf is None or len(pf.groups) == len(batch.groups):
+            return
+        new, stale = batch.groups[len(pf.groups):], batch.staleness[len(pf.groups):]
+        t0 = time.monotonic()
+        try:
+            if self.device.type == "cuda" and self.vocabulary_errors(new):
+                raise ValueError("a group holds token ids outside the policy's vocabulary")
+            self.ctx.state = "running"
+            pf.add(new, stale)
+        except Exception as exc:  # noqa: BLE001 - the batch is trained again whole, where errors are handled
+            self.ctx.log.warning("prefetch_given_up", step=self.step + 1, error=f"{type(exc).__name__}: {exc}")
+            self.prefetch = None
+            self.optimizer.zero_grad(set_to_none=True)
+        finally:
+            self.ctx.state = "waiting"
+        batch.prefetch_s += time.monotonic() - t0
 
     def admit(self, group: messages.Group, batch: Batch) -> int | None:
         """The group's staleness if it is admitted; else None, the drop counted in ``batch`` with its reason.
@@ -372,13 +407,17 @@ class Learner:
     def train(self, batch: Batch) -> dict:
         """One GRPO update on the admitted groups, over every rank; returns the step's metrics."""
         rows = group_rows(batch.groups, batch.staleness, self.cfg.advantage)
-        ro = self.ctx.cfg.rollout
-        shares = plan_shares(batch.groups, batch.staleness, self.version, self.step, self.world, self.cfg,
-                             max_completion=ro.max_turns * ro.max_tokens_per_turn)
-        if self.ranks is not None:
-            self.ranks.send(shares[1:])
-        sums = train_share(self.model, self.optimizer, shares[0], self.cfg, self.ctx.cfg.rollout.temperature,
-                           distributed=self.ranks is not None)
+        prefetched, self.prefetch = self.prefetch, None   # used once: a retry after an error trains the batch whole
+        if prefetched is not None and prefetched.covers(batch.groups):
+            sums = prefetched.step(self.step)
+        else:
+            ro = self.ctx.cfg.rollout
+            shares = plan_shares(batch.groups, batch.staleness, self.version, self.step, self.world, self.cfg,
+                                 max_completion=ro.max_turns * ro.max_tokens_per_turn)
+            if self.ranks is not None:
+                self.ranks.send(shares[1:])
+            sums = train_share(self.model, self.optimizer, shares[0], self.cfg, ro.temperature,
+                               distributed=self.ranks is not None)
         if sums.weight_spread:  # the ranks' weights should never part: a fault of the hardware or the collectives
             self.ctx.log.warning("ranks_diverged", step=self.step + 1, weight_spread=sums.weight_spread)
         if sums.skipped_nonfinite:
@@ -430,18 +469,23 @@ class Learner:
         context is lost for every group alike. On the CPU the embedding
         raises IndexError, which ``train_contained`` handles like any error.
         """
-        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        if not vocab:
-            return {}
-        bad = {}
-        for g in batch.groups:
-            arrays = [g.prompt_tokens, *(t.completion for t in g.trajectories)]
-            if any(a.size and (int(a.max()) >= vocab or int(a.min()) < 0) for a in arrays):
-                bad[g.prompt_id] = f"token ids outside the policy's vocabulary (0..{vocab - 1})"
+        bad = self.vocabulary_errors(batch.groups)
         if not bad:
             return {}
         entry_of = self.entry_ids_of(batch)
         return {entry_of[pid]: reason for pid, reason in bad.items() if pid in entry_of}
+
+    def vocabulary_errors(self, groups) -> dict[str, str]:
+        """Prompt id -> reason of the groups holding a token id the policy does not have."""
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if not vocab:
+            return {}
+        bad = {}
+        for g in groups:
+            arrays = [g.prompt_tokens, *(t.completion for t in g.trajectories)]
+            if any(a.size and (int(a.max()) >= vocab or int(a.min()) < 0) for a in arrays):
+                bad[g.prompt_id] = f"token ids outside the policy's vocabulary (0..{vocab - 1})"
+        return bad
 
     def failing_groups(self, batch: Batch) -> dict[bytes, str]:
         """Entry id -> error of the batch's groups that raise when trained alone, ``max_train_attempts`` times.
@@ -604,7 +648,9 @@ class Learner:
             t0 = time.monotonic()
             with span(self.ctx.log, "train", trajectories=batch.trajectories, world=self.world):
                 metrics = self.train_contained(batch)
-            metrics["train_s"] = time.monotonic() - t0
+            # training time, the part done while the batch filled included: what the observer measures speed by
+            metrics["train_s"] = time.monotonic() - t0 + batch.prefetch_s
+            metrics["prefetch_s"] = batch.prefetch_s
             metrics.update(batch_metrics(batch, self.step, self.ctx.cfg.metrics.diversity_every))
             metrics["publish_s"] = 0.0
             if self.step % self.cfg.publish_every == 0 or self.step == steps:

@@ -352,13 +352,38 @@ def train_share(model, optimizer: torch.optim.Optimizer, share: Share, cfg: Lear
         by_traj = {id(r.traj): r for r in with_prox}
         tagged = [(m, by_traj[id(r.traj)]) for m, r in tagged]
     params = [p for p in model.parameters() if p.requires_grad]
-    loss_total, stats_all, fresh, norms, skipped, steps = 0.0, [], [], [], 0, 0
+    tally = _Tally()
     for m, (norm, any_active) in enumerate(minis):
         optimizer.zero_grad(set_to_none=True)
         active = [r for k, r in tagged if k == m]
         loss_sum, stats, fr = accumulate_gradients(model, active, cfg, temperature, norm)
         if distributed:
             sum_gradients(params)
+        tally.add(loss_sum, stats, fr)   # several mini-batches: fresh is measured on the proximal log-probs
+        tally.step(optimizer, params, cfg, loss_sum, any_active, distributed)
+    sums = tally.sums()
+    return reduce_sums(sums, params) if distributed else sums
+
+
+@dataclass
+class _Tally:
+    """A step's figures as its mini-batches (or, prefetched, its groups) add them, and its optimizer steps."""
+
+    loss: float = 0.0
+    stats: list = field(default_factory=list)
+    fresh: list = field(default_factory=list)
+    norms: list = field(default_factory=list)
+    skipped: int = 0
+    steps: int = 0
+
+    def add(self, loss_sum: float, stats: list, fresh: list) -> None:
+        self.loss += loss_sum
+        self.stats += stats
+        self.fresh += fresh
+
+    def step(self, optimizer, params: list, cfg: LearnerConfig, loss_sum: float, any_active: bool,
+             distributed: bool) -> None:
+        """Clip the (summed) gradient and step, unless a loss or gradient is not finite on some rank."""
         # Identical summed gradients on every rank: the same norm, the same clip, the same step.
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
         # A NaN or inf anywhere would poison the weights (and AdamW's moments) for good: skip the step.
@@ -366,25 +391,95 @@ def train_share(model, optimizer: torch.optim.Optimizer, share: Share, cfg: Lear
         skip = not finite_on_every_rank(math.isfinite(loss_sum) and math.isfinite(grad_norm), distributed, params)
         if any_active and not skip:
             optimizer.step()
-            steps += 1
+            self.steps += 1
         if skip:
             optimizer.zero_grad(set_to_none=True)
-            skipped = 1
-        loss_total += loss_sum
-        stats_all += stats
-        fresh += fr   # several mini-batches: measured on the proximal log-probs, before any update
-        norms.append(grad_norm)
-    counts = TokenCounts()
-    for st in stats_all:
-        counts.add(st.counts)
-    sums = StepSums(loss=loss_total, tokens=sum(s.tokens for s in stats_all),
-                    clip_weighted=sum(s.clip_frac * max(s.tokens, 1) for s in stats_all),
-                    clip_weight=float(sum(max(s.tokens, 1) for s in stats_all)),
-                    fresh_n=len(fresh), fresh_sum=float(np.sum(fresh)) if fresh else 0.0,
-                    fresh_max=float(max(fresh)) if fresh else None,
-                    grad_norm=float(np.mean(norms)) if norms else 0.0,
-                    skipped_nonfinite=skipped, counts=counts, optimizer_steps=steps)
-    return reduce_sums(sums, params) if distributed else sums
+            self.skipped = 1
+        self.norms.append(grad_norm)
+
+    def sums(self) -> StepSums:
+        counts = TokenCounts()
+        for st in self.stats:
+            counts.add(st.counts)
+        fresh = self.fresh
+        return StepSums(loss=self.loss, tokens=sum(s.tokens for s in self.stats),
+                        clip_weighted=sum(s.clip_frac * max(s.tokens, 1) for s in self.stats),
+                        clip_weight=float(sum(max(s.tokens, 1) for s in self.stats)),
+                        fresh_n=len(fresh), fresh_sum=float(np.sum(fresh)) if fresh else 0.0,
+                        fresh_max=float(max(fresh)) if fresh else None,
+                        grad_norm=float(np.mean(self.norms)) if self.norms else 0.0,
+                        skipped_nonfinite=self.skipped, counts=counts, optimizer_steps=self.steps)
+
+
+class Prefetch:
+    """One step trained while its batch fills: each group's gradient as the group arrives, the optimizer
+    step once the batch is whole.
+
+    The learner hands over the groups it admits as it reads them (``add``),
+    so it trains while rollout is still finishing the batch instead of
+    waiting for the batch's last, longest groups and then training all of
+    it. The loss is linear in its normaliser (the batch's policy tokens, or
+    trajectories x ``max_completion`` for ``dr_grpo``), which is known only
+    once the batch is whole: ``add`` sums the unnormalised loss's gradient
+    into the grads and ``step`` divides them by the normaliser, then clips
+    and steps as ``train_share`` does. The update is the one ``train_share``
+    makes on the same batch, to float rounding. One rank and one mini-batch
+    only (``eligible``): shares and mini-batches are cut over the whole
+    batch.
+    """
+
+    def __init__(self, model, optimizer: torch.optim.Optimizer, cfg: LearnerConfig, temperature: float,
+                 max_completion: int = 0):
+        self.model, self.optimizer, self.cfg, self.temperature = model, optimizer, cfg, temperature
+        self.max_completion = max_completion
+        self.groups: list[messages.Group] = []   # in the order added: the batch's admitted groups
+        self.waiting: list[Row] = []             # active rows not yet trained: less than a micro-batch
+        self.norm = 0.0
+        self.any_active = False
+        self.tally = _Tally()
+        optimizer.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def eligible(cfg: LearnerConfig, world: int) -> bool:
+        return cfg.prefetch and world == 1 and cfg.mini_batches == 1
+
+    def add(self, groups, staleness) -> None:
+        """Accumulate the gradient of ``groups`` (admitted at ``staleness``) under the current weights."""
+        rows = group_rows(groups, staleness, self.cfg.advantage)
+        active = active_rows(rows)
+        if self.cfg.advantage == "dr_grpo":
+            self.norm += float(len(rows) * max(self.max_completion, 1))
+        else:
+            self.norm += float(sum(int(r.traj.mask.sum()) for r in active))
+        self.any_active |= bool(active)
+        self.waiting += active
+        self.groups += groups
+        if sum(row_tokens(r) for r in self.waiting) >= self.cfg.micro_batch_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        """Train the rows waiting (a micro-batch's worth, or the batch's last ones)."""
+        if self.waiting:
+            self.model.train()
+            self.tally.add(*accumulate_gradients(self.model, self.waiting, self.cfg, self.temperature, 1.0))
+            self.waiting = []
+
+    def covers(self, groups) -> bool:
+        """Whether exactly ``groups`` (the same objects, in order) were added."""
+        return len(groups) == len(self.groups) and all(a is b for a, b in zip(groups, self.groups))
+
+    def step(self, step: int) -> StepSums:
+        """Normalise the summed gradient, clip it, step the optimizer (learning rate of ``step``)."""
+        self.flush()
+        set_lr(self.optimizer, lr_at(self.cfg, step))
+        scale = 1.0 / max(self.norm, 1.0)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        self.tally.loss *= scale
+        self.tally.step(self.optimizer, params, self.cfg, self.tally.loss, self.any_active, False)
+        return self.tally.sums()
 
 
 def finite_on_every_rank(finite: bool, distributed: bool, params: list[torch.nn.Parameter]) -> bool:

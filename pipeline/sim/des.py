@@ -295,10 +295,10 @@ class AsyncSim:
             return
         last = int(np.searchsorted(cum, need))
         take, dropped = gids[:last + 1][fresh[:last + 1]], gids[:last + 1][~fresh[:last + 1]]
-        start = max(self.free_at, self.back_at, self.groups.ready_at(last))
+        ready = self.groups.ready_times(last + 1)[fresh[:last + 1]]
         self.groups.pop(last + 1)
         self._drop(dropped)
-        self._train(take, start)
+        self._train(take, ready)
 
     def _drop_leading_stale(self, gids: np.ndarray, fresh: np.ndarray) -> None:
         """Stale groups at the head will never be trained: drop them now so admission reopens."""
@@ -314,16 +314,28 @@ class AsyncSim:
             self.meter.dropped += n
             self.admission.open(n)    # dropped trajectories do not count against the staleness window
 
-    def _train(self, groups: np.ndarray, start: float) -> None:
-        """Step k on ``groups`` from ``start``: train on their tokens, then publish."""
+    def _train(self, groups: np.ndarray, ready: np.ndarray) -> None:
+        """Step k on ``groups`` (scored at ``ready``, ascending), trained as they arrive, then published.
+
+        As the learner prefetches (``workers.update.Prefetch``): from the
+        moment it is free it accumulates each group's gradient once the group
+        is scored, and steps the optimizer when the batch is whole. The step
+        ends at the later of its start plus the whole batch's training and,
+        for every group, its ready time plus the training of the groups from
+        it on; the learner waits only for groups not yet there.
+        """
         le = self.wl.learner
         ids = groups[:, None] * self.gs + np.arange(self.gs)      # (groups, group_size) trajectory ids
-        tokens = float(self.tok.a[ids].sum())
-        train = tokens / (le.train_tokens_per_s * self.roles.n_learner ** le.scaling_exponent)
+        per_group = self.tok.a[ids].sum(axis=1)
+        tokens = float(per_group.sum())
+        rate = le.train_tokens_per_s * self.roles.n_learner ** le.scaling_exponent
+        train = tokens / rate
+        idle_from = max(self.free_at, self.back_at)      # a restart is down time, not a wait for data
+        from_here = np.cumsum(per_group[::-1])[::-1] / rate   # training of group i and the ones after it
+        start = max(idle_from, float((ready + from_here).max()) - train)   # the step's idle time comes first
         stale = self.k - self.groups.version.a[groups]
         self.stale_hist += np.bincount(stale, minlength=self.m + 1)[:self.m + 1] * self.gs
         self.meter.steps.append(StepSample(train, le.weight_publish_s, self.B, self.roles.n_learner, tokens, stale))
-        idle_from = max(self.free_at, self.back_at)      # a restart is down time, not a wait for data
         if start > idle_from:
             self.meter.add_wait(idle_from, start)
             self.wait_total += start - idle_from

@@ -249,9 +249,9 @@ class Groups:
         """Complete groups not yet trained or dropped, in ready order."""
         return self.queue_gid.a[self.head:self.tail]
 
-    def ready_at(self, i: int) -> float:
-        """When the i-th queued group became ready."""
-        return float(self.queue_t.a[self.head + i])
+    def ready_times(self, n: int) -> np.ndarray:
+        """When the first n queued groups became ready."""
+        return self.queue_t.a[self.head:self.head + n]
 
     def pop(self, n: int) -> None:
         self.head += n

@@ -237,6 +237,8 @@ class _Batch:
     staleness: list = field(default_factory=list)  # per admitted group: updates along the version tree
     branch: list = field(default_factory=list)     # of the dropped groups, those from a discarded branch
     wait_s: float = 0.0
+    prefetched: float = 0.0  # tokens of the admitted groups trained while the batch filled
+    prefetch_s: float = 0.0  # wall seconds that took
 
     @property
     def trajectories(self) -> int:
@@ -348,7 +350,19 @@ class SimLearner:
                     batch.groups.append(g)
                     batch.staleness.append(d.updates)
                     taken.add(g.prompt_id)
+            self.prefetch(batch)
         return batch
+
+    def prefetch(self, batch: _Batch) -> None:
+        """Train the groups admitted so far, as the real learner does with ``learner.prefetch``."""
+        if not self.cfg.prefetch:
+            return
+        tokens = sum(float(g.extra.get("sim_tokens", 0.0)) for g in batch.groups)
+        if tokens > batch.prefetched:
+            self.ctx.state = "running"
+            batch.prefetch_s += self.clock.sleep(self.model.train_s(tokens - batch.prefetched, self.gpus))
+            batch.prefetched = tokens
+            self.ctx.state = "waiting"
 
     def admissible(self, entry_id: bytes, g) -> bool:
         if isinstance(g, messages.Group) and all(t.reward is not None for t in g.trajectories):
@@ -371,7 +385,7 @@ class SimLearner:
     def train_step(self, batch: _Batch) -> dict:
         tokens = sum(float(g.extra.get("sim_tokens", 0.0)) for g in batch.groups)
         self.ctx.state = "running"
-        train = self.clock.sleep(self.model.train_s(tokens, self.gpus))
+        train = batch.prefetch_s + self.clock.sleep(self.model.train_s(tokens - batch.prefetched, self.gpus))
         publish = self.clock.sleep(self.model.wl.learner.weight_publish_s)
         stale = [d for g, d in zip(batch.groups, batch.staleness) for _t in g.trajectories]
         hist = {int(v): int(c) for v, c in zip(*np.unique(stale, return_counts=True))} if stale else {}
