@@ -143,6 +143,14 @@ def active_rows(rows: list) -> list:
     return [row for row in rows if row[2] != 0.0]
 
 
+def loss_normaliser(rows: list, advantage: str, max_completion: int) -> float:
+    """What the loss of ``rows`` adds to its batch's normaliser: their policy tokens with a gradient
+    (``grpo``), or their trajectories x ``max_completion`` (``dr_grpo``: a constant per trajectory)."""
+    if advantage == "dr_grpo":
+        return float(len(rows) * max(max_completion, 1))
+    return float(sum(int(r.traj.mask.sum()) for r in active_rows(rows)))
+
+
 def plan_shares(groups, staleness, version: int, step: int, world: int, cfg: LearnerConfig | None = None,
                 max_completion: int = 0) -> list[Share]:
     """Cut the step's groups into ``world`` shares of whole groups, balanced by the tokens they train.
@@ -161,16 +169,13 @@ def plan_shares(groups, staleness, version: int, step: int, world: int, cfg: Lea
     minis = cfg.mini_batches if cfg else 1
     rows_of = [group_rows([g], [s], advantage) for g, s in zip(groups, staleness)]
     loads = [sum(row_tokens(r) for r in active_rows(rows)) for rows in rows_of]
-    active_tokens = [sum(int(r.traj.mask.sum()) for r in active_rows(rows)) for rows in rows_of]
-    total = int(sum(active_tokens))
+    total = int(sum(loss_normaliser(rows, "grpo", 0) for rows in rows_of))
+    norm_of = [loss_normaliser(rows, advantage, max_completion) for rows in rows_of]
     mini_of = _deal(loads, minis)
     norms, actives = [], []
     for m in range(minis):
         mine = [i for i in range(len(groups)) if mini_of[i] == m]
-        if advantage == "dr_grpo":
-            norms.append(float(sum(len(groups[i].trajectories) for i in mine) * max(max_completion, 1)))
-        else:
-            norms.append(float(sum(active_tokens[i] for i in mine)))
+        norms.append(float(sum(norm_of[i] for i in mine)))
         actives.append(any(loads[i] for i in mine))
     rank_of = [0] * len(groups)
     for m in range(minis):
@@ -447,10 +452,7 @@ class Prefetch:
         """Accumulate the gradient of ``groups`` (admitted at ``staleness``) under the current weights."""
         rows = group_rows(groups, staleness, self.cfg.advantage)
         active = active_rows(rows)
-        if self.cfg.advantage == "dr_grpo":
-            self.norm += float(len(rows) * max(self.max_completion, 1))
-        else:
-            self.norm += float(sum(int(r.traj.mask.sum()) for r in active))
+        self.norm += loss_normaliser(rows, self.cfg.advantage, self.max_completion)
         self.any_active |= bool(active)
         self.waiting += active
         self.groups += groups
