@@ -171,7 +171,8 @@ class LearnerConfig:
     max_staleness: int = _f(2, "groups generated more than this many learner updates ago (along the version tree, so a "
                                     "restore adds none) are dropped; 0 is synchronous (on-policy): the feeder issues one "
                                     "batch per version and rollout generates it with that version's weights")
-    publish_every: int = _f(1, "steps between weight publications (at most max_staleness; 1 when it is 0)")
+    publish_every: int = _f(1, "steps between weight publications (at most max_staleness; 1 when it is 0); the "
+                                "controller may stretch it up to control.publish_every_max while staleness has room")
     objective: str = _f("decoupled", "the policy loss: decoupled (PPO clipped against the proximal policy, the "
                         "learner's weights before the update, times the behaviour importance weight truncated at "
                         "is_cap) or behaviour (PPO clipped against the behaviour policy's log-probs, one "
@@ -269,6 +270,11 @@ class ControlConfig:
     max_slots: int = _f(0, "most slots the job may hold (0: the whole pool)")
     priority: float = _f(1.0, "weight of the job's throughput gains (relative to its demand) against other jobs' "
                          "when spare slots are handed out or moved between jobs")
+    publish_every_max: int = _f(2, "the controller may stretch the learner's publish cadence up to this many steps per "
+                                "version (at most learner.max_staleness) while staleness has room: fewer weight loads; "
+                                "1 keeps learner.publish_every")
+    stale_drop_budget: float = _f(0.005, "share of trajectories the longer publish cadence may have dropped as stale; "
+                                  "above it the cadence comes back a step")
     metrics_port: int = _f(9464, "the controller serves Prometheus /metrics here (0: off)")
     metrics_host: str = _f("127.0.0.1", "address /metrics binds (0.0.0.0: every interface, for a remote Prometheus)")
 
@@ -524,6 +530,8 @@ def validate_control(ctl: ControlConfig) -> None:
     need(ctl.max_slots >= 0, "control.max_slots", "must be >= 0 (0: the whole pool)")
     need(not ctl.max_slots or ctl.min_slots <= ctl.max_slots, "control.min_slots", "exceeds control.max_slots")
     need(ctl.priority > 0, "control.priority", "must be > 0")
+    need(ctl.publish_every_max >= 1, "control.publish_every_max", "must be >= 1 (1: the cadence stays fixed)")
+    need(0 <= ctl.stale_drop_budget < 1, "control.stale_drop_budget", "must be in [0, 1)")
 
 
 def _section_name(cfg: Config, section) -> str:

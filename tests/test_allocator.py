@@ -78,9 +78,9 @@ def test_weight_loads_cost_per_version_not_per_window():
         plan(dataclasses.replace(two, rollout_load_s=0.0), INV, [JOB]).current_rate)
     # every rollout GPU loads every version: 36 GPUs x 3 s per 4096 trajectories on top of 0.6 GPU-s each
     assert d1.current_rate == pytest.approx(36 / (0.6 + 36 * 3.0 / 4096))
-    # and a job that publishes every other step loads half as often
-    job2 = dataclasses.replace(JOB, publish_every=2)
-    assert plan(one, INV, [job2]).current_rate == pytest.approx(36 / (0.6 + 36 * 3.0 / 8192))
+    # and a learner that publishes every other step loads half as often
+    assert plan(dataclasses.replace(one, publish_every=2), INV, [JOB]).current_rate == pytest.approx(
+        36 / (0.6 + 36 * 3.0 / 8192))
 
 
 def test_warming_up_without_measured_rates():

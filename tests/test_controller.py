@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -22,6 +23,7 @@ from pipeline.control.events import read_events
 from pipeline.control.job import control_settings, load_job, plan_config, role_bounds
 from pipeline.control.lease import Lease
 from pipeline.control.loop import Controller
+from pipeline.dataplane.cadence import write_cadence
 from pipeline.control.observer import Observer
 from pipeline.control.placement import counts, fit, place
 from pipeline.dataplane.keys import LEARNER
@@ -188,6 +190,13 @@ def test_observer_maps_live_metrics_onto_plan_inputs(r, redis_url, tmp_path):
     # the pool's pacing input: the steps left after the latest learner step, in trajectories
     assert info.steps > 2 and m.remaining == (info.steps - 2) * info.batch_size
     assert info.spec().publish_every == info.publish_every >= 1      # from the manifest's learner table
+    # the publish cadence's inputs: a quarter of the data at the bound (2), two steps, the config's cadence
+    assert m.staleness_at_bound_frac == pytest.approx(0.25) and m.learner_steps == 2
+    assert (m.publish_every, m.publish_since_s) == (info.publish_every, math.inf)
+    write_cadence(r, keys, 2, "test", at=t0 + 4)
+    obs.tick(r, t0 + 20)
+    m2 = obs.metrics(Allocation(rollout=1, learner=2), since_change_s=400.0, changed_from=None, learner_slots=2)
+    assert (m2.publish_every, m2.publish_since_s) == (2, pytest.approx(16.0))
     d = allocator.plan(m, allocator.Inventory(gpus=3, switch_cost_s=5.0), [info.spec()], plan_config(info.control))
     assert d.reason != "warming_up"
 

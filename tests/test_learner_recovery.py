@@ -32,6 +32,7 @@ import torch
 
 from pipeline import config as config_mod
 from pipeline.dataplane import messages
+from pipeline.dataplane.cadence import write_cadence
 from pipeline.observe.audit import audit
 from pipeline.dataplane.keys import JOBS, JobKeys
 from pipeline.dataplane.lineage import Lineage, load_segments
@@ -352,3 +353,23 @@ def test_audit_catches_a_duplicate_only_when_dedup_is_off(tmp_path, r, redis_url
         cli = subprocess.run([sys.executable, "-m", "pipeline.cli", "audit", "--job", "rec",
                               "--redis", redis_url], cwd=ROOT, capture_output=True, text=True)
         assert cli.returncode == 1 and "trained more than once" in cli.stdout
+
+
+@pytest.mark.slow
+def test_the_learner_publishes_at_the_cadence_the_controller_wrote(tmp_path, r, redis_url, policy_dir):
+    """The controller's cadence (pipeline.dataplane.cadence) over the config's publish_every=1: versions 3
+    and 6 only, each named by the updates it holds, and the audit still accounts for every trajectory."""
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True)
+    write_cadence(r, JobKeys("rec"), 3, "test", at=time.time())
+    feed(r, scored_groups(policy_dir, 4 * 6), issued=4 * 6)
+    proc = start_learner(run_dir, redis_url)
+    assert proc.wait(timeout=600) == 0
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["publish_every"] for m in metrics] == [3] * 6
+    assert [m["step"] for m in metrics if m["publish_s"] > 0] == [3, 6]
+    assert published(r) == 6
+    assert sorted(p.name for p in (run_dir / "policy").iterdir() if p.name.startswith("v")) == ["v000003",
+                                                                                               "v000006"]
+    a = audit(r, "rec", str(run_dir))
+    assert a["ok"], a["problems"]
+    assert a["trained"] == 4 * 6 * G

@@ -4,7 +4,8 @@
 A step reads whole scored groups until ``batch_size`` trajectories are
 admitted, dropping (and counting) groups more than ``max_staleness`` updates
 behind, counted along the version tree (``pipeline.dataplane.lineage``). Every
-``publish_every`` steps it publishes weights under a new version; every
+``publish_every`` steps (or as many as the controller's cadence says,
+``pipeline.dataplane.cadence``) it publishes weights under a new version; every
 ``checkpoint_every`` steps it writes a checkpoint (weights, optimizer, step,
 version, the ids it consumed) and only then acknowledges the stream entries
 that checkpoint contains. A restart restores the latest checkpoint, publishes
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from pipeline.dataplane import messages
+from pipeline.dataplane.cadence import publishes, read_cadence
 from pipeline.observe.diversity import diversity_metrics
 from pipeline.dataplane.keys import GROUP_LEARNER
 from pipeline.dataplane.lineage import Lineage, load_segments, record_line, restored
@@ -105,6 +107,8 @@ class Learner:
         self.ckpt_dir = ctx.run_dir / "checkpoints"
         self.pub_dir = ctx.run_dir / "policy"
         self.step = 0
+        self.published_step = 0   # the step whose weights were published last (restore publishes its own)
+        self.publish_every = self.cfg.publish_every   # the cadence last read (pipeline.dataplane.cadence)
         self.unacked: list[bytes] = []  # consumed since the last durable checkpoint
         self.consumed: list[str] = []  # trajectory ids trained since the last checkpoint
         self.dropped: list[str] = []  # trajectory ids dropped as stale since the last checkpoint
@@ -570,6 +574,17 @@ class Learner:
 
     # --- publishing and checkpoints ---------------------------------------------------------------
 
+    def cadence(self) -> int:
+        """Steps per published version: the controller's, else the config's; the last one read while Redis is away."""
+        try:
+            every, _at = read_cadence(self.ctx.r, self.ctx.keys, self.cfg.publish_every, self.cfg.max_staleness)
+        except UNAVAILABLE:
+            return self.publish_every
+        if every != self.publish_every:
+            self.ctx.log.info("publish_cadence", every=every, was=self.publish_every)
+            self.publish_every = every
+        return every
+
     def publish(self) -> None:
         """Write weights for the current version and announce them; old versions are pruned.
 
@@ -584,6 +599,7 @@ class Learner:
         announce = announcement(self.version, final, self.step)
         self.write(lambda pipe: pipe.hset(self.ctx.keys.policy, mapping=announce))
         self.ctx.set_version(self.version)
+        self.published_step = self.step
         prune_published(self.pub_dir, self.cfg.keep_published)
 
     def checkpoint(self) -> None:
@@ -653,7 +669,8 @@ class Learner:
             metrics["prefetch_s"] = batch.prefetch_s
             metrics.update(batch_metrics(batch, self.step, self.ctx.cfg.metrics.diversity_every))
             metrics["publish_s"] = 0.0
-            if self.step % self.cfg.publish_every == 0 or self.step == steps:
+            metrics["publish_every"] = every = self.cadence()
+            if publishes(self.step, self.published_step, every, steps):
                 t0 = time.monotonic()
                 with span(self.ctx.log, "publish", version=self.version):
                     self.publish()

@@ -30,6 +30,11 @@ How it decides, in order:
    rollout slots stand empty means neither stage is the limit: the staleness
    window is (too little work may be in flight), and no move is made;
 7. hysteresis: undoing the previous move needs a larger predicted gain.
+
+Beside the split, ``plan_publish`` chooses the learner's publish cadence:
+fewer published versions (fewer weight loads and publishes) while the data
+trained has room under ``max_staleness``, and back when stale drops pass a
+budget or the split moves.
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ class JobSpec:
     reward_on_gpu: bool              # reward workers hold GPUs from the pool
     learner_scaling_exponent: float  # n learner GPUs train at n**e x one (config, or fitted from step times)
     publish_every: int = 1           # learner steps per published version: rollout GPUs load one per so many batches
+    # the most steps per version the controller may stretch the cadence to (plan_publish); at most max_staleness
+    publish_every_max: int = 1
     bounds: dict[str, RoleBounds] = field(default_factory=dict)   # per role; missing: min 1 (0 for reward on CPU)
     # in a pool of several jobs (see plan_pool)
     min_slots: int = 0                # guaranteed slots; raised to the smallest split the job runs on
@@ -142,6 +149,13 @@ class Metrics:
     remaining: int = 0
     # seconds a rollout GPU spends on one weight load, the mean over the window's loads; 0: none seen
     rollout_load_s: float = 0.0
+    # the learner's publish cadence now (steps per published version) and how long it has run at it
+    publish_every: int = 1
+    publish_since_s: float = math.inf
+    # share of the trajectories trained in the window exactly max_staleness versions old: one version older
+    # and they would have been dropped
+    staleness_at_bound_frac: float = 0.0
+    learner_steps: int = 0            # learner steps the job has made (0: none, or not known)
 
 
 # --- what the metrics are made of: one definition for the live observer and the simulator ------------------
@@ -196,6 +210,8 @@ class PlanConfig:
     idle_slots_threshold: float = 0.2     # rollout slots this empty while the learner waits: window-bound
     backlog_batches: float = 1.0        # a backlog above this many batches and rising means learner short
     candidates: int = 12                # target rates tried between current and best
+    stale_drop_budget: float = 0.005    # share of trajectories dropped as stale the publish cadence may cost
+    publish_drop_margin: float = 0.5    # ... a longer cadence is tried only when predicted within this share of it
 
 
 @dataclass(frozen=True)
@@ -381,7 +397,7 @@ class _Model:
             # every rollout GPU loads every published version: per trajectory trained, a load over the
             # trajectories between two versions. Not the window's pause share, which swings with whether it
             # holds one version's loads or two
-            load = m.rollout_load_s / (job.batch_size * job.publish_every)
+            load = m.rollout_load_s / (job.batch_size * max(m.publish_every, 1))
         else:
             gps, load = gps / (1 - pause), 0.0
         e = job.learner_scaling_exponent
@@ -477,6 +493,85 @@ class _Model:
             if a is not None and a != cur and a not in out:
                 out.append(a)
         return out
+
+# --- the publish cadence -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PublishDecision:
+    """Learner steps per published version from now on, and why; ``event()`` is the controller's record."""
+
+    publish_every: int
+    changed: bool
+    reason: str                  # short snake_case
+    drop_frac: float = 0.0       # share of the window's trajectories dropped as stale
+    predicted_drop_frac: float = 0.0   # ... predicted one step per version longer
+    saved_frac: float = 0.0      # share of the job's GPU time a longer cadence saves in weight loads and publishes
+    cost_frac: float = 0.0       # ... and what its predicted drops cost in rollout time
+
+    def event(self) -> dict:
+        return {**asdict(self), "summary": self.summary()}
+
+    def summary(self) -> str:
+        """One line for ``libra-ctl events``."""
+        return (f"publish every {self.publish_every} step{'s' if self.publish_every > 1 else ''} ({self.reason}: "
+                f"{self.drop_frac:.2%} dropped as stale, {self.predicted_drop_frac:.2%} predicted one step longer, "
+                f"saving {self.saved_frac:.1%} of GPU time for {self.cost_frac:.1%})")
+
+
+def plan_publish(m: Metrics, job: JobSpec, config: PlanConfig = PlanConfig()) -> PublishDecision:
+    """How many learner steps per published version (pure): fewer weight loads while staleness has room.
+
+    Every published version pauses each rollout GPU for a weight load and the
+    learner for a publish. Publishing every c + 1 steps instead of every c
+    saves a (c + 1)-th of that; the price is age: a trajectory is generated
+    by weights up to c steps behind the learner instead of c - 1, and about
+    one in c + 1 comes out a version older. Those trained exactly at
+    ``max_staleness`` would then be dropped. So the cadence grows by one when
+    the window's drops plus that predicted share stay within
+    ``publish_drop_margin`` of ``stale_drop_budget`` and the saving exceeds the
+    rollout time the predicted drops waste; it comes back by one when the drops
+    measured at it exceed the budget. It moves only between ``job.publish_every``
+    and ``job.publish_every_max`` (at most ``max_staleness``), on a window
+    measured wholly at the current cadence and the current split, once the
+    learner has made enough steps (``2 * (max_staleness + 1)``) for its data
+    to have reached the bound. A move of the split puts it back at
+    ``job.publish_every``: the rates it was sized for are gone, and a learner
+    restart or a new bottleneck ages the in-flight work.
+    """
+    c = m.publish_every
+    lo = max(1, job.publish_every)
+    hi = max(lo, min(job.publish_every_max, job.max_staleness))
+    if not lo <= c <= hi:
+        target = min(max(c, lo), hi)
+        return PublishDecision(target, target != c, "out_of_bounds")
+    consumed = m.trained + m.dropped_stale
+    if lo == hi:
+        return PublishDecision(c, False, "fixed")
+    if m.since_change_s < m.window_s:
+        return PublishDecision(lo, c != lo, "split_changed")
+    if not m.trained or m.publish_since_s < m.window_s or m.learner_steps < 2 * (job.max_staleness + 1):
+        return PublishDecision(c, False, "measuring")
+    drop = m.dropped_stale / consumed
+    if drop > config.stale_drop_budget and c > lo:
+        return PublishDecision(c - 1, True, "drops_over_budget", drop_frac=drop)
+    if c >= hi:
+        return PublishDecision(c, False, "at_most", drop_frac=drop)
+    predicted = drop + m.staleness_at_bound_frac / (c + 1)
+    a = m.allocation
+    step_s = job.batch_size * m.window_s / consumed
+    # GPU-seconds per learner step spent on versions now: each rollout GPU's load per version, the learner's
+    # publishes (learner_publish_s is already their mean over steps)
+    sync = a.rollout * m.rollout_load_s / c + a.learner * m.learner_publish_s
+    saved = sync / (c + 1) / max(a.total * step_s, 1e-9)
+    cost = (predicted - drop) * a.rollout / max(a.total, 1)
+    base = dict(drop_frac=drop, predicted_drop_frac=predicted, saved_frac=saved, cost_frac=cost)
+    if predicted > config.publish_drop_margin * config.stale_drop_budget:
+        return PublishDecision(c, False, "staleness_headroom_short", **base)
+    if saved <= cost:
+        return PublishDecision(c, False, "saving_below_cost", **base)
+    return PublishDecision(c + 1, True, "publish_less_often", **base)
+
 
 # --- several jobs on one pool -----------------------------------------------------------------------
 

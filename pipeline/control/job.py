@@ -31,7 +31,8 @@ def control_settings(raw: dict | None) -> ControlConfig:
 
 
 def plan_config(ctl: ControlConfig) -> allocator.PlanConfig:
-    return allocator.PlanConfig(horizon_s=ctl.horizon_s, cooldown_s=ctl.cooldown_s)
+    return allocator.PlanConfig(horizon_s=ctl.horizon_s, cooldown_s=ctl.cooldown_s,
+                                stale_drop_budget=ctl.stale_drop_budget)
 
 
 def role_bounds(ctl: ControlConfig, backend: str) -> dict[str, allocator.RoleBounds]:
@@ -66,6 +67,7 @@ class JobInfo:
                                  reward_on_gpu=self.control.reward_on_slots,
                                  learner_scaling_exponent=self.control.learner_scaling_exponent,
                                  publish_every=self.publish_every,
+                                 publish_every_max=self.control.publish_every_max,
                                  bounds=role_bounds(self.control, self.backend), min_slots=self.control.min_slots,
                                  max_slots=self.control.max_slots, priority=self.control.priority)
 

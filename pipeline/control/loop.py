@@ -53,6 +53,7 @@ from pipeline.control.job import JobInfo, load_job, plan_config, role_bounds
 from pipeline.control.lease import Lease
 from pipeline.control.observer import Observer
 from pipeline.control.placement import agents_share, external_floor, fit, place
+from pipeline.dataplane.cadence import write_cadence
 from pipeline.dataplane.keys import (CONTROLLER_EPOCH, CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, LEARNER, JobKeys,
                                      agent_desired)
 from pipeline.dataplane.keys import ROLES
@@ -240,6 +241,18 @@ class Controller:
             record_event(self.r, jc.info, {**(event or {"kind": "drain" if drained else "repair"}),
                                            "epoch": self.lease.epoch, "actions": orders, "drained": drained,
                                            **({"external": view.ext_n} if view.ext_n else {})})
+        if view.metrics is not None:
+            self.adapt_publish(view, now)
+
+    def adapt_publish(self, view: "JobView", now: float) -> None:
+        """An auto job's publish cadence (``allocator.plan_publish``), written where its learner reads it."""
+        info = view.jc.info
+        d = allocator.plan_publish(view.metrics, info.spec(), plan_config(info.control))
+        if not d.changed:
+            return
+        write_cadence(self.r, JobKeys(info.name), d.publish_every, d.reason, now)
+        record_event(self.r, info, {"kind": "publish", **d.event(), "epoch": self.lease.epoch})
+        self.log.info("publish_cadence", job=info.name, every=d.publish_every, reason=d.reason)
 
     def ensure_allocation(self, jc: JobControl) -> dict:
         """The job's allocation record, created from its config on first sight.

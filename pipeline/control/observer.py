@@ -9,6 +9,7 @@ Called by the reconcile loop (``pipeline.control.loop``) in the controller proce
 from __future__ import annotations
 
 import json
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from pipeline.control.allocation import AGENT_DEAD_S
 from pipeline.control.allocator import (MAX_WINDOW_FACTOR, MIN_STEPS, Allocation, learner_speed, median_of_counts,
                                         ratio)
 from pipeline.control.job import JobInfo
+from pipeline.dataplane.cadence import read_cadence
 from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_ROLLOUT, LEARNER, JobKeys
 from pipeline.dataplane.streams import group_pending, stream_lag
 
@@ -35,6 +37,8 @@ class Snapshot:
     inflight: int               # prompts' trajectories being generated (pending at rollout)
     queue: int                  # prompts' trajectories not yet delivered to rollout
     learner_waiting: bool
+    publish_every: int = 1      # the learner's publish cadence (pipeline.dataplane.cadence) ...
+    publish_at: float | None = None   # ... and when the controller set it (None: never, the config's)
 
 
 class Observer:
@@ -64,6 +68,7 @@ class Observer:
             inflight=group_pending(r, k.prompts, GROUP_ROLLOUT) * gs,
             queue=stream_lag(r, k.prompts, GROUP_ROLLOUT) * gs,
             learner_waiting=bool(learner) and json.loads(learner).get("state") == "waiting")
+        snap.publish_every, snap.publish_at = read_cadence(r, k, self.job.publish_every, self.job.max_staleness)
         self.ticks.append(snap)
         while len(self.ticks) > 2 and self._droppable(now):
             self.ticks.popleft()
@@ -116,7 +121,10 @@ class Observer:
             backlog=last.backlog, backlog_trend_per_s=(last.backlog - first.backlog) / span,
             trained=delta["trained"], staleness_p50=staleness_median(steps), dropped_stale=delta["dropped_stale"],
             remaining=max(0, self.job.steps - self.step) * self.job.batch_size,
-            rollout_load_s=ratio(ro["reload"], ro["reloads"]))
+            rollout_load_s=ratio(ro["reload"], ro["reloads"]),
+            publish_every=last.publish_every,
+            publish_since_s=last.t - last.publish_at if last.publish_at is not None else math.inf,
+            staleness_at_bound_frac=staleness_share(steps, self.job.max_staleness), learner_steps=self.step)
 
     @staticmethod
     def _role_costs(role: str, first: Snapshot, last: Snapshot) -> dict:
@@ -152,13 +160,24 @@ class Observer:
         return min(1.0, wait / span)
 
 
-def staleness_median(steps: list) -> float:
-    """Median staleness of the trajectories the learner's step records count."""
+def staleness_counts(steps: list) -> dict[int, int]:
+    """{staleness: trajectories} over the learner's step records."""
     hist: dict[int, int] = {}
     for s in steps:
         for v, c in (s.get("staleness_hist") or {}).items():
             hist[int(v)] = hist.get(int(v), 0) + int(c)
-    return median_of_counts(hist)
+    return hist
+
+
+def staleness_median(steps: list) -> float:
+    """Median staleness of the trajectories the learner's step records count."""
+    return median_of_counts(staleness_counts(steps))
+
+
+def staleness_share(steps: list, staleness: int) -> float:
+    """Share of the trajectories the step records count that were exactly ``staleness`` versions old."""
+    hist = staleness_counts(steps)
+    return ratio(hist.get(staleness, 0), sum(hist.values()))
 
 
 def _rounded(costs: dict) -> dict:

@@ -65,6 +65,10 @@ class JobKeys:
         return self._k("policy")
 
     @property
+    def publish(self) -> str:  # hash: every, at, reason (controller -> learner: steps per published version)
+        return self._k("publish")
+
+    @property
     def lineage(self) -> str:  # hash: first version of a line -> JSON {updates, parent} (the learner; dataplane.lineage)
         return self._k("lineage")
 

@@ -11,7 +11,9 @@ Time is virtual; a run is deterministic for a seed. What it models (see
 - reward workers (a CPU pool, or GPUs taken from the pool), FIFO, one
   trajectory at a time each, scoring trajectories as they arrive;
 - a learner that trains whole GRPO groups, batch by batch, at
-  ``train_tokens_per_s * n**scaling_exponent`` on n GPUs, then publishes;
+  ``train_tokens_per_s * n**scaling_exponent`` on n GPUs, then publishes:
+  every step, or in libra mode at the cadence ``allocator.plan_publish``
+  chooses (a step without a version costs no publish and no weight loads);
 - staleness: admission control lets trajectory i start only while it would be
   trained within ``max_staleness`` versions of the current one, and no new
   trajectory while a learner batch of scored groups waits (the feeder's
@@ -60,6 +62,7 @@ from pipeline.config import ControlConfig, StreamsConfig
 from pipeline.control import allocator
 from pipeline.control.allocator import Allocation
 from pipeline.control.job import plan_config
+from pipeline.dataplane.cadence import publishes
 from pipeline.sim.meter import Gauges, Meter, StepSample
 from pipeline.sim.result import ModeResult, Progress, hist_quantile
 from pipeline.sim.roles import AWAY, LEARNER, ROLLOUT, SWITCHING, Roles
@@ -90,13 +93,14 @@ def _default_dt(wl: Workload) -> float:
     return float(min(2.0, max(0.05, slot / 30)))
 
 
-def job_spec(wl: Workload) -> allocator.JobSpec:
-    """The job as libra's policy sees it: reward GPUs only when reward runs on GPUs."""
+def job_spec(wl: Workload, control: ControlConfig = LIBRA_CONTROL) -> allocator.JobSpec:
+    """The job as libra's policy sees it: reward GPUs only when reward runs on GPUs; a learner that publishes
+    every step, which the controller may stretch to ``control.publish_every_max``."""
     job = wl.job
     rb = allocator.RoleBounds(1, wl.cluster.gpus) if wl.reward.gpu else allocator.RoleBounds(0, 0)
     return allocator.JobSpec(name=wl.name, batch_size=job.batch_size, max_staleness=job.max_staleness,
                              reward_on_gpu=wl.reward.gpu, learner_scaling_exponent=wl.learner.scaling_exponent,
-                             bounds={"reward": rb})
+                             publish_every_max=control.publish_every_max, bounds={"reward": rb})
 
 
 class AsyncSim:
@@ -144,6 +148,8 @@ class AsyncSim:
         self.restart_due = False     # its size changes: it restarts once the step in hand ends
         self.back_at = 0.0           # ... and starts no step before this time (its restart ends)
         self.wait_total = 0.0
+        self.publish_every = 1       # learner steps per published version (libra may stretch it: plan_publish)
+        self.cadence_t = 0.0         # ... since this time
 
     def _init_stats(self) -> None:
         self.busy = 0.0                                   # GPU-seconds of stage work
@@ -339,23 +345,26 @@ class AsyncSim:
         if start > idle_from:
             self.meter.add_wait(idle_from, start)
             self.wait_total += start - idle_from
-        self.busy += self.roles.n_learner * (train + le.weight_publish_s)
-        self.learner_busy = True
         self.k += 1
-        self._push(start + train + le.weight_publish_s, "step_end", ())
+        publish = le.weight_publish_s if publishes(self.k, self.V, self.publish_every, self.job.steps) else 0.0
+        self.busy += self.roles.n_learner * (train + publish)
+        self.learner_busy = True
+        self._push(start + train + publish, "step_end", ())
 
     def _on_step_end(self, t: float) -> None:
-        """Publish version k: rollout GPUs load it (a pause), admission moves on one batch."""
+        """Step k ends: version k is published when the cadence says (rollout GPUs load it, a pause);
+        admission moves on one batch either way."""
         self.steps_done += 1
-        self.V = self.steps_done
         self.learner_busy = False
         self.free_at = t
         if self.restart_due:
             self._restart_learner(t)
-        sync = self.wl.rollout.weight_sync_s
-        self.slots.owe_all(sync)
-        self.meter.pause_gpu_s += sync * self.roles.target.rollout
-        self.meter.loads += self.roles.target.rollout
+        if publishes(self.steps_done, self.V, self.publish_every, self.job.steps):
+            self.V = self.steps_done
+            sync = self.wl.rollout.weight_sync_s
+            self.slots.owe_all(sync)
+            self.meter.pause_gpu_s += sync * self.roles.target.rollout
+            self.meter.loads += self.roles.target.rollout
         self.admission.open(self.B)
         for gpu, dest in self.roles.release_learners():
             self._begin_switch(gpu, dest, t)
@@ -374,11 +383,24 @@ class AsyncSim:
         cc = self.control
         m = self.measure(t, window_ticks(cc))
         inv = allocator.Inventory(gpus=self.G, switch_cost_s=self.wl.cluster.switch_cost_s)
-        d = allocator.plan(m, inv, [job_spec(self.wl)], plan_config(cc))
+        spec = job_spec(self.wl, cc)
+        d = allocator.plan(m, inv, [spec], plan_config(cc))
         if d.changed:
             self.decisions.append({"t": t, **d.event(m)})
             self._apply(d.allocation, t)
+        self.adapt_publish(t, m, spec, cc)
         self._push(t + cc.interval_s, "control", ())
+
+    def adapt_publish(self, t: float, m: allocator.Metrics, spec: allocator.JobSpec, cc: ControlConfig) -> None:
+        """The controller's publish cadence (``allocator.plan_publish``), as the live learner takes it.
+
+        The learner reads the cadence at each step's end and counts it from its
+        last published version (``pipeline.dataplane.cadence.publishes``).
+        """
+        d = allocator.plan_publish(m, spec, plan_config(cc))
+        if d.changed:
+            self.decisions.append({"t": t, "publish": d.event()})
+            self.publish_every, self.cadence_t = d.publish_every, t
 
     def measure(self, t: float, window: int) -> allocator.Metrics:
         """End the meter's tick at t and read the policy's inputs over the last ``window`` ticks."""
@@ -391,7 +413,9 @@ class AsyncSim:
                       since_change_s=t - r.last_change_t, inflight=self.slots.inflight(),
                       queue=self._startable(), learner_gpus=r.n_learner,
                       learner_idle_since=None if self.learner_busy else self.free_at,
-                      remaining=max(0, self.job.steps - self.steps_done) * self.job.batch_size)
+                      remaining=max(0, self.job.steps - self.steps_done) * self.job.batch_size,
+                      publish_every=self.publish_every, publish_since_s=t - self.cadence_t,
+                      learner_steps=self.steps_done)
 
     def _apply(self, new: Allocation, t: float) -> None:
         """Move GPUs from roles above their new count to roles below it."""

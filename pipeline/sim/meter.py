@@ -45,6 +45,9 @@ class Gauges(NamedTuple):
     learner_gpus: int                  # learner GPUs that take part in the next step
     learner_idle_since: float | None   # when the learner became free, None while it trains
     remaining: int                     # trajectories the job has still to train
+    publish_every: int = 1             # the learner's publish cadence (steps per version) ...
+    publish_since_s: float = float("inf")   # ... and how long it has run at it
+    learner_steps: int = 0             # learner steps made
 
 
 class Meter:
@@ -119,7 +122,9 @@ class Meter:
             trained=sum(s.trajectories for s in steps),
             staleness_p50=median_of_counts(dict(zip(*np.unique(stale, return_counts=True)))),
             dropped_stale=total["dropped"], remaining=now.remaining,
-            rollout_load_s=ratio(total["pause_gpu_s"], total["loads"]))
+            rollout_load_s=ratio(total["pause_gpu_s"], total["loads"]),
+            publish_every=now.publish_every, publish_since_s=now.publish_since_s, learner_steps=now.learner_steps,
+            staleness_at_bound_frac=float((stale == self.wl.job.max_staleness).mean()) if stale.size else 0.0)
 
     def _wait_in(self, a: float, b: float, idle_since: float | None) -> float:
         """Seconds in [a, b] the learner spent waiting for data (a wait still going on counts up to b)."""

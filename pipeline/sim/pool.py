@@ -277,6 +277,8 @@ class PoolSim:
         if new:
             self.decisions.append({"t": t, **d.event(metrics)})
             self._order(new, t)
+        for j in self.active:
+            self.sims[j].adapt_publish(t, metrics[j], self.specs[j], self.control)
 
     def _order(self, new: dict[str, Allocation], t: float) -> None:
         """Each job in ``new`` moves to its new split: GPUs change role, leave the job, or come from the pool."""

@@ -23,7 +23,8 @@ The run's manifest carries ``"sim": {"workload": PATH, "time_scale": X}``, plus
   one GPU when ``reward.gpu``) charging ``seconds`` per trajectory;
 - learner (one process holding n slots): a step trains the admitted batch's
   tokens at ``train_tokens_per_s * n**scaling_exponent``, then publishes
-  (``weight_publish_s``). Its step, version and counters live in Redis and are
+  (``weight_publish_s``) when the cadence says so (``pipeline.dataplane.cadence``,
+  as the real learner). Its step, version and counters live in Redis and are
   written in the transaction that acknowledges the step's entries, so a
   drained or killed learner resumes exactly where it stopped (a checkpoint per
   step), with the world size of its new slots;
@@ -51,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.dataplane import messages
+from pipeline.dataplane.cadence import publishes, read_cadence
 from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT, ROLES
 from pipeline.dataplane.lineage import load_segments, record_line, restored
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
@@ -279,6 +281,7 @@ class SimLearner:
             if ckpt.name.endswith(".tmp") or int(ckpt.name.split("-")[1]) > self.step:
                 shutil.rmtree(ckpt)   # never committed: its entries are still pending
         self.version = published if not st else max(published, st.get("version", 0)) + 1
+        self.published_step = self.step     # a restore publishes the committed step's weights
         # Staleness counts updates along the version tree (dataplane.lineage), as the real learner's does:
         # a restore's new version holds the committed step's weights, 0 updates from them.
         self.lineage = restored(load_segments(self.ctx.r, k), None)
@@ -386,12 +389,16 @@ class SimLearner:
         tokens = sum(float(g.extra.get("sim_tokens", 0.0)) for g in batch.groups)
         self.ctx.state = "running"
         train = batch.prefetch_s + self.clock.sleep(self.model.train_s(tokens - batch.prefetched, self.gpus))
-        publish = self.clock.sleep(self.model.wl.learner.weight_publish_s)
+        every, _at = self.outage.call(read_cadence, self.ctx.r, self.ctx.keys, self.cfg.publish_every,
+                                      self.cfg.max_staleness)
+        published = publishes(self.step + 1, self.published_step, every, self.ctx.cfg.job.steps)
+        publish = self.clock.sleep(self.model.wl.learner.weight_publish_s) if published else 0.0
         stale = [d for g, d in zip(batch.groups, batch.staleness) for _t in g.trajectories]
         hist = {int(v): int(c) for v, c in zip(*np.unique(stale, return_counts=True))} if stale else {}
         dropped = sum(len(g.trajectories) for g in batch.dropped)
         return {"step": self.step + 1, "policy_version": self.version + 1, "trajectories": len(stale),
                 "tokens": tokens, "gpus": self.gpus, "train_s": train, "publish_s": publish,
+                "published": published, "publish_every": every,
                 "wait_s": batch.wait_s, "dropped_stale": dropped, "groups": len(batch.groups),
                 "staleness_mean": float(np.mean(stale)) if stale else 0.0,
                 "staleness_max": int(max(stale)) if stale else 0, "staleness_hist": hist,
@@ -430,8 +437,9 @@ class SimLearner:
             if batch.branch:
                 pipe.hincrby(k.counters, "dropped_branch", len(_ids(batch.branch)))
             pipe.hset(k.sim_learner, mapping={"step": m["step"], "version": m["policy_version"]})
-            pipe.hset(k.policy, mapping={"version": m["policy_version"], "step": m["step"],
-                                         "published_at": time.time()})
+            if m["published"]:
+                pipe.hset(k.policy, mapping={"version": m["policy_version"], "step": m["step"],
+                                             "published_at": time.time()})
             pipe.hset(k.learner_stats, mapping={a: json.dumps(b) for a, b in m.items()})
             pipe.xadd(k.metrics, {"kind": "learner_step", "data": json.dumps(m)}, maxlen=100_000, approximate=True)
             return pipe
@@ -439,7 +447,9 @@ class SimLearner:
         # once, even when the EXEC reply is lost (a retry would count the step twice); waits out an outage
         execute_with_backpressure(build, self.ctx.log, self.ctx.stopping)
         self.step, self.version = m["step"], m["policy_version"]
-        self.ctx.set_version(self.version)
+        if m["published"]:
+            self.published_step = self.step
+            self.ctx.set_version(self.version)
         with open(self.ctx.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"kind": "learner_step", "worker": self.ctx.worker_id, **m}) + "\n")
         self.meter.add(busy_s=(m["train_s"] + m["publish_s"]) * self.gpus, items=m["trajectories"],
