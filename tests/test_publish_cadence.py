@@ -166,3 +166,9 @@ def test_the_controller_writes_the_cadence_where_the_learner_reads_it_and_record
     ctl.adapt_publish(view, now=600.0)
     assert read_cadence(r, JobKeys("ctlcad"), info.publish_every, 4) == (2, 500.0)
     assert len(read_events(r, "ctlcad")) == 1
+
+
+def test_a_move_ordered_at_this_tick_puts_the_cadence_back_too():
+    d = plan_publish(metrics(publish_every=2), JOB, moving=True)
+    assert d.changed and d.publish_every == 1 and d.reason == "split_changed"
+    assert plan_publish(metrics(), JOB, moving=True).reason == "split_changed"

@@ -519,7 +519,7 @@ class PublishDecision:
                 f"saving {self.saved_frac:.1%} of GPU time for {self.cost_frac:.1%})")
 
 
-def plan_publish(m: Metrics, job: JobSpec, config: PlanConfig = PlanConfig()) -> PublishDecision:
+def plan_publish(m: Metrics, job: JobSpec, config: PlanConfig = PlanConfig(), moving: bool = False) -> PublishDecision:
     """How many learner steps per published version (pure): fewer weight loads while staleness has room.
 
     Every published version pauses each rollout GPU for a weight load and the
@@ -535,7 +535,8 @@ def plan_publish(m: Metrics, job: JobSpec, config: PlanConfig = PlanConfig()) ->
     and ``job.publish_every_max`` (at most ``max_staleness``), on a window
     measured wholly at the current cadence and the current split, once the
     learner has made enough steps (``2 * (max_staleness + 1)``) for its data
-    to have reached the bound. A move of the split puts it back at
+    to have reached the bound. A move of the split, under way (within the
+    window) or ordered at this tick (``moving``), puts it back at
     ``job.publish_every``: the rates it was sized for are gone, and a learner
     restart or a new bottleneck ages the in-flight work.
     """
@@ -548,7 +549,7 @@ def plan_publish(m: Metrics, job: JobSpec, config: PlanConfig = PlanConfig()) ->
     consumed = m.trained + m.dropped_stale
     if lo == hi:
         return PublishDecision(c, False, "fixed")
-    if m.since_change_s < m.window_s:
+    if moving or m.since_change_s < m.window_s:
         return PublishDecision(lo, c != lo, "split_changed")
     if not m.trained or m.publish_since_s < m.window_s or m.learner_steps < 2 * (job.max_staleness + 1):
         return PublishDecision(c, False, "measuring")

@@ -242,12 +242,13 @@ class Controller:
                                            "epoch": self.lease.epoch, "actions": orders, "drained": drained,
                                            **({"external": view.ext_n} if view.ext_n else {})})
         if view.metrics is not None:
-            self.adapt_publish(view, now)
+            self.adapt_publish(view, now, moving=target != {**jc.info.initial, **view.alloc["target"]})
 
-    def adapt_publish(self, view: "JobView", now: float) -> None:
-        """An auto job's publish cadence (``allocator.plan_publish``), written where its learner reads it."""
+    def adapt_publish(self, view: "JobView", now: float, moving: bool = False) -> None:
+        """An auto job's publish cadence (``allocator.plan_publish``), written where its learner reads it;
+        ``moving``: this tick changes the job's split."""
         info = view.jc.info
-        d = allocator.plan_publish(view.metrics, info.spec(), plan_config(info.control))
+        d = allocator.plan_publish(view.metrics, info.spec(), plan_config(info.control), moving)
         if not d.changed:
             return
         write_cadence(self.r, JobKeys(info.name), d.publish_every, d.reason, now)

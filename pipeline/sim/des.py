@@ -388,16 +388,17 @@ class AsyncSim:
         if d.changed:
             self.decisions.append({"t": t, **d.event(m)})
             self._apply(d.allocation, t)
-        self.adapt_publish(t, m, spec, cc)
+        self.adapt_publish(t, m, spec, cc, moving=d.changed)
         self._push(t + cc.interval_s, "control", ())
 
-    def adapt_publish(self, t: float, m: allocator.Metrics, spec: allocator.JobSpec, cc: ControlConfig) -> None:
+    def adapt_publish(self, t: float, m: allocator.Metrics, spec: allocator.JobSpec, cc: ControlConfig,
+                      moving: bool) -> None:
         """The controller's publish cadence (``allocator.plan_publish``), as the live learner takes it.
 
         The learner reads the cadence at each step's end and counts it from its
         last published version (``pipeline.dataplane.cadence.publishes``).
         """
-        d = allocator.plan_publish(m, spec, plan_config(cc))
+        d = allocator.plan_publish(m, spec, plan_config(cc), moving)
         if d.changed:
             self.decisions.append({"t": t, "publish": d.event()})
             self.publish_every, self.cadence_t = d.publish_every, t

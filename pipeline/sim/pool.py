@@ -278,7 +278,7 @@ class PoolSim:
             self.decisions.append({"t": t, **d.event(metrics)})
             self._order(new, t)
         for j in self.active:
-            self.sims[j].adapt_publish(t, metrics[j], self.specs[j], self.control)
+            self.sims[j].adapt_publish(t, metrics[j], self.specs[j], self.control, moving=j in new)
 
     def _order(self, new: dict[str, Allocation], t: float) -> None:
         """Each job in ``new`` moves to its new split: GPUs change role, leave the job, or come from the pool."""
