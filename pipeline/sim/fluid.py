@@ -89,14 +89,17 @@ def stale_floor(wl: Workload, seed: int = 0, groups: int = 100_000) -> dict:
     """Trajectories that go stale at the ideal pace whatever the allocation: long tails, not the policy.
 
     At the ideal rate a phase's learner step takes s = batch_size / rate. A
-    group started as version V is published is trained within the bound only
-    if it is ready when step V + max_staleness starts, max_staleness steps
-    later; one whose slowest trajectory (prefill, decode, tool waits) takes
-    longer is dropped by any allocation that keeps that pace (reward time,
-    weight loads and waiting for the learner only make it later). Sampled
-    from the workload's distributions (``groups`` groups per phase); returns
-    the fraction over the run and, per phase, the step time, the time a
-    group has, and the share of groups doomed.
+    group of version V is trained within the bound only in a step up to
+    V + max_staleness, and a learner that prefetches (``learner.prefetch``)
+    takes a group into that step's batch until the step ends, max_staleness
+    + 1 steps after V was published; the group cannot start before a rollout
+    engine has loaded V (``weight_sync_s``). One whose slowest trajectory
+    (prefill, decode, tool waits) takes longer than (max_staleness + 1) * s
+    - weight_sync_s is dropped by any allocation that keeps that pace (reward
+    time, the group's own training and waiting for the learner only make it
+    later). Sampled from the workload's distributions (``groups`` groups per
+    phase); returns the fraction over the run and, per phase, the step time,
+    the time a group has, and the share of groups doomed.
     """
     rng = np.random.default_rng(seed)
     job, ro = wl.job, wl.rollout
@@ -106,7 +109,7 @@ def stale_floor(wl: Workload, seed: int = 0, groups: int = 100_000) -> dict:
         size = (groups, job.group_size)
         seconds = (ph.prompt_tokens / ro.prefill_tokens_per_s + ph.response_tokens.sample(rng, size)
                    / ro.decode_tokens_per_s + ph.tool_calls.sample_wait_s(rng, groups * job.group_size).reshape(size))
-        budget = job.max_staleness * step
+        budget = (job.max_staleness + 1) * step - ro.weight_sync_s
         phases.append({"step_s": step, "budget_s": budget, "doomed": float((seconds.max(axis=1) > budget).mean())})
     n = job.phase_trajectories()
     return {"fraction": sum(k * p["doomed"] for k, p in zip(n, phases)) / sum(n), "phases": phases}
