@@ -21,6 +21,7 @@ from pipeline.control.observer import Observer
 from pipeline.dataplane.cadence import publishes, read_cadence, write_cadence
 from pipeline.dataplane.keys import JobKeys
 from pipeline.observe.audit import audit
+from pipeline.observe.status import format_status, status
 from tests.test_sim_workers import sim_job, start, stop_all, wait_for
 
 JOB = JobSpec(name="t", batch_size=4096, max_staleness=4, reward_on_gpu=False, learner_scaling_exponent=0.95,
@@ -161,6 +162,9 @@ def test_the_controller_writes_the_cadence_where_the_learner_reads_it_and_record
     e = read_events(r, "ctlcad")[-1]
     assert e["kind"] == "publish" and e["publish_every"] == 2 and e["reason"] == "publish_less_often"
     assert "publish every 2 steps" in format_event(e)
+    st = status(r, "ctlcad")
+    assert (st["jobs"][0]["publish_every"], st["jobs"][0]["publish_reason"]) == (2, "publish_less_often")
+    assert "published every 2 steps (publish_less_often)" in format_status(st)
     # nothing to change: nothing written, nothing recorded
     view.metrics = metrics(publish_every=2, publish_since_s=1e9)
     ctl.adapt_publish(view, now=600.0)

@@ -123,9 +123,13 @@ def job_status(r: redis.Redis, job: str) -> dict:
                 alloc["roles"][w["role"]] = alloc["roles"].get(w["role"], 0) + 1
     version = r.hget(keys.policy, "version")
     phase = r.hget(keys.state, "phase")
+    cadence = r.hgetall(keys.publish)
     return {
         "name": job, "phase": phase.decode() if phase else None,
         "policy_version": int(version) if version is not None else None,
+        # the controller's publish cadence (pipeline.dataplane.cadence); None: the learner's config stands
+        "publish_every": int(cadence[b"every"]) if b"every" in cadence else None,
+        "publish_reason": cadence[b"reason"].decode() if b"reason" in cadence else None,
         "allocation": {k: alloc[k] for k in ("mode", "roles", "target", "pinned", "nodes", "external")},
         "pool": pool_settings(r, job),
         "stages": stages, "workers": workers,
@@ -146,7 +150,9 @@ def format_status(st: dict) -> str:
     slots = format_slots(st["jobs"])
     out = [slots] if slots else []
     for j in st["jobs"]:
-        out.append(f"job {j['name']}  phase {j['phase']}  policy v{j['policy_version']}")
+        cadence = (f"  published every {j['publish_every']} step{'s' if j['publish_every'] > 1 else ''} "
+                   f"({j['publish_reason']})" if j.get("publish_every") else "")
+        out.append(f"job {j['name']}  phase {j['phase']}  policy v{j['policy_version']}{cadence}")
         out.append("  pool " + format_pool(j["pool"], j["allocation"]["mode"]))
         out.append("  " + format_allocation(j["allocation"], j["name"]).replace("\n", "\n  "))
         out.append(f"  {'stage':<8} {'stream':<28} {'length':>7} {'pending':>8} {'lag':>6} {'rate/s':>8}")
