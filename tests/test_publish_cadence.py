@@ -66,6 +66,9 @@ def test_no_longer_cadence_when_the_predicted_drops_would_eat_the_budget():
 def test_no_longer_cadence_when_versions_cost_next_to_nothing():
     d = plan_publish(metrics(rollout_load_s=0.0, learner_publish_s=0.0, staleness_at_bound_frac=0.004), JOB)
     assert not d.changed and d.reason == "saving_below_cost"
+    # nothing predicted to drop, but 0.1 s loads and publishes save 0.06% of the pool: older data for nothing
+    d = plan_publish(metrics(rollout_load_s=0.1, learner_publish_s=0.1, staleness_at_bound_frac=0.0), JOB)
+    assert not d.changed and d.reason == "saving_below_cost" and 0 < d.saved_frac < 0.01 and d.cost_frac == 0
 
 
 def test_the_cadence_comes_back_when_drops_exceed_the_budget():

@@ -212,6 +212,8 @@ class PlanConfig:
     candidates: int = 12                # target rates tried between current and best
     stale_drop_budget: float = 0.005    # share of trajectories dropped as stale the publish cadence may cost
     publish_drop_margin: float = 0.5    # ... a longer cadence is tried only when predicted within this share of it
+    publish_min_saving: float = 0.01    # ... and when it saves at least this share of the job's GPU time (staler data
+                                        # costs the learning something the throughput model does not see)
 
 
 @dataclass(frozen=True)
@@ -529,9 +531,11 @@ def plan_publish(m: Metrics, job: JobSpec, config: PlanConfig = PlanConfig(), mo
     one in c + 1 comes out a version older. Those trained exactly at
     ``max_staleness`` would then be dropped. So the cadence grows by one when
     the window's drops plus that predicted share stay within
-    ``publish_drop_margin`` of ``stale_drop_budget`` and the saving exceeds the
-    rollout time the predicted drops waste; it comes back by one when the drops
-    measured at it exceed the budget. It moves only between ``job.publish_every``
+    ``publish_drop_margin`` of ``stale_drop_budget`` and the saving exceeds both
+    the rollout time the predicted drops waste and ``publish_min_saving`` (data
+    a version older costs the learning something no throughput figure shows,
+    so a cadence that saves next to nothing is not worth it); it comes back by
+    one when the drops measured at it exceed the budget. It moves only between ``job.publish_every``
     and ``job.publish_every_max`` (at most ``max_staleness``), on a window
     measured wholly at the current cadence and the current split, once the
     learner has made enough steps (``2 * (max_staleness + 1)``) for its data
@@ -569,7 +573,7 @@ def plan_publish(m: Metrics, job: JobSpec, config: PlanConfig = PlanConfig(), mo
     base = dict(drop_frac=drop, predicted_drop_frac=predicted, saved_frac=saved, cost_frac=cost)
     if predicted > config.publish_drop_margin * config.stale_drop_budget:
         return PublishDecision(c, False, "staleness_headroom_short", **base)
-    if saved <= cost:
+    if saved <= max(cost, config.publish_min_saving):
         return PublishDecision(c, False, "saving_below_cost", **base)
     return PublishDecision(c + 1, True, "publish_less_often", **base)
 
