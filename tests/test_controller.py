@@ -196,7 +196,7 @@ def test_observer_maps_live_metrics_onto_plan_inputs(r, redis_url, tmp_path):
     write_cadence(r, keys, 2, "test", at=t0 + 4)
     obs.tick(r, t0 + 20)
     m2 = obs.metrics(Allocation(rollout=1, learner=2), since_change_s=400.0, changed_from=None, learner_slots=2)
-    assert (m2.publish_every, m2.publish_since_s) == (2, pytest.approx(16.0))
+    assert (m2.publish_every, m2.publish_since_s, m2.publish_reason) == (2, pytest.approx(16.0), "test")
     d = allocator.plan(m, allocator.Inventory(gpus=3, switch_cost_s=5.0), [info.spec()], plan_config(info.control))
     assert d.reason != "warming_up"
 

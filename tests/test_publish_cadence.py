@@ -29,12 +29,12 @@ JOB = JobSpec(name="t", batch_size=4096, max_staleness=4, reward_on_gpu=False, l
 
 
 def metrics(**kw) -> Metrics:
-    """A 150 s window of a 36/28 split training 8,192 trajectories (a step of 75 s), publishing every step:
-    36 rollout GPUs load for 3 s and the learner publishes for 2 s per step, 3.7% of the pool's time."""
+    """A 150 s window of a 36/28 split training 8,192 trajectories, publishing every step: 36 rollout GPUs
+    load for 3 s and the learner publishes for 4 s per step."""
     base = dict(window_s=150.0, allocation=Allocation(rollout=36, learner=28), since_change_s=1e9,
                 changed_from=None, rollout_gpu_s_per_traj=0.5, rollout_pause_frac=0.02, rollout_inflight=2304,
                 rollout_queue=1000, rollout_idle_frac=0.0, reward_s_per_traj=0.05, reward_cpu_workers=32,
-                traj_tokens=2000.0, learner_tokens_per_s=1e5, learner_gpus_measured=28, learner_publish_s=2.0,
+                traj_tokens=2000.0, learner_tokens_per_s=1e5, learner_gpus_measured=28, learner_publish_s=4.0,
                 learner_wait_frac=0.05, backlog=500, backlog_trend_per_s=0.0, trained=8192, staleness_p50=1.0,
                 dropped_stale=0, rollout_load_s=3.0, publish_every=1, publish_since_s=1e9,
                 staleness_at_bound_frac=0.002, learner_steps=40)
@@ -42,15 +42,23 @@ def metrics(**kw) -> Metrics:
     return Metrics(**base)
 
 
-def test_the_cadence_grows_while_staleness_has_room_and_the_loads_saved_outweigh_the_drops():
+def test_the_cadence_grows_while_staleness_has_room_and_the_split_in_place_gains():
+    # learner-bound (28 GPUs train a batch in 81.92 s, + 4 s publishing): one publish in two saves 2 s a step
     d = plan_publish(metrics(), JOB)
     assert d.changed and d.publish_every == 2 and d.reason == "publish_less_often"
-    # half of the 3.7% of the pool's time that versions cost
-    assert d.saved_frac == pytest.approx((36 * 3.0 + 28 * 2.0) / 2 / (64 * 75.0))
-    # one trajectory in two at the bound would come a version older: predicted dropped
-    assert d.predicted_drop_frac == pytest.approx(0.001)
-    assert d.cost_frac == pytest.approx(0.001 * 36 / 64) and d.cost_frac < d.saved_frac
+    assert d.saved_frac == pytest.approx(85.92 / 83.92 - 1)
+    # one trajectory in two at the bound would come a version older: predicted dropped; rollout has room,
+    # so the waste costs this split nothing
+    assert d.predicted_drop_frac == pytest.approx(0.001) and d.cost_frac == pytest.approx(0.0)
     assert "publish every 2 steps" in d.summary() and json.dumps(d.event())
+    # the same with 2 s publishes gains 1.2%: under the 1.5% a staler learner must be paid
+    d = plan_publish(metrics(learner_publish_s=2.0), JOB)
+    assert d.reason == "saving_below_cost" and d.saved_frac == pytest.approx(83.92 / 82.92 - 1)
+    # rollout-bound (a learner three times as fast): the loads count, 36 GPUs x 3 s per 4,096 -> per 8,192
+    # trajectories, less the predicted drops' waste
+    d = plan_publish(metrics(learner_tokens_per_s=3e5), JOB)
+    assert d.changed and d.saved_frac == pytest.approx((0.5 + 36 * 3 / 4096) / (0.5 + 36 * 3 / 8192) - 1)
+    assert d.cost_frac == pytest.approx((1 + d.saved_frac) * 0.001, rel=0.1)   # drops rounded to trajectories
 
 
 def test_no_longer_cadence_when_the_predicted_drops_would_eat_the_budget():
@@ -66,9 +74,16 @@ def test_no_longer_cadence_when_the_predicted_drops_would_eat_the_budget():
 def test_no_longer_cadence_when_versions_cost_next_to_nothing():
     d = plan_publish(metrics(rollout_load_s=0.0, learner_publish_s=0.0, staleness_at_bound_frac=0.004), JOB)
     assert not d.changed and d.reason == "saving_below_cost"
-    # nothing predicted to drop, but 0.1 s loads and publishes save 0.06% of the pool: older data for nothing
+    # nothing predicted to drop, but 0.1 s publishes gain the learner 0.06%: older data for nothing
     d = plan_publish(metrics(rollout_load_s=0.1, learner_publish_s=0.1, staleness_at_bound_frac=0.0), JOB)
     assert not d.changed and d.reason == "saving_below_cost" and 0 < d.saved_frac < 0.01 and d.cost_frac == 0
+
+
+def test_a_cadence_that_dropped_too_many_is_not_tried_again_on_the_same_split():
+    m = metrics(publish_reason="drops_over_budget", publish_since_s=600.0, since_change_s=2000.0)
+    assert plan_publish(m, JOB).reason == "dropped_too_many_here"
+    # a new split since: worth another try
+    assert plan_publish(dataclasses.replace(m, since_change_s=300.0), JOB).changed
 
 
 def test_the_cadence_comes_back_when_drops_exceed_the_budget():
@@ -173,6 +188,13 @@ def test_the_controller_writes_the_cadence_where_the_learner_reads_it_and_record
     ctl.adapt_publish(view, now=600.0)
     assert read_cadence(r, JobKeys("ctlcad"), info.publish_every, 4) == (2, 500.0)
     assert len(read_events(r, "ctlcad")) == 1
+    # pinned (libra-ctl scale): the user holds the split, and the learner its config's cadence
+    view.metrics = None
+    ctl.adapt_publish(view, now=700.0)
+    assert read_cadence(r, JobKeys("ctlcad"), info.publish_every, 4) == (info.publish_every, 700.0)
+    assert read_events(r, "ctlcad")[-1]["reason"] == "pinned"
+    ctl.adapt_publish(view, now=800.0)
+    assert len(read_events(r, "ctlcad")) == 2
 
 
 def test_a_move_ordered_at_this_tick_puts_the_cadence_back_too():

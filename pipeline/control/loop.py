@@ -53,7 +53,7 @@ from pipeline.control.job import JobInfo, load_job, plan_config, role_bounds
 from pipeline.control.lease import Lease
 from pipeline.control.observer import Observer
 from pipeline.control.placement import agents_share, external_floor, fit, place
-from pipeline.dataplane.cadence import write_cadence
+from pipeline.dataplane.cadence import read_cadence, write_cadence
 from pipeline.dataplane.keys import (CONTROLLER_EPOCH, CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, LEARNER, JobKeys,
                                      agent_desired)
 from pipeline.dataplane.keys import ROLES
@@ -241,17 +241,21 @@ class Controller:
             record_event(self.r, jc.info, {**(event or {"kind": "drain" if drained else "repair"}),
                                            "epoch": self.lease.epoch, "actions": orders, "drained": drained,
                                            **({"external": view.ext_n} if view.ext_n else {})})
-        if view.metrics is not None:
-            self.adapt_publish(view, now, moving=target != {**jc.info.initial, **view.alloc["target"]})
+        self.adapt_publish(view, now, moving=target != {**jc.info.initial, **view.alloc["target"]})
 
     def adapt_publish(self, view: "JobView", now: float, moving: bool = False) -> None:
-        """An auto job's publish cadence (``allocator.plan_publish``), written where its learner reads it;
-        ``moving``: this tick changes the job's split."""
-        info = view.jc.info
-        d = allocator.plan_publish(view.metrics, info.spec(), plan_config(info.control), moving)
-        if not d.changed:
-            return
-        write_cadence(self.r, JobKeys(info.name), d.publish_every, d.reason, now)
+        """The job's publish cadence, written where its learner reads it: an auto job's from
+        ``allocator.plan_publish`` (``moving``: this tick changes its split); a pinned job's is its config's."""
+        info, keys = view.jc.info, JobKeys(view.jc.info.name)
+        if view.metrics is None:
+            if read_cadence(self.r, keys, info.publish_every, info.max_staleness)[0] == info.publish_every:
+                return
+            d = allocator.PublishDecision(info.publish_every, True, "pinned")
+        else:
+            d = allocator.plan_publish(view.metrics, info.spec(), plan_config(info.control), moving)
+            if not d.changed:
+                return
+        write_cadence(self.r, keys, d.publish_every, d.reason, now)
         record_event(self.r, info, {"kind": "publish", **d.event(), "epoch": self.lease.epoch})
         self.log.info("publish_cadence", job=info.name, every=d.publish_every, reason=d.reason)
 

@@ -39,6 +39,7 @@ class Snapshot:
     learner_waiting: bool
     publish_every: int = 1      # the learner's publish cadence (pipeline.dataplane.cadence) ...
     publish_at: float | None = None   # ... and when the controller set it (None: never, the config's)
+    publish_reason: str = ""    # ... and why
 
 
 class Observer:
@@ -69,6 +70,7 @@ class Observer:
             queue=stream_lag(r, k.prompts, GROUP_ROLLOUT) * gs,
             learner_waiting=bool(learner) and json.loads(learner).get("state") == "waiting")
         snap.publish_every, snap.publish_at = read_cadence(r, k, self.job.publish_every, self.job.max_staleness)
+        snap.publish_reason = (r.hget(k.publish, "reason") or b"").decode() if snap.publish_at is not None else ""
         self.ticks.append(snap)
         while len(self.ticks) > 2 and self._droppable(now):
             self.ticks.popleft()
@@ -99,8 +101,9 @@ class Observer:
         steps = [s for snap in list(self.ticks)[1:] for s in snap.steps]
         by_tokens = bool(steps) and ro["tokens"] > 0 and all("tokens" in s for s in steps)
         unit = (lambda s: s["tokens"]) if by_tokens else (lambda s: s["trajectories"])
-        delta = {c: last.counters.get(c, 0) - first.counters.get(c, 0) for c in ("trained", "dropped_stale",
-                                                                                  "generated", "scored")}
+        # a learner's restore sets its counters back to its checkpoint's: no negative counts
+        delta = {c: max(0, last.counters.get(c, 0) - first.counters.get(c, 0))
+                 for c in ("trained", "dropped_stale", "generated", "scored")}
         if ro["items"] == 0 and delta["generated"]:      # workers that do not report costs: all time is busy
             ro.update(busy=alloc.rollout * span, elapsed=alloc.rollout * span, items=delta["generated"])
         if rw["items"] == 0 and delta["scored"]:
@@ -124,6 +127,7 @@ class Observer:
             rollout_load_s=ratio(ro["reload"], ro["reloads"]),
             publish_every=last.publish_every,
             publish_since_s=last.t - last.publish_at if last.publish_at is not None else math.inf,
+            publish_reason=last.publish_reason,
             staleness_at_bound_frac=staleness_share(steps, self.job.max_staleness), learner_steps=self.step)
 
     @staticmethod

@@ -124,11 +124,15 @@ def job_status(r: redis.Redis, job: str) -> dict:
     version = r.hget(keys.policy, "version")
     phase = r.hget(keys.state, "phase")
     cadence = r.hgetall(keys.publish)
+    try:
+        every = int(cadence[b"every"]) if b"every" in cadence else None
+    except ValueError:
+        every = None      # not one the learner would apply either (pipeline.dataplane.cadence.read_cadence)
     return {
         "name": job, "phase": phase.decode() if phase else None,
         "policy_version": int(version) if version is not None else None,
         # the controller's publish cadence (pipeline.dataplane.cadence); None: the learner's config stands
-        "publish_every": int(cadence[b"every"]) if b"every" in cadence else None,
+        "publish_every": every,
         "publish_reason": cadence[b"reason"].decode() if b"reason" in cadence else None,
         "allocation": {k: alloc[k] for k in ("mode", "roles", "target", "pinned", "nodes", "external")},
         "pool": pool_settings(r, job),

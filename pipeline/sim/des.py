@@ -149,7 +149,9 @@ class AsyncSim:
         self.back_at = 0.0           # ... and starts no step before this time (its restart ends)
         self.wait_total = 0.0
         self.publish_every = 1       # learner steps per published version (libra may stretch it: plan_publish)
+        self.publishing = False      # the step in hand ends with a published version
         self.cadence_t = 0.0         # ... since this time
+        self.cadence_reason = ""     # ... and why
 
     def _init_stats(self) -> None:
         self.busy = 0.0                                   # GPU-seconds of stage work
@@ -341,12 +343,14 @@ class AsyncSim:
         start = max(idle_from, float((ready + from_here).max()) - train)   # the step's idle time comes first
         stale = self.k - self.groups.version.a[groups]
         self.stale_hist += np.bincount(stale, minlength=self.m + 1)[:self.m + 1] * self.gs
-        self.meter.steps.append(StepSample(train, le.weight_publish_s, self.B, self.roles.n_learner, tokens, stale))
+        # whether this step ends with a version, decided once: a cadence changed meanwhile counts from the next
+        self.publishing = publishes(self.k + 1, self.V, self.publish_every, self.job.steps)
+        publish = le.weight_publish_s if self.publishing else 0.0
+        self.meter.steps.append(StepSample(train, publish, self.B, self.roles.n_learner, tokens, stale))
         if start > idle_from:
             self.meter.add_wait(idle_from, start)
             self.wait_total += start - idle_from
         self.k += 1
-        publish = le.weight_publish_s if publishes(self.k, self.V, self.publish_every, self.job.steps) else 0.0
         self.busy += self.roles.n_learner * (train + publish)
         self.learner_busy = True
         self._push(start + train + publish, "step_end", ())
@@ -359,7 +363,7 @@ class AsyncSim:
         self.free_at = t
         if self.restart_due:
             self._restart_learner(t)
-        if publishes(self.steps_done, self.V, self.publish_every, self.job.steps):
+        if self.publishing:
             self.V = self.steps_done
             sync = self.wl.rollout.weight_sync_s
             self.slots.owe_all(sync)
@@ -401,7 +405,7 @@ class AsyncSim:
         d = allocator.plan_publish(m, spec, plan_config(cc), moving)
         if d.changed:
             self.decisions.append({"t": t, "publish": d.event()})
-            self.publish_every, self.cadence_t = d.publish_every, t
+            self.publish_every, self.cadence_t, self.cadence_reason = d.publish_every, t, d.reason
 
     def measure(self, t: float, window: int) -> allocator.Metrics:
         """End the meter's tick at t and read the policy's inputs over the last ``window`` ticks."""
@@ -416,6 +420,7 @@ class AsyncSim:
                       learner_idle_since=None if self.learner_busy else self.free_at,
                       remaining=max(0, self.job.steps - self.steps_done) * self.job.batch_size,
                       publish_every=self.publish_every, publish_since_s=t - self.cadence_t,
+                      publish_reason=self.cadence_reason,
                       learner_steps=self.steps_done)
 
     def _apply(self, new: Allocation, t: float) -> None:

@@ -47,6 +47,7 @@ class Gauges(NamedTuple):
     remaining: int                     # trajectories the job has still to train
     publish_every: int = 1             # the learner's publish cadence (steps per version) ...
     publish_since_s: float = float("inf")   # ... and how long it has run at it
+    publish_reason: str = ""           # ... and why it was set
     learner_steps: int = 0             # learner steps made
 
 
@@ -123,7 +124,8 @@ class Meter:
             staleness_p50=median_of_counts(dict(zip(*np.unique(stale, return_counts=True)))),
             dropped_stale=total["dropped"], remaining=now.remaining,
             rollout_load_s=ratio(total["pause_gpu_s"], total["loads"]),
-            publish_every=now.publish_every, publish_since_s=now.publish_since_s, learner_steps=now.learner_steps,
+            publish_every=now.publish_every, publish_since_s=now.publish_since_s, publish_reason=now.publish_reason,
+            learner_steps=now.learner_steps,
             staleness_at_bound_frac=float((stale == self.wl.job.max_staleness).mean()) if stale.size else 0.0)
 
     def _wait_in(self, a: float, b: float, idle_since: float | None) -> float:

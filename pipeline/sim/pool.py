@@ -48,10 +48,10 @@ def job_workload(wl: Workload, job: Job) -> Workload:
     return wl.view(job.name)
 
 
-def pool_spec(view: Workload) -> allocator.JobSpec:
+def pool_spec(view: Workload, control: ControlConfig | None = None) -> allocator.JobSpec:
     """The job as libra's policy sees it: ``des.job_spec`` plus its guarantee, cap and priority."""
     job = view.job
-    return dataclasses.replace(des.job_spec(view), min_slots=job.min_gpus or 0, max_slots=job.max_gpus or 0,
+    return dataclasses.replace(des.job_spec(view, control or des.LIBRA_CONTROL), min_slots=job.min_gpus or 0, max_slots=job.max_gpus or 0,
                                priority=float(job.priority or 1))
 
 
@@ -147,7 +147,7 @@ class PoolSim:
         self.G, self.switch_s = wl.cluster.gpus, wl.cluster.switch_cost_s
         self.control = control
         self.views = job_views(wl)
-        self.specs = {name: pool_spec(v) for name, v in self.views.items()}
+        self.specs = {name: pool_spec(v, control) for name, v in self.views.items()}
         self.sims = self._start_jobs(shares, seeds)
         self.active = list(self.sims)
         self.free: set[int] = set(range(sum(shares.values()), self.G))
