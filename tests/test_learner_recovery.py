@@ -11,7 +11,9 @@ trains the restored line's replayed work instead of dropping it as stale, and
 drops what a discarded version generated only as far as the bound says, and a
 group exactly at the bound is trained while one past it is dropped and
 counted. A learner under another consumer name takes over the entries a dead
-one held and trains them once.
+one held and trains them once. At the controller's publish cadence the
+learner publishes every so many steps, and a restart numbers its weights
+past the versions a dead learner only recorded.
 """
 
 from __future__ import annotations
@@ -373,3 +375,19 @@ def test_the_learner_publishes_at_the_cadence_the_controller_wrote(tmp_path, r, 
     a = audit(r, "rec", str(run_dir))
     assert a["ok"], a["problems"]
     assert a["trained"] == 4 * 6 * G
+
+
+@pytest.mark.slow
+def test_a_restart_numbers_its_weights_past_a_version_the_dead_learner_only_recorded(tmp_path, r, redis_url,
+                                                                                       policy_dir):
+    """At a publish cadence above 1 a learner names versions it never publishes (its step records carry
+    them). One that dies there, before any checkpoint, leaves v0 published and v7 recorded: the restart
+    publishes the initial weights as v8, so no number names two sets of weights."""
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True, extra=("job.steps=2",))
+    r.hset(JobKeys("rec").learner_stats, "policy_version", json.dumps(7))
+    feed(r, scored_groups(policy_dir, 4 * 2), issued=4 * 2)
+    proc = start_learner(run_dir, redis_url)
+    assert proc.wait(timeout=600) == 0
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["policy_version"] for m in metrics] == [9, 10]
+    assert published(r) == 10

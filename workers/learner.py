@@ -150,7 +150,10 @@ class Learner:
         # drops a dead learner held in its unfinished batch: replayed and judged again
         self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={"dropped_held": 0, "filtered_held": 0}))
         info = self.ctx.r.hgetall(self.ctx.keys.policy)
-        published = int(info[b"version"]) if info else 0
+        # the newest version number used: published, or only named by a step the dead learner recorded (a
+        # publish cadence above 1 leaves steps unpublished); the restart numbers past both
+        recorded = json.loads(self.ctx.r.hget(self.ctx.keys.learner_stats, "policy_version") or "0")
+        published = max(int(info[b"version"]) if info else 0, int(recorded))
         stored = load_segments(self.ctx.r, self.ctx.keys)
         if latest is None:
             manifest = json.loads((self.ctx.run_dir / "manifest.json").read_text())
