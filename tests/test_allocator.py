@@ -178,6 +178,22 @@ def test_reward_on_gpu_gets_its_share():
     assert d.changed and d.allocation.reward > 1 and d.allocation.total == G
 
 
+def test_reward_scores_what_is_dropped_later_too():
+    # 12 reward GPUs at 0.2 s score 60 traj/s; when one trajectory in five scored is dropped as stale
+    # afterwards, they serve 60 x 0.8 = 48 trained trajectories a second
+    job = dataclasses.replace(JOB, reward_on_gpu=True)
+    m = metrics(allocation=Allocation(rollout=30, learner=22, reward=12), reward_s_per_traj=0.2)
+    caps = allocator_model(m, job).caps(m.allocation)
+    assert caps["reward"] == pytest.approx(60.0)
+    wasted = dataclasses.replace(m, trained=8000, dropped_stale=2000)
+    assert allocator_model(wasted, job).caps(m.allocation)["reward"] == pytest.approx(48.0)
+
+
+def allocator_model(m, job):
+    from pipeline.control.allocator import _Model
+    return _Model.measured(m, INV, job)
+
+
 def test_pure_and_explained():
     m = metrics(rollout_gpu_s_per_traj=1.0, learner_wait_frac=0.45)
     a, b = plan(m, INV, [JOB]), plan(m, INV, [JOB])

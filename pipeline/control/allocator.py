@@ -377,7 +377,7 @@ class _Model:
     # seconds each rollout GPU spends loading weights per trajectory trained: every GPU loads every published
     # version, so the share of rollout time lost to loads grows with the rate and with the rollout GPUs
     load_s_per_traj: float
-    reward_s: float
+    reward_s: float           # reward-worker seconds per trained trajectory, stale drops included
     reward_cpu: int
     reward_on_gpu: bool
     learner_step_train_1: float   # train seconds of one batch of recent trajectories on one GPU
@@ -395,7 +395,8 @@ class _Model:
         if job.reward_on_gpu and m.reward_s_per_traj <= 0:
             return None
         pause = min(max(m.rollout_pause_frac, 0.0), 0.9)
-        # a dropped group was generated for nothing: it costs rollout time, not learner time
+        # a dropped group was generated and scored for nothing: it costs rollout and reward time, not learner
+        # time (a reward stage that looked 15% short of saturation on the trained rate may be saturated)
         waste = min(m.dropped_stale / (m.dropped_stale + m.trained), 0.9) if m.trained else 0.0
         gps = m.rollout_gpu_s_per_traj / (1 - waste)
         if m.rollout_load_s > 0:
@@ -407,7 +408,7 @@ class _Model:
             gps, load = gps / (1 - pause), 0.0
         e = job.learner_scaling_exponent
         return cls(gpus=inv.gpus, rollout_gps=gps, load_s_per_traj=load,
-                   reward_s=m.reward_s_per_traj, reward_cpu=m.reward_cpu_workers,
+                   reward_s=m.reward_s_per_traj / (1 - waste), reward_cpu=m.reward_cpu_workers,
                    reward_on_gpu=job.reward_on_gpu,
                    # sized from what rollout finishes now, so a change of lengths shows up before
                    # the learner trains on it
