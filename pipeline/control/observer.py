@@ -20,7 +20,7 @@ from pipeline.control.allocation import AGENT_DEAD_S
 from pipeline.control.allocator import (MAX_WINDOW_FACTOR, MIN_STEPS, Allocation, learner_speed, median_of_counts,
                                         ratio)
 from pipeline.control.job import JobInfo
-from pipeline.dataplane.cadence import read_cadence
+from pipeline.dataplane.cadence import parse_cadence
 from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_ROLLOUT, LEARNER, JobKeys
 from pipeline.dataplane.streams import group_pending, stream_lag
 
@@ -69,8 +69,9 @@ class Observer:
             inflight=group_pending(r, k.prompts, GROUP_ROLLOUT) * gs,
             queue=stream_lag(r, k.prompts, GROUP_ROLLOUT) * gs,
             learner_waiting=bool(learner) and json.loads(learner).get("state") == "waiting")
-        snap.publish_every, snap.publish_at = read_cadence(r, k, self.job.publish_every, self.job.max_staleness)
-        snap.publish_reason = (r.hget(k.publish, "reason") or b"").decode() if snap.publish_at is not None else ""
+        cadence = r.hgetall(k.publish)
+        snap.publish_every, snap.publish_at = parse_cadence(cadence, self.job.publish_every, self.job.max_staleness)
+        snap.publish_reason = cadence.get(b"reason", b"").decode() if snap.publish_at is not None else ""
         self.ticks.append(snap)
         while len(self.ticks) > 2 and self._droppable(now):
             self.ticks.popleft()

@@ -18,12 +18,16 @@ from pipeline.dataplane.keys import JobKeys
 
 
 def read_cadence(r: redis.Redis, keys: JobKeys, default: int, max_staleness: int) -> tuple[int, float | None]:
-    """(steps per version, when the controller set it, or None) for the job; ``default`` when unset.
+    """(steps per version, when the controller set it, or None) for the job; ``default`` when unset."""
+    return parse_cadence(r.hgetall(keys.publish), default, max_staleness)
+
+
+def parse_cadence(rec: dict, default: int, max_staleness: int) -> tuple[int, float | None]:
+    """``read_cadence`` of the job's ``publish`` hash as HGETALL returned it.
 
     A value outside 1..max(1, max_staleness) is not applied (the config's
     bound, which a published version must never exceed): the default stands.
     """
-    rec = r.hgetall(keys.publish)
     try:
         every, at = int(rec[b"every"]), float(rec[b"at"])
     except (KeyError, ValueError):

@@ -265,7 +265,8 @@ def format_table(result: dict) -> str:
     floor = result.get("details", {}).get("ideal", {}).get("stale_floor")
     if floor:
         lines += ["", f"stale floor: {floor['fraction']:.2%} of trajectories go stale at the ideal pace under any "
-                      "allocation (groups whose slowest trajectory outlasts max_staleness + 1 steps less a weight load): "
+                      "allocation (groups whose slowest trajectory outlasts max_staleness + 1 steps less a weight "
+                      "load): "
                       + "; ".join(f"phase {i + 1} {p['doomed']:.2%} (step {p['step_s']:.0f} s, {p['budget_s']:.0f} s "
                                   "to be ready)" for i, p in enumerate(floor["phases"]))]
     if result["ratios"]:

@@ -51,8 +51,8 @@ def job_workload(wl: Workload, job: Job) -> Workload:
 def pool_spec(view: Workload, control: ControlConfig | None = None) -> allocator.JobSpec:
     """The job as libra's policy sees it: ``des.job_spec`` plus its guarantee, cap and priority."""
     job = view.job
-    return dataclasses.replace(des.job_spec(view, control or des.LIBRA_CONTROL), min_slots=job.min_gpus or 0, max_slots=job.max_gpus or 0,
-                               priority=float(job.priority or 1))
+    return dataclasses.replace(des.job_spec(view, control or des.LIBRA_CONTROL), min_slots=job.min_gpus or 0,
+                               max_slots=job.max_gpus or 0, priority=float(job.priority or 1))
 
 
 def unmeasured(view: Workload) -> allocator.Metrics:
