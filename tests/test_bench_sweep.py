@@ -87,6 +87,14 @@ def test_small_sweep_reports_the_distribution_and_saves_the_minimum(tmp_path, ca
     assert data["distribution"]["libra/ideal"]["median"] == float(np.median(ratios))
     assert all(0 < r <= 1.0 for r in ratios)           # the bound holds
     assert "libra dropped %" in data["distribution"] and "static/ideal" not in data["distribution"]
+    # each workload's stale floor, and libra/ideal again over those whose floor is within the drop budget
+    floors = [w[bench_sweep.FLOOR_KEY] for w in data["workloads"]]
+    assert all(f >= 0 for f in floors) and data["distribution"][bench_sweep.FLOOR_KEY]["max"] == max(floors)
+    ok = [w["libra/ideal"] for w in data["workloads"] if w[bench_sweep.FLOOR_KEY] <= 0.5]
+    if ok:
+        assert data["distribution"]["libra/ideal, floor ok"]["n"] == len(ok)
+        assert data["distribution"]["libra/ideal, floor ok"]["min"] == min(ok)
+        assert f"libra/ideal on the {len(ok)} with a stale floor <= 0.5%" in cap.out
     saved = tmp_path / bench_sweep.MIN_FILE
     text = saved.read_text()
     assert "seed 4: workload index" in text and "--sweep-gpus 16 20" in text

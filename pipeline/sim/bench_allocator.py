@@ -268,7 +268,8 @@ def format_table(result: dict) -> str:
                       "allocation (groups whose slowest trajectory outlasts max_staleness + 1 steps less a weight "
                       "load): "
                       + "; ".join(f"phase {i + 1} {p['doomed']:.2%} (step {p['step_s']:.0f} s, {p['budget_s']:.0f} s "
-                                  "to be ready)" for i, p in enumerate(floor["phases"]))]
+                                  f"to be ready, slot time x{p['stretch']:.2f} for prefill stalls)"
+                                  for i, p in enumerate(floor["phases"]))]
     if result["ratios"]:
         lines.append("")
         lines.append("  ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items()))

@@ -8,8 +8,12 @@ it does not depend on N, and the same seed gives the same workloads and, the
 des engine being deterministic, the same figures. The sweep reports the
 distribution of libra/ideal over the workloads (the minimum is what counts),
 the trajectories dropped as stale as a share of those trained, and the worst
-workloads with their key features; ``save_min`` writes the minimum's workload
-as TOML.
+workloads with their key features. Each workload's stale floor
+(``fluid.stale_floor``: the share that goes stale at the ideal pace under any
+allocation) splits the sweep in two: where it passes the drop budget
+(``control.stale_drop_budget``), 0.95 of ideal and that budget exclude each
+other, so libra/ideal is also given over the workloads whose floor is within
+it. ``save_min`` writes the minimum's workload as TOML.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.config import ControlConfig
 from pipeline.sim import fluid
 from pipeline.sim.workload import Workload, parse_workload
 from pipeline.sim.workload_gen import GPUS, random_workload, to_toml
@@ -30,6 +35,8 @@ SWEEP_MODES = ("static", "libra", "ideal")
 REQUIRED = ("libra", "ideal")
 SHOW_WORST = 5
 MIN_FILE = "sweep-min.toml"
+DROP_BUDGET = ControlConfig().stale_drop_budget   # share of trained trajectories the aims allow to drop
+FLOOR_KEY = "stale floor %"
 
 Report = Callable[[str], None]
 RunOne = Callable[[Workload, list[str], Report], dict]   # bench_allocator.run_workload's shape
@@ -80,6 +87,9 @@ def _row(i: int, wl: Workload, res: dict, wall_s: float) -> dict:
             row[f"{mode}/ideal"] = m["trajectories_per_s"] / ideal
         if m.get("dropped_stale") is not None:
             row[f"{mode} dropped %"] = 100.0 * m["dropped_stale"] / trained
+    floor = res.get("details", {}).get("ideal", {}).get("stale_floor")
+    if floor is not None:
+        row[FLOOR_KEY] = 100.0 * floor["fraction"]
     row.update(modes=res["modes"], ratios=res["ratios"])
     return row
 
@@ -110,16 +120,25 @@ def _learner_share(wl: Workload, ph) -> float:
 
 
 def _distribution(rows: list[dict]) -> dict:
-    """min, p10, median and max of each ratio to ideal; median, p90 and max of each drop share."""
+    """min, p10, median and max of each ratio to ideal; median, p90 and max of each drop share and floor.
+
+    With the floors known, libra/ideal again over the workloads whose floor is
+    within the drop budget (key ``libra/ideal, floor ok``, with their count ``n``).
+    """
     out = {}
-    for key in [k for k in rows[0] if k.endswith(("/ideal", "dropped %"))]:
+    for key in [k for k in rows[0] if k.endswith(("/ideal", "%"))]:
         vals = np.array([r[key] for r in rows], dtype=float)
-        if key.endswith("/ideal"):
-            out[key] = {"min": vals.min(), "p10": np.percentile(vals, 10), "median": np.median(vals),
-                        "max": vals.max()}
-        else:
-            out[key] = {"median": np.median(vals), "p90": np.percentile(vals, 90), "max": vals.max()}
+        out[key] = _ratio_quantiles(vals) if key.endswith("/ideal") else \
+            {"median": np.median(vals), "p90": np.percentile(vals, 90), "max": vals.max()}
+    if FLOOR_KEY in rows[0]:
+        ok = np.array([r["libra/ideal"] for r in rows if r[FLOOR_KEY] <= 100.0 * DROP_BUDGET], dtype=float)
+        if ok.size:
+            out["libra/ideal, floor ok"] = {"n": ok.size, **_ratio_quantiles(ok)}
     return {k: {q: float(v) for q, v in d.items()} for k, d in out.items()}
+
+
+def _ratio_quantiles(vals: np.ndarray) -> dict:
+    return {"min": vals.min(), "p10": np.percentile(vals, 10), "median": np.median(vals), "max": vals.max()}
 
 
 def _progress_line(n: int, row: dict) -> str:
@@ -138,14 +157,17 @@ def format_sweep(result: dict) -> str:
              f"modes {','.join(sw['modes'])} (libra/ideal: trajectories per simulated second over the bound)", ""]
     for key, d in dist.items():
         pct = "%" if key.endswith("%") else ""
-        lines.append(f"{key:<20}" + "  ".join(f"{q} {v:.3f}{pct}" if not pct else f"{q} {v:.1f}{pct}"
-                                              for q, v in d.items()))
+        label = key if key != "libra/ideal, floor ok" else \
+            f"libra/ideal on the {d['n']:.0f} with a stale floor <= {DROP_BUDGET:.1%}\n{'':<20}"
+        lines.append(f"{label:<20}" + "  ".join(f"{q} {v:.3f}{pct}" if not pct else f"{q} {v:.2f}{pct}"
+                                                for q, v in d.items() if q != "n"))
     lines += ["", f"worst {len(result['worst'])} by libra/ideal:"]
     for k in result["worst"]:
         row = result["workloads"][k]
         lines.append(f"  {row['name']}  libra/ideal {row['libra/ideal']:.3f}"
                      + (f"  static/ideal {row['static/ideal']:.3f}" if "static/ideal" in row else "")
-                     + f"  libra dropped {row['libra dropped %']:.1f}%")
+                     + f"  libra dropped {row['libra dropped %']:.1f}%"
+                     + (f"  stale floor {row[FLOOR_KEY]:.1f}%" if FLOOR_KEY in row else ""))
         lines.append("    " + _feature_line(row["features"]))
     return "\n".join(lines)
 

@@ -93,24 +93,34 @@ def stale_floor(wl: Workload, seed: int = 0, groups: int = 100_000) -> dict:
     V + max_staleness, and a learner that prefetches (``learner.prefetch``)
     takes a group into that step's batch until the step ends, max_staleness
     + 1 steps after V was published; the group cannot start before a rollout
-    engine has loaded V (``weight_sync_s``). One whose slowest trajectory
-    (prefill, decode, tool waits) takes longer than (max_staleness + 1) * s
+    engine has loaded V (``weight_sync_s``). A trajectory takes its prefill,
+    then its decode and tool waits, which advance only while its GPU is not
+    prefilling another sequence: at the ideal rate every rollout GPU the other
+    stages leave (the most the pace allows) spends ``rate x prefill / GPUs``
+    of its time prefilling, and slot time stretches by 1 / (1 - that share).
+    A group whose slowest trajectory takes longer than (max_staleness + 1) * s
     - weight_sync_s is dropped by any allocation that keeps that pace (reward
     time, the group's own training and waiting for the learner only make it
     later). Sampled from the workload's distributions (``groups`` groups per
     phase); returns the fraction over the run and, per phase, the step time,
-    the time a group has, and the share of groups doomed.
+    the time a group has, the slot stretch and the share of groups doomed.
     """
     rng = np.random.default_rng(seed)
     job, ro = wl.job, wl.rollout
     phases = []
     for ph in job.phases:
-        step = job.batch_size / ideal_phase_rate(wl, ph)
+        rate = ideal_phase_rate(wl, ph)
+        step = job.batch_size / rate
+        prefill = ph.prompt_tokens / ro.prefill_tokens_per_s
+        rollout_gpus = wl.cluster.gpus - (gpus_needed(wl, ph, rate) - rate * phase_cost(wl, ph).rollout_gpu_s)
+        busy = min(rate * prefill / max(rollout_gpus, 1e-9), 1.0 - 1e-9)
         size = (groups, job.group_size)
-        seconds = (ph.prompt_tokens / ro.prefill_tokens_per_s + ph.response_tokens.sample(rng, size)
-                   / ro.decode_tokens_per_s + ph.tool_calls.sample_wait_s(rng, groups * job.group_size).reshape(size))
+        slot = (ph.response_tokens.sample(rng, size) / ro.decode_tokens_per_s
+                + ph.tool_calls.sample_wait_s(rng, groups * job.group_size).reshape(size))
+        seconds = prefill + slot / (1 - busy)
         budget = (job.max_staleness + 1) * step - ro.weight_sync_s
-        phases.append({"step_s": step, "budget_s": budget, "doomed": float((seconds.max(axis=1) > budget).mean())})
+        phases.append({"step_s": step, "budget_s": budget, "stretch": 1 / (1 - busy),
+                       "doomed": float((seconds.max(axis=1) > budget).mean())})
     n = job.phase_trajectories()
     return {"fraction": sum(k * p["doomed"] for k, p in zip(n, phases)) / sum(n), "phases": phases}
 
