@@ -121,3 +121,15 @@ def test_small_sweep_reports_the_distribution_and_saves_the_minimum(tmp_path, ca
 def test_sweep_bad_input_exits_2(capsys, argv, msg):
     assert _cli(argv) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_distribution_gives_libra_over_each_other_mode_and_the_subset_whose_floor_is_within_budget():
+    rows = [{"libra/ideal": r, "static/ideal": r / q, "libra dropped %": d, bench_sweep.FLOOR_KEY: f,
+             "ratios": {"libra/static": q, "libra/ideal": r}}
+            for r, q, d, f in [(0.6, 1.0, 9.0, 20.0), (0.9, 1.1, 0.2, 0.0), (0.95, 1.05, 0.1, 0.5)]]
+    dist = bench_sweep._distribution(rows)
+    assert dist["libra/static"] == {"min": 1.0, "p10": pytest.approx(1.01), "median": 1.05, "max": 1.1}
+    # the 20% floor is out; the 0.5% one is at the budget and counts
+    assert dist["libra/ideal, floor ok"] == {"n": 2, "min": 0.9, "p10": pytest.approx(0.905), "median": 0.925,
+                                             "max": 0.95}
+    assert dist[bench_sweep.FLOOR_KEY]["max"] == 20.0 and dist["libra/ideal"]["min"] == 0.6

@@ -120,7 +120,8 @@ def _learner_share(wl: Workload, ph) -> float:
 
 
 def _distribution(rows: list[dict]) -> dict:
-    """min, p10, median and max of each ratio to ideal; median, p90 and max of each drop share and floor.
+    """min, p10, median and max of each ratio to ideal and of libra over each other mode; median, p90 and
+    max of each drop share and of the stale floor.
 
     With the floors known, libra/ideal again over the workloads whose floor is
     within the drop budget (key ``libra/ideal, floor ok``, with their count ``n``).
@@ -130,6 +131,8 @@ def _distribution(rows: list[dict]) -> dict:
         vals = np.array([r[key] for r in rows], dtype=float)
         out[key] = _ratio_quantiles(vals) if key.endswith("/ideal") else \
             {"median": np.median(vals), "p90": np.percentile(vals, 90), "max": vals.max()}
+    for key in [k for k in rows[0]["ratios"] if k.startswith("libra/") and not k.endswith("/ideal")]:
+        out[key] = _ratio_quantiles(np.array([r["ratios"][key] for r in rows], dtype=float))
     if FLOOR_KEY in rows[0]:
         ok = np.array([r["libra/ideal"] for r in rows if r[FLOOR_KEY] <= 100.0 * DROP_BUDGET], dtype=float)
         if ok.size:
@@ -159,7 +162,7 @@ def format_sweep(result: dict) -> str:
         pct = "%" if key.endswith("%") else ""
         label = key if key != "libra/ideal, floor ok" else \
             f"libra/ideal on the {d['n']:.0f} with a stale floor <= {DROP_BUDGET:.1%}\n{'':<20}"
-        lines.append(f"{label:<20}" + "  ".join(f"{q} {v:.3f}{pct}" if not pct else f"{q} {v:.2f}{pct}"
+        lines.append(f"{label:<20} " + "  ".join(f"{q} {v:.3f}{pct}" if not pct else f"{q} {v:.2f}{pct}"
                                                 for q, v in d.items() if q != "n"))
     lines += ["", f"worst {len(result['worst'])} by libra/ideal:"]
     for k in result["worst"]:
