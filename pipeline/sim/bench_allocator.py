@@ -443,5 +443,8 @@ def _cmd_sweep(args, err: Report) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if args.save_worst is not None:
-        err(f"bench policy: the minimum's workload is in {bench_sweep.save_min(result, args.save_worst)}")
+        paths = bench_sweep.save_min(result, args.save_worst)
+        err(f"bench policy: the minimum's workload is in {paths[0]}")
+        if len(paths) > 1:
+            err(f"bench policy: the minimum's over the workloads whose stale floor allows the aims is in {paths[1]}")
     return 0
