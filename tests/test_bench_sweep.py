@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import tomllib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,3 +141,14 @@ def test_distribution_gives_libra_over_each_other_mode_and_the_subset_whose_floo
     assert dist["libra/ideal, floor ok"] == {"n": 2, "min": 0.9, "p10": pytest.approx(0.905), "median": 0.925,
                                              "max": 0.95}
     assert dist[bench_sweep.FLOOR_KEY]["max"] == 20.0 and dist["libra/ideal"]["min"] == 0.6
+
+
+@pytest.mark.parametrize("name", [bench_sweep.MIN_FILE, bench_sweep.MIN_OK_FILE])
+def test_the_saved_minimums_are_the_workloads_their_headers_name(name):
+    # examples/bench keeps the sweep's minimums; the header's seed and index must still make that workload
+    text = (Path(__file__).resolve().parents[1] / "examples" / "bench" / name).read_text()
+    seed, index = map(int, re.search(r"default_rng\(\[(\d+), (\d+)\]\)", text).groups())
+    body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+    made = "\n".join(line for line in workload_gen.to_toml(bench_sweep.workload_at(seed, index)).splitlines()
+                     if not line.startswith("#"))
+    assert body.strip() == made.strip()
