@@ -137,10 +137,15 @@ def _distribution(rows: list[dict]) -> dict:
     for key in [k for k in rows[0]["ratios"] if k.startswith("libra/") and not k.endswith("/ideal")]:
         out[key] = _ratio_quantiles(np.array([r["ratios"][key] for r in rows], dtype=float))
     if FLOOR_KEY in rows[0]:
-        ok = np.array([r["libra/ideal"] for r in rows if r[FLOOR_KEY] <= 100.0 * DROP_BUDGET], dtype=float)
+        ok = np.array([r["libra/ideal"] for r in rows if _floor_ok(r)], dtype=float)
         if ok.size:
             out["libra/ideal, floor ok"] = {"n": ok.size, **_ratio_quantiles(ok)}
     return {k: {q: float(v) for q, v in d.items()} for k, d in out.items()}
+
+
+def _floor_ok(row: dict) -> bool:
+    """Whether the workload's stale floor is known and within the drop budget (the aims can both hold)."""
+    return row.get(FLOOR_KEY, math.inf) <= 100.0 * DROP_BUDGET
 
 
 def _ratio_quantiles(vals: np.ndarray) -> dict:
@@ -199,7 +204,7 @@ def save_min(result: dict, directory: str | Path) -> list[Path]:
     rows = result["workloads"]
     worst = rows[result["worst"][0]]
     paths = [_save(result, worst, directory, MIN_FILE)]
-    ok = [r for r in rows if r.get(FLOOR_KEY, math.inf) <= 100.0 * DROP_BUDGET]
+    ok = [r for r in rows if _floor_ok(r)]
     if ok and len(ok) < len(rows):
         best_case = min(ok, key=lambda r: r["libra/ideal"])
         paths.append(_save(result, best_case, directory, MIN_OK_FILE,
