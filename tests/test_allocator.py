@@ -169,6 +169,39 @@ def test_staleness_bound_vetoes_more_rollout():
     assert d.allocation.rollout <= 36
 
 
+def test_a_shift_under_the_window_sizes_the_move_on_the_last_interval():
+    # the window (rollout 0.7 GPU-s per trajectory) asks for 41/23; the last interval's trajectories cost
+    # 1.0 (43% more: responses grew under the window), and the move goes there at once
+    window = metrics(rollout_gpu_s_per_traj=0.7, learner_wait_frac=0.45)
+    plain = plan(window, INV, [JOB])
+    assert plain.changed and plain.allocation == Allocation(41, 23) and "shifting" not in plain.signals
+    shifted = plan(dataclasses.replace(window, rollout_gpu_s_per_traj_last=1.0, traj_tokens_last=2000.0),
+                   INV, [JOB])
+    assert shifted.changed and shifted.allocation.rollout > 41 and "shifting" in shifted.signals
+    assert shifted.predicted_rate > shifted.current_rate
+    # within shift_frac of the window (0.8 is 14% more), or pointing the other way: the window's move
+    for last in (0.8, 0.4):
+        assert plan(dataclasses.replace(window, rollout_gpu_s_per_traj_last=last, traj_tokens_last=2000.0),
+                    INV, [JOB]) == plain
+    # nothing finished in the last interval: nothing to read there
+    assert plan(dataclasses.replace(window, rollout_gpu_s_per_traj_last=0.0), INV, [JOB]) == plain
+
+
+def test_a_shift_of_tokens_grows_the_learner_further():
+    window = metrics(traj_tokens=2600.0, backlog=20000, backlog_trend_per_s=20.0)
+    plain = plan(window, INV, [JOB])
+    shifted = plan(dataclasses.replace(window, rollout_gpu_s_per_traj_last=0.5, traj_tokens_last=3400.0),
+                   INV, [JOB])
+    assert plain.changed and shifted.changed and "shifting" in shifted.signals
+    assert shifted.allocation.learner > plain.allocation.learner > 28
+
+
+def test_the_last_interval_alone_starts_no_move():
+    # the window is balanced; a last interval 2x dearer is not enough: its few trajectories are noisy
+    d = plan(metrics(rollout_gpu_s_per_traj_last=1.0, traj_tokens_last=2000.0), INV, [JOB])
+    assert not d.changed and d.allocation == Allocation(36, 28)
+
+
 def test_reward_on_gpu_gets_its_share():
     job = dataclasses.replace(JOB, reward_on_gpu=True)
     m = metrics(allocation=Allocation(rollout=35, learner=28, reward=1), reward_s_per_traj=0.2,

@@ -205,7 +205,8 @@ def test_stale_floor_stretches_slot_time_by_the_prefill_stalls_of_the_ideal_spli
 
 def test_the_engines_metrics_window_stretches_for_learner_steps_as_the_live_one_does():
     # ticks of 30 s, a five-tick window, a learner step in ticks 2 and 9 of 12 only: the window reaches back
-    # to tick 2 (the live observer's MIN_STEPS = 2), and it never stretches past ten windows
+    # to tick 2 (the live observer's MIN_STEPS = 2), and it never stretches past ten windows; the last tick's
+    # costs per trajectory come beside the window's
     from pipeline.sim.meter import Gauges, Meter, StepSample
     import numpy as np
     wl = load_workload(BENCH / "steady.toml")
@@ -215,9 +216,14 @@ def test_the_engines_metrics_window_stretches_for_learner_steps_as_the_live_one_
     for i in range(12):
         if i in (2, 9):
             meter.steps.append(step)
+        # 100 trajectories a tick, of 0.5 GPU-s and 2,000 tokens; those of the last tick cost 0.8 and hold 3,000
+        cost, tokens = (0.8, 3000.0) if i == 11 else (0.5, 2000.0)
+        meter.add_rollout(np.full(100, cost), np.full(100, tokens))
         meter.close_tick(30.0 * (i + 1), 0)
     m = meter.metrics(360.0, 5, now)
     assert m.window_s == pytest.approx(360.0 - 60.0) and m.trained == 2 * 4096
+    assert m.rollout_gpu_s_per_traj == pytest.approx((9 * 0.5 + 0.8) / 10) and m.traj_tokens == pytest.approx(2100.0)
+    assert m.rollout_gpu_s_per_traj_last == pytest.approx(0.8) and m.traj_tokens_last == pytest.approx(3000.0)
     for i in range(12, 60):
         meter.close_tick(30.0 * (i + 1), 0)
     assert meter.metrics(1800.0, 5, now).window_s == pytest.approx(50 * 30.0)

@@ -193,10 +193,17 @@ def test_observer_maps_live_metrics_onto_plan_inputs(r, redis_url, tmp_path):
     # the publish cadence's inputs: a quarter of the data at the bound (2), two steps, the config's cadence
     assert m.staleness_at_bound_frac == pytest.approx(0.25) and m.learner_steps == 2
     assert (m.publish_every, m.publish_since_s) == (info.publish_every, math.inf)
+    # one interval in the window: it is its own last interval
+    assert (m.rollout_gpu_s_per_traj_last, m.traj_tokens_last) == (pytest.approx(8 / 20), pytest.approx(300.0))
     write_cadence(r, keys, 2, "test", at=t0 + 4)
+    # the next 10 s: 10 trajectories of 0.9 GPU-s and 500 tokens each, the last interval's costs alone
+    r.hset(keys.worker_costs, "rollout-a-0", _costs("rollout", t0 - 50, t0 + 20, busy=57, pause=6, items=110,
+                                                    tokens=35000, reloads=2))
     obs.tick(r, t0 + 20)
     m2 = obs.metrics(Allocation(rollout=1, learner=2), since_change_s=400.0, changed_from=None, learner_slots=2)
     assert (m2.publish_every, m2.publish_since_s, m2.publish_reason) == (2, pytest.approx(16.0), "test")
+    assert m2.rollout_gpu_s_per_traj_last == pytest.approx(0.9) and m2.traj_tokens_last == pytest.approx(500.0)
+    assert m2.rollout_gpu_s_per_traj == pytest.approx(17 / 30) and m2.traj_tokens == pytest.approx(11000 / 30)
     d = allocator.plan(m, allocator.Inventory(gpus=3, switch_cost_s=5.0), [info.spec()], plan_config(info.control))
     assert d.reason != "warming_up"
 

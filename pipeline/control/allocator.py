@@ -29,7 +29,11 @@ How it decides, in order:
    candidate that moves against a signal is vetoed. A learner that waits while
    rollout slots stand empty means neither stage is the limit: the staleness
    window is (too little work may be in flight), and no move is made;
-7. hysteresis: undoing the previous move needs a larger predicted gain.
+7. hysteresis: undoing the previous move needs a larger predicted gain;
+8. shift: a move the window asks for while the last control interval's costs
+   per trajectory stand apart from the window's (the workload is shifting
+   under it) is planned again on that interval, and made there when that
+   goes further the same way.
 
 Beside the split, ``plan_publish`` chooses the learner's publish cadence:
 fewer published versions (fewer weight loads and publishes) while the data
@@ -157,6 +161,10 @@ class Metrics:
     # and they would have been dropped
     staleness_at_bound_frac: float = 0.0
     learner_steps: int = 0            # learner steps the job has made (0: none, or not known)
+    # rollout_gpu_s_per_traj and traj_tokens over the last control interval alone (0: nothing finished in it):
+    # where they stand apart from the window's, the workload is shifting (see _shifted)
+    rollout_gpu_s_per_traj_last: float = 0.0
+    traj_tokens_last: float = 0.0
 
 
 # --- what the metrics are made of: one definition for the live observer and the simulator ------------------
@@ -217,6 +225,9 @@ class PlanConfig:
     # the throughput model does not see, and a shift of the workload while it runs ages what is in flight (drift's
     # 1.1% in its rollout-bound phase was taken back by the drops of its next transition)
     publish_min_saving: float = 0.015
+    # the last control interval's cost (or tokens) per trajectory this far from the window's: the workload is
+    # shifting under the window, and a move the window asks for is sized on that interval where it goes further
+    shift_frac: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -263,7 +274,43 @@ def plan(metrics: "Metrics | Mapping[str, Metrics]", inventory: Inventory, jobs:
 
 
 def _plan_job(metrics: Metrics, inventory: Inventory, job: JobSpec, config: PlanConfig) -> Decision:
-    """One job's split of ``inventory.gpus`` slots."""
+    """One job's split of ``inventory.gpus`` slots: the window's plan, sized further while the workload shifts.
+
+    A window that spans a shift of the workload (responses grow, prompts
+    lengthen) averages the old costs with the new ones and undersizes the
+    move. When the last control interval's cost or tokens per trajectory
+    stand ``shift_frac`` apart from the window's, the move the window asks
+    for is planned again on that interval's costs, and taken where it moves
+    every role the same way and further (one move in place of two, each a
+    learner restart). The interval alone never starts a move: its few
+    trajectories are noisy, and a move is made only when the window sees it.
+    """
+    d = _plan_window(metrics, inventory, job, config)
+    shifted = _shifted(metrics, config)
+    if d.changed and shifted is not None:
+        further = _plan_window(shifted, inventory, job, config)
+        if further.changed and _goes_further(metrics.allocation, d.allocation, further.allocation):
+            return replace(further, signals=further.signals + ("shifting",))
+    return d
+
+
+def _shifted(m: Metrics, cfg: PlanConfig) -> Metrics | None:
+    """The window with the last interval's costs per trajectory, when they stand ``shift_frac`` apart; else None."""
+    last = (m.rollout_gpu_s_per_traj_last, m.traj_tokens_last)
+    window = (m.rollout_gpu_s_per_traj, m.traj_tokens)
+    if min(last + window) <= 0 or all(abs(a / b - 1) < cfg.shift_frac for a, b in zip(last, window)):
+        return None
+    return replace(m, rollout_gpu_s_per_traj=last[0], traj_tokens=last[1])
+
+
+def _goes_further(cur: Allocation, a: Allocation, b: Allocation) -> bool:
+    """Whether split ``b`` moves every role from ``cur`` the way ``a`` does, at least as far, and is not ``a``."""
+    return b != a and all((b.get(r) - cur.get(r)) * (a.get(r) - cur.get(r)) >= 0
+                          and abs(b.get(r) - cur.get(r)) >= abs(a.get(r) - cur.get(r)) for r in ROLES)
+
+
+def _plan_window(metrics: Metrics, inventory: Inventory, job: JobSpec, config: PlanConfig) -> Decision:
+    """One job's split as the window's metrics ask for it (the steps of the module docstring)."""
     cur = metrics.allocation
     signals = _signals(metrics, job, config)
     if _cooling(metrics, config):

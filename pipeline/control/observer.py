@@ -95,6 +95,8 @@ class Observer:
         first, last = self.ticks[0], self.ticks[-1]
         span = max(last.t - first.t, 1e-9)
         ro = self._role_costs("rollout", first, last)
+        # the last interval alone: where its costs per trajectory stand apart from the window's, the workload shifts
+        ro_last = self._role_costs("rollout", self.ticks[-2] if len(self.ticks) > 1 else last, last)
         rw = self._role_costs("reward", first, last)
         # what the workers measured over the window, for the decision's event (libra-ctl events)
         self.costs = {"rollout": _rounded(ro), "reward": _rounded(rw),
@@ -129,7 +131,9 @@ class Observer:
             publish_every=last.publish_every,
             publish_since_s=last.t - last.publish_at if last.publish_at is not None else math.inf,
             publish_reason=last.publish_reason,
-            staleness_at_bound_frac=staleness_share(steps, self.job.max_staleness), learner_steps=self.step)
+            staleness_at_bound_frac=staleness_share(steps, self.job.max_staleness), learner_steps=self.step,
+            rollout_gpu_s_per_traj_last=ratio(ro_last["busy"], ro_last["items"]),
+            traj_tokens_last=ratio(ro_last["tokens"], ro_last["items"]) if by_tokens else 1.0)
 
     @staticmethod
     def _role_costs(role: str, first: Snapshot, last: Snapshot) -> dict:

@@ -126,7 +126,9 @@ class Meter:
             rollout_load_s=ratio(total["pause_gpu_s"], total["loads"]),
             publish_every=now.publish_every, publish_since_s=now.publish_since_s, publish_reason=now.publish_reason,
             learner_steps=now.learner_steps,
-            staleness_at_bound_frac=float((stale == self.wl.job.max_staleness).mean()) if stale.size else 0.0)
+            staleness_at_bound_frac=float((stale == self.wl.job.max_staleness).mean()) if stale.size else 0.0,
+            rollout_gpu_s_per_traj_last=ratio(ticks[-1]["cost"], ticks[-1]["n_done"]),
+            traj_tokens_last=ratio(ticks[-1]["tokens"], ticks[-1]["n_done"]))
 
     def _wait_in(self, a: float, b: float, idle_since: float | None) -> float:
         """Seconds in [a, b] the learner spent waiting for data (a wait still going on counts up to b)."""
