@@ -153,10 +153,10 @@ def kill_learner(run: Child, run_dir: Path) -> Kill:
     if not learners:
         raise VerifyError("no learner process under the run to kill")
     checkpoint = rc.latest_complete_step(run_dir)
-    at = time.time()
     for p in learners:
         p.send_signal(signal.SIGKILL)
     _wait_gone(learners)
+    at = time.time()     # a record stamped before the learner was gone is the killed learner's
     # A checkpoint being renamed into place as the signal landed is complete, and is the one restored.
     return Kill("learner", at, rc.latest_complete_step(run_dir) or checkpoint, len(learners))
 
@@ -170,14 +170,15 @@ def _is_learner(p: psutil.Process) -> bool:
 
 
 def kill_run(run: Child, run_dir: Path) -> Kill:
-    at = time.time()
-    n = kill_tree(run.proc.pid)
+    # the kill's time is when the last process stood stopped: a step the learner ended while the others were
+    # being stopped (seconds on a loaded machine) is the killed run's, though stamped after the kill began
+    n, at = kill_tree(run.proc.pid)
     run.proc.wait()
     return Kill("hard", at, rc.latest_complete_step(run_dir), n)
 
 
-def kill_tree(pid: int) -> int:
-    """SIGKILL ``pid`` and every process under it, at once; returns how many.
+def kill_tree(pid: int) -> tuple[int, float]:
+    """SIGKILL ``pid`` and every process under it, at once; returns how many, and when all stood stopped.
 
     Each process is stopped (SIGSTOP) before its children are listed, so none
     can start one that is missed; then all are killed together, so none sees
@@ -193,13 +194,14 @@ def kill_tree(pid: int) -> int:
             todo += [c.pid for c in p.children() if c.pid not in stopped]
         except psutil.NoSuchProcess:
             continue
+    all_stopped = time.time()
     for p in stopped.values():
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
     _wait_gone(list(stopped.values()))
-    return len(stopped)
+    return len(stopped), all_stopped
 
 
 def _wait_gone(procs: list[psutil.Process]) -> None:

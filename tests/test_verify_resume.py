@@ -31,7 +31,7 @@ from pipeline.dataplane.keys import GROUP_LEARNER, JobKeys
 from pipeline.dataplane.redisconn import ENV_URL
 from pipeline.dataplane.streams import ensure_groups
 from pipeline.observe import resume_checks as rc
-from pipeline.verify_resume import BadPlan, kill_step
+from pipeline.verify_resume import BadPlan, kill_step, kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULT_SKIP_OFFSETS = ROOT / "tests" / "faults" / "skip_offsets"
@@ -188,3 +188,23 @@ def test_the_kill_lands_between_two_checkpoints_or_the_config_is_refused():
             kill_step(cfg(*sets))
     with pytest.raises(BadPlan):
         kill_step(cfg("job.steps=10", "learner.checkpoint_every=2"), at_step=4)   # on a checkpoint
+
+
+def test_a_hard_kill_is_timed_when_the_whole_tree_stands_stopped(tmp_path):
+    # two grandchildren stamp the time as fast as they can: nothing the tree wrote may be stamped after the
+    # kill's time, or a step the learner ended while the others were being stopped would count as the resumed
+    # run's (seen on a loaded machine: "after the resume steps 6,5,6,..." where the kill began after step 5)
+    stamps = tmp_path / "stamps"
+    code = ("import sys, time\nf = open(sys.argv[1], 'a')\n"
+            "while True:\n    f.write(repr(time.time()) + '\\n')\n    f.flush()\n")
+    (tmp_path / "stamp.py").write_text(code)
+    child = f"{sys.executable} {tmp_path / 'stamp.py'} {stamps}"
+    tree = subprocess.Popen(["bash", "-c", f"{child} & {child} & wait"], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while (not stamps.exists() or stamps.read_text().count("\n") < 100) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    n, at = kill_tree(tree.pid)
+    tree.wait()
+    assert n == 3
+    lines = stamps.read_text().split("\n")[:-1]      # whole lines only
+    assert len(lines) >= 100 and max(map(float, lines)) <= at
