@@ -169,6 +169,18 @@ def test_staleness_bound_vetoes_more_rollout():
     assert d.allocation.rollout <= 36
 
 
+def test_empty_rollout_slots_veto_more_rollout_but_not_a_bigger_learner():
+    # the window's few finished trajectories are long tails (2 GPU-s each) while 70% of the decode slots stand
+    # empty: the model would grow rollout, but rollout has nothing more to run
+    tails = metrics(rollout_gpu_s_per_traj=2.0, rollout_idle_frac=0.7)
+    assert plan(dataclasses.replace(tails, rollout_idle_frac=0.0), INV, [JOB]).allocation.rollout > 36
+    d = plan(tails, INV, [JOB])
+    assert "rollout_idle" in d.signals and not d.changed and d.reason == "vetoed_by_signals"
+    # the same empty slots while scored data piles up: the learner grows, as it should
+    d = plan(metrics(traj_tokens=5000.0, backlog=20000, backlog_trend_per_s=20.0, rollout_idle_frac=0.7), INV, [JOB])
+    assert "rollout_idle" in d.signals and d.changed and d.allocation.learner > 28
+
+
 def test_a_shift_under_the_window_sizes_the_move_on_the_last_interval():
     # the window (rollout 0.7 GPU-s per trajectory) asks for 41/23; the last interval's trajectories cost
     # 1.0 (43% more: responses grew under the window), and the move goes there at once

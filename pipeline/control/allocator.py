@@ -217,6 +217,9 @@ class PlanConfig:
     pool_gain_frac: float = 0.05        # a paced move between jobs: the finish it is judged by comes this much nearer
     learner_wait_threshold: float = LEARNER_WAIT_THRESHOLD  # learner idle above this: rollout is short
     idle_slots_threshold: float = 0.2     # rollout slots this empty while the learner waits: window-bound
+    # rollout slots this empty (the learner not waiting): rollout has no work to run, so it is not short, and
+    # the trajectories the window saw finish are the tails of earlier work, not what work costs now
+    rollout_idle_threshold: float = 0.5
     backlog_batches: float = 1.0        # a backlog above this many batches and rising means learner short
     candidates: int = 12                # target rates tried between current and best
     stale_drop_budget: float = 0.005    # share of trajectories dropped as stale the publish cadence may cost
@@ -367,6 +370,8 @@ def _signals(m: Metrics, job: JobSpec, cfg: PlanConfig) -> tuple[str, ...]:
         out.append("window_bound")
     elif m.learner_wait_frac > cfg.learner_wait_threshold:
         out.append("rollout_short")      # learner idle > 20% of the window
+    elif m.rollout_idle_frac > cfg.rollout_idle_threshold:
+        out.append("rollout_idle")       # most decode slots empty: rollout has nothing more to run
     if m.backlog > cfg.backlog_batches * job.batch_size and m.backlog_trend_per_s > 0:
         out.append("learner_short")      # scored data piling up
     # (synchronous, max_staleness 0: all data is as old as allowed by construction, which says nothing)
@@ -383,6 +388,8 @@ def _vetoed(cur: Allocation, target: Allocation, signals: tuple[str, ...]) -> bo
         return True     # scored data piles up: the learner must not shrink
     if "at_staleness_bound" in signals and target.rollout > cur.rollout and "rollout_short" not in signals:
         return True     # more rollout would only make staler data
+    if "rollout_idle" in signals and target.rollout > cur.rollout:
+        return True     # rollout leaves most of its slots empty: more of it would idle too
     return False
 
 
