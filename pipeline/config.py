@@ -270,7 +270,7 @@ class ControlConfig:
     max_slots: int = _f(0, "most slots the job may hold (0: the whole pool)")
     priority: float = _f(1.0, "weight of the job's throughput gains (relative to its demand) against other jobs' "
                          "when spare slots are handed out or moved between jobs")
-    publish_every_max: int = _f(2, "the controller may stretch the learner's publish cadence up to this many steps per "
+    publish_every_max: int = _f(4, "the controller may stretch the learner's publish cadence up to this many steps per "
                                 "version (at most learner.max_staleness) while staleness has room: fewer weight loads; "
                                 "1 keeps learner.publish_every")
     stale_drop_budget: float = _f(0.005, "share of trajectories the longer publish cadence may have dropped as stale; "

@@ -93,6 +93,27 @@ def test_the_cadence_comes_back_when_drops_exceed_the_budget():
     assert plan_publish(metrics(publish_every=2, dropped_stale=16), JOB).reason == "at_most"
 
 
+def test_half_the_data_at_the_bound_is_predicted_dropped_whatever_the_cadence():
+    # every 3 steps -> 4: a lag of 0..2 steps becomes 0..3, and a trajectory at the bound goes over it when its
+    # new lag is the longer, one in two over the old lags (not one in four: only the longest lag is new)
+    job = dataclasses.replace(JOB, publish_every_max=4)
+    d = plan_publish(metrics(publish_every=3, learner_publish_s=4.0 / 3, staleness_at_bound_frac=0.006), job)
+    assert not d.changed and d.reason == "staleness_headroom_short" and d.predicted_drop_frac == pytest.approx(0.003)
+    d = plan_publish(metrics(publish_every=3, learner_publish_s=4.0 / 3, staleness_at_bound_frac=0.002), job)
+    assert d.predicted_drop_frac == pytest.approx(0.001)
+
+
+def test_back_from_a_longer_cadence_it_waits_for_that_cadences_data_to_age_out():
+    # came back from 3 to 2 for drops; the window's drops (0.78%) are still of trajectories generated at 3:
+    # trained up to max_staleness + 1 = 5 steps after (75 s each at this pace), then a whole window, 525 s
+    job = dataclasses.replace(JOB, publish_every_max=4)
+    back = dict(publish_every=2, dropped_stale=64, publish_reason="drops_over_budget")
+    d = plan_publish(metrics(publish_since_s=500.0, **back), job)
+    assert not d.changed and d.reason == "aging_out" and d.drop_frac == pytest.approx(64 / 8256)
+    d = plan_publish(metrics(publish_since_s=530.0, **back), job)
+    assert d.changed and d.publish_every == 1 and d.reason == "drops_over_budget"
+
+
 def test_a_move_of_the_split_puts_the_cadence_back():
     d = plan_publish(metrics(publish_every=2, since_change_s=60.0), JOB)
     assert d.changed and d.publish_every == 1 and d.reason == "split_changed"
@@ -172,7 +193,7 @@ def test_the_sim_learner_publishes_at_the_cadence_the_controller_wrote(r, redis_
 def test_the_controller_writes_the_cadence_where_the_learner_reads_it_and_records_why(r, redis_url, tmp_path):
     sim_job(r, redis_url, tmp_path, name="ctlcad", job={"max_staleness": 4})
     info = load_job(r, "ctlcad")
-    assert info.spec().publish_every_max == 2                  # control.publish_every_max's default
+    assert info.spec().publish_every_max == 4                  # control.publish_every_max's default
     ctl = Controller(r, interval_s=1.0)
     view = JobView(JobControl(info, Observer(info)), alloc={}, ext={}, ext_n={}, bounds={}, metrics=metrics())
     ctl.adapt_publish(view, now=500.0)
@@ -183,8 +204,8 @@ def test_the_controller_writes_the_cadence_where_the_learner_reads_it_and_record
     st = status(r, "ctlcad")
     assert (st["jobs"][0]["publish_every"], st["jobs"][0]["publish_reason"]) == (2, "publish_less_often")
     assert "published every 2 steps (publish_less_often)" in format_status(st)
-    # nothing to change: nothing written, nothing recorded
-    view.metrics = metrics(publish_every=2, publish_since_s=1e9)
+    # nothing to change (0.6% of the data at the bound: no room for a third step): nothing written, nothing recorded
+    view.metrics = metrics(publish_every=2, publish_since_s=1e9, staleness_at_bound_frac=0.006)
     ctl.adapt_publish(view, now=600.0)
     assert read_cadence(r, JobKeys("ctlcad"), info.publish_every, 4) == (2, 500.0)
     assert len(read_events(r, "ctlcad")) == 1
