@@ -229,6 +229,27 @@ def test_the_engines_metrics_window_stretches_for_learner_steps_as_the_live_one_
     assert meter.metrics(1800.0, 5, now).window_s == pytest.approx(50 * 30.0)
 
 
+def test_the_engines_share_at_the_bound_is_read_over_the_steps_since_the_last_change_as_the_live_one_is():
+    # a step a 30 s tick, 16 of them: the first 8 all at steady's bound of 4, the rest one group in eight
+    from pipeline.sim.meter import Gauges, Meter, StepSample
+    import numpy as np
+    wl = load_workload(BENCH / "steady.toml")
+    b = wl.job.max_staleness
+    meter = Meter(wl, wl.rollout.concurrency)
+    for i in range(16):
+        stale = np.full(512, b) if i < 8 else np.where(np.arange(512) % 8 == 0, b, 0)
+        meter.steps.append(StepSample(25.0, 2.0, 4096, 28, 4096 * 2000.0, stale))
+        meter.close_tick(30.0 * (i + 1), 0)
+
+    def share(since_change_s: float, publish_since_s: float = float("inf")) -> float:
+        now = Gauges(Allocation(36, 28), None, since_change_s, 0, 0, 28, None, 0, publish_since_s=publish_since_s)
+        return meter.metrics(480.0, 5, now).staleness_at_bound_frac
+    # the split or the cadence set at 240 s: the ticks from then on
+    assert share(240.0) == share(1e9, 240.0) == pytest.approx(1 / 8)
+    # neither within the steps held: the last 2 x (4 + 1) of them, two all at the bound
+    assert share(1e9) == pytest.approx((2 + 8 / 8) / 10)
+
+
 @pytest.mark.slow
 def test_admission_held_for_a_learner_behind_cuts_stale_drops_on_drift():
     # drift's last phase is learner-heavy: with admission open to the whole staleness window, rollout runs

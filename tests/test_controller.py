@@ -208,6 +208,32 @@ def test_observer_maps_live_metrics_onto_plan_inputs(r, redis_url, tmp_path):
     assert d.reason != "warming_up"
 
 
+def test_the_share_at_the_bound_is_read_over_the_steps_since_the_split_and_the_cadence_were_set(r, redis_url,
+                                                                                                 tmp_path):
+    sim_job(r, redis_url, tmp_path, control={"window_s": 5.0})
+    keys, info = JobKeys(JOB), load_job(r, JOB)
+    obs, b = Observer(info), info.max_staleness
+    n = allocator.bound_share_steps(b) + 4
+    # a learner step a tick, every 10 s: the first half of them all at the bound, the rest one in eight
+    for i in range(n):
+        hist = {str(b): 8} if i < n // 2 else {str(b): 1, "0": 7}
+        r.xadd(keys.metrics, {"kind": "learner_step", "data": json.dumps(
+            {"step": i + 1, "trajectories": 8, "train_s": 1.0, "staleness_hist": hist})})
+        if i == n - 1:       # the cadence set between the ticks that read the first steps of the second half
+            write_cadence(r, keys, 2, "test", at=10.0 * (n // 2 - 1))
+        obs.tick(r, 10.0 * i)
+
+    def share(since_change_s: float) -> float:
+        return obs.metrics(Allocation(1, 1), since_change_s, None, learner_slots=1).staleness_at_bound_frac
+    assert share(1e9) == pytest.approx(1 / 8)
+    # the split set then, the cadence long ago: the same steps
+    r.delete(keys.publish)
+    obs.tick(r, 10.0 * n)
+    assert share(10.0 * (n - n // 2 + 1)) == pytest.approx(1 / 8)
+    # neither set in the steps held: the last bound_share_steps of them, b - 1 all at the bound
+    assert share(1e9) == pytest.approx((b - 1 + (b + 3) / 8) / allocator.bound_share_steps(b))
+
+
 def test_a_worker_that_stopped_before_the_window_adds_no_time():
     from pipeline.control.observer import Snapshot
 

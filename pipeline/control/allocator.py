@@ -45,9 +45,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence, TypeVar
 
 from pipeline.dataplane.keys import ROLES
+
+T = TypeVar("T")
 
 
 
@@ -157,8 +159,10 @@ class Metrics:
     publish_every: int = 1
     publish_since_s: float = math.inf
     publish_reason: str = ""          # why it was last set (a PublishDecision's reason; "": never)
-    # share of the trajectories trained in the window exactly max_staleness versions old: one version older
-    # and they would have been dropped
+    # share of the trajectories trained exactly max_staleness versions old (one version older and they would
+    # have been dropped), over the learner steps since the split and the cadence were last set, the last
+    # bound_share_steps of them (the window's steps when none came since): the share is a few groups in a
+    # thousand, and a window of two steps reads it from a handful of them
     staleness_at_bound_frac: float = 0.0
     learner_steps: int = 0            # learner steps the job has made (0: none, or not known)
     # rollout_gpu_s_per_traj and traj_tokens over the last control interval alone (0: nothing finished in it):
@@ -201,6 +205,24 @@ def median_of_counts(counts: Mapping[int, int]) -> float:
     return 0.0
 
 
+def bound_share_steps(max_staleness: int) -> int:
+    """Learner steps ``Metrics.staleness_at_bound_frac`` is measured over, at most: the data of two bounds."""
+    return 2 * (max_staleness + 1)
+
+
+def steps_since(steps: Iterable[tuple[float, T]], now: float, since_change_s: float, publish_since_s: float,
+                max_staleness: int) -> list[T]:
+    """The learner steps ``Metrics.staleness_at_bound_frac`` is measured over, oldest first.
+
+    ``steps`` are (when the engine began to look for them, step), oldest
+    first: a step counts when that time is no earlier than the last change
+    of the split or the cadence, ``now - min(since_change_s, publish_since_s)``.
+    Empty when none came since.
+    """
+    cutoff = now - min(since_change_s, publish_since_s)
+    return [s for after, s in steps if after >= cutoff][-bound_share_steps(max_staleness):]
+
+
 # Field guide: a learner idle more than 20% of the time means rollout is short. The policy's signal,
 # and the line that libra-ctl doctor, libra top, the Prometheus help and report.html use.
 LEARNER_WAIT_THRESHOLD = 0.2
@@ -225,9 +247,8 @@ class PlanConfig:
     stale_drop_budget: float = 0.005    # share of trajectories dropped as stale the publish cadence may cost
     publish_drop_margin: float = 0.5    # ... a longer cadence is tried only when predicted within this share of it
     # ... and when the split in place gains at least this much from it: staler data costs the learning something
-    # the throughput model does not see, and a shift of the workload while it runs ages what is in flight (drift's
-    # 1.1% in its rollout-bound phase was taken back by the drops of its next transition)
-    publish_min_saving: float = 0.015
+    # the throughput model does not see
+    publish_min_saving: float = 0.01
     # the last control interval's cost (or tokens) per trajectory this far from the window's: the workload is
     # shifting under the window, and a move the window asks for is sized on that interval where it goes further
     shift_frac: float = 0.25
@@ -601,7 +622,13 @@ def plan_publish(m: Metrics, job: JobSpec, config: PlanConfig = PlanConfig(), mo
     ``publish_drop_margin`` of ``stale_drop_budget`` and the net gain is at
     least ``publish_min_saving`` (data a version older costs the learning
     something no throughput figure shows, so a cadence that gains next to
-    nothing is not worth it); it comes back by one when the drops measured at
+    nothing is not worth it). Above ``job.publish_every``, while data is at
+    the bound, it grows only once the data trained is the present cadence's
+    (``_aged_out``): before, the share at the bound is the shorter cadence's,
+    lower than this one's (on ``sweep-s3-002`` a step from 3 to 4 went
+    through on 0.46% at the bound, measured on the data of 2, and 1.19% of
+    the run was dropped). At ``job.publish_every`` the data is its own or a
+    longer cadence's, whose share reads higher. It comes back by one when the drops measured at
     it exceed the budget, and is not tried again on the same split; while
     the data generated at the longer cadence is still being trained (up to
     ``max_staleness + 1`` steps, then a window: ``_aged_out``), the drops
@@ -628,7 +655,7 @@ def plan_publish(m: Metrics, job: JobSpec, config: PlanConfig = PlanConfig(), mo
     inv = Inventory(gpus=m.allocation.total, switch_cost_s=0.0)
     now = _Model.measured(m, inv, job)
     if now is None or m.trained <= 0 or m.dropped_stale < 0 or m.publish_since_s < m.window_s \
-            or m.learner_steps < 2 * (job.max_staleness + 1):
+            or m.learner_steps < bound_share_steps(job.max_staleness):
         return PublishDecision(c, False, "measuring")
     consumed = m.trained + m.dropped_stale
     drop = m.dropped_stale / consumed
@@ -657,6 +684,10 @@ def plan_publish(m: Metrics, job: JobSpec, config: PlanConfig = PlanConfig(), mo
         return PublishDecision(c, False, "staleness_headroom_short", **base)
     if net < config.publish_min_saving:
         return PublishDecision(c, False, "saving_below_cost", **base)
+    if c > lo and m.staleness_at_bound_frac > 0 and not _aged_out(m, job):
+        # the data at the bound is still the shorter cadence's: this one's share is higher, and not known yet
+        # (at lo the data is lo's or a longer cadence's: its share reads high, not low)
+        return PublishDecision(c, False, "bound_share_unsettled", **base)
     return PublishDecision(c + 1, True, "publish_less_often", **base)
 
 

@@ -17,8 +17,8 @@ import redis
 
 from pipeline.control import allocator
 from pipeline.control.allocation import AGENT_DEAD_S
-from pipeline.control.allocator import (MAX_WINDOW_FACTOR, MIN_STEPS, Allocation, learner_speed, median_of_counts,
-                                        ratio)
+from pipeline.control.allocator import (MAX_WINDOW_FACTOR, MIN_STEPS, Allocation, bound_share_steps, learner_speed,
+                                        median_of_counts, ratio, steps_since)
 from pipeline.control.job import JobInfo
 from pipeline.dataplane.cadence import parse_cadence
 from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_ROLLOUT, LEARNER, JobKeys
@@ -50,6 +50,8 @@ class Observer:
         self.keys = JobKeys(job.name)
         self.ticks: deque[Snapshot] = deque()
         self.steps_cursor = "0-0"
+        # the latest learner step records, each with the time of the tick before the one that read it
+        self.recent: deque[tuple[float, dict]] = deque(maxlen=bound_share_steps(job.max_staleness))
         self.costs: dict = {}
         self.step = 0            # the job's latest learner step
 
@@ -69,6 +71,7 @@ class Observer:
             inflight=group_pending(r, k.prompts, GROUP_ROLLOUT) * gs,
             queue=stream_lag(r, k.prompts, GROUP_ROLLOUT) * gs,
             learner_waiting=bool(learner) and json.loads(learner).get("state") == "waiting")
+        self.recent.extend((self.ticks[-1].t if self.ticks else -math.inf, s) for s in steps)
         cadence = r.hgetall(k.publish)
         snap.publish_every, snap.publish_at = parse_cadence(cadence, self.job.publish_every, self.job.max_staleness)
         snap.publish_reason = cadence.get(b"reason", b"").decode() if snap.publish_at is not None else ""
@@ -111,6 +114,8 @@ class Observer:
             ro.update(busy=alloc.rollout * span, elapsed=alloc.rollout * span, items=delta["generated"])
         if rw["items"] == 0 and delta["scored"]:
             rw.update(busy=max(rw["lanes"], 1) * span, items=delta["scored"])
+        publish_since_s = last.t - last.publish_at if last.publish_at is not None else math.inf
+        settled = steps_since(self.recent, last.t, since_change_s, publish_since_s, self.job.max_staleness) or steps
         return allocator.Metrics(
             window_s=span, allocation=alloc, since_change_s=since_change_s, changed_from=changed_from,
             rollout_gpu_s_per_traj=ratio(ro["busy"], ro["items"]),
@@ -129,9 +134,8 @@ class Observer:
             remaining=max(0, self.job.steps - self.step) * self.job.batch_size,
             rollout_load_s=ratio(ro["reload"], ro["reloads"]),
             publish_every=last.publish_every,
-            publish_since_s=last.t - last.publish_at if last.publish_at is not None else math.inf,
-            publish_reason=last.publish_reason,
-            staleness_at_bound_frac=staleness_share(steps, self.job.max_staleness), learner_steps=self.step,
+            publish_since_s=publish_since_s, publish_reason=last.publish_reason,
+            staleness_at_bound_frac=staleness_share(settled, self.job.max_staleness), learner_steps=self.step,
             rollout_gpu_s_per_traj_last=ratio(ro_last["busy"], ro_last["items"]),
             traj_tokens_last=ratio(ro_last["tokens"], ro_last["items"]) if by_tokens else 1.0)
 

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import numpy as np
 
 from pipeline.control import allocator
-from pipeline.control.allocator import (MAX_WINDOW_FACTOR, MIN_STEPS, Allocation, learner_speed, median_of_counts,
-                                        ratio)
+from pipeline.control.allocator import (MAX_WINDOW_FACTOR, MIN_STEPS, Allocation, bound_share_steps, learner_speed,
+                                        median_of_counts, ratio, steps_since)
 from pipeline.sim.workload import Workload
 
 _COUNTERS = ("n_done", "cost", "tokens", "rollout_gpu_s", "pause_gpu_s", "loads", "idle_slot_s", "dropped")
@@ -58,6 +58,8 @@ class Meter:
         self.wl, self.C = wl, concurrency
         self.ticks: deque[dict] = deque(maxlen=64)   # a window of 5 ticks stretches to 50
         self.waits: deque[tuple[float, float]] = deque()   # learner waiting periods (start, end)
+        # the latest learner steps, each with the start of the tick it came in (the share at the staleness bound)
+        self.recent: deque[tuple[float, StepSample]] = deque(maxlen=bound_share_steps(wl.job.max_staleness))
         self._reset(0.0)
 
     def _reset(self, t: float) -> None:
@@ -83,6 +85,7 @@ class Meter:
         tick = {k: getattr(self, k) for k in ("t0", "steps") + _COUNTERS}
         tick["backlog"] = backlog
         self.ticks.append(tick)
+        self.recent.extend((self.t0, s) for s in self.steps)
         self._reset(t)
 
     def metrics(self, t: float, window: int, now: Gauges) -> allocator.Metrics:
@@ -101,6 +104,9 @@ class Meter:
         total = {k: sum(tk[k] for tk in ticks) for k in _COUNTERS}
         steps = [s for tk in ticks for s in tk["steps"]]
         stale = np.concatenate([s.staleness for s in steps]) if steps else np.zeros(0)
+        bound = self.wl.job.max_staleness
+        settled = steps_since(self.recent, t, now.since_change_s, now.publish_since_s, bound) or steps
+        at_bound = np.concatenate([s.staleness for s in settled]) == bound if settled else np.zeros(0)
         n_done, rollout_gpu_s = total["n_done"], total["rollout_gpu_s"]
         n_now = max(now.learner_gpus, 1)
         return allocator.Metrics(
@@ -126,7 +132,7 @@ class Meter:
             rollout_load_s=ratio(total["pause_gpu_s"], total["loads"]),
             publish_every=now.publish_every, publish_since_s=now.publish_since_s, publish_reason=now.publish_reason,
             learner_steps=now.learner_steps,
-            staleness_at_bound_frac=float((stale == self.wl.job.max_staleness).mean()) if stale.size else 0.0,
+            staleness_at_bound_frac=float(at_bound.mean()) if at_bound.size else 0.0,
             rollout_gpu_s_per_traj_last=ratio(ticks[-1]["cost"], ticks[-1]["n_done"]),
             traj_tokens_last=ratio(ticks[-1]["tokens"], ticks[-1]["n_done"]))
 
