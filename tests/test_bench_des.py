@@ -239,15 +239,19 @@ def test_the_engines_share_at_the_bound_is_read_over_the_steps_since_the_last_ch
     for i in range(16):
         stale = np.full(512, b) if i < 8 else np.where(np.arange(512) % 8 == 0, b, 0)
         meter.steps.append(StepSample(25.0, 2.0, 4096, 28, 4096 * 2000.0, stale))
+        meter.dropped = 8 * (i % 2)          # a group dropped as stale every other tick
         meter.close_tick(30.0 * (i + 1), 0)
 
-    def share(since_change_s: float, publish_since_s: float = float("inf")) -> float:
+    def read(since_change_s: float, publish_since_s: float = float("inf")) -> tuple[float, float | None]:
         now = Gauges(Allocation(36, 28), None, since_change_s, 0, 0, 28, None, 0, publish_since_s=publish_since_s)
-        return meter.metrics(480.0, 5, now).staleness_at_bound_frac
-    # the split or the cadence set at 240 s: the ticks from then on
-    assert share(240.0) == share(1e9, 240.0) == pytest.approx(1 / 8)
+        m = meter.metrics(480.0, 5, now)
+        return m.staleness_at_bound_frac, m.dropped_since_frac
+    # the split or the cadence set at 240 s: the ticks from then on, 8 steps and 4 groups dropped
+    assert read(240.0) == read(1e9, 240.0) == (pytest.approx(1 / 8), pytest.approx(32 / (8 * 4096 + 32)))
     # neither within the steps held: the last 2 x (4 + 1) of them, two all at the bound
-    assert share(1e9) == pytest.approx((2 + 8 / 8) / 10)
+    assert read(1e9) == (pytest.approx((2 + 8 / 8) / 10), pytest.approx(40 / (10 * 4096 + 40)))
+    # the split set at 420 s: two steps, no more than the window's five, whose drop share stands
+    assert read(60.0)[1] is None
 
 
 @pytest.mark.slow

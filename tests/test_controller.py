@@ -219,6 +219,7 @@ def test_the_share_at_the_bound_is_read_over_the_steps_since_the_split_and_the_c
         hist = {str(b): 8} if i < n // 2 else {str(b): 1, "0": 7}
         r.xadd(keys.metrics, {"kind": "learner_step", "data": json.dumps(
             {"step": i + 1, "trajectories": 8, "train_s": 1.0, "staleness_hist": hist})})
+        r.hset(keys.counters, mapping={"trained": 8 * (i + 1), "dropped_stale": 2 * i})   # 2 dropped a step
         if i == n - 1:       # the cadence set between the ticks that read the first steps of the second half
             write_cadence(r, keys, 2, "test", at=10.0 * (n // 2 - 1))
         obs.tick(r, 10.0 * i)
@@ -226,6 +227,10 @@ def test_the_share_at_the_bound_is_read_over_the_steps_since_the_split_and_the_c
     def share(since_change_s: float) -> float:
         return obs.metrics(Allocation(1, 1), since_change_s, None, learner_slots=1).staleness_at_bound_frac
     assert share(1e9) == pytest.approx(1 / 8)
+    # and the drops over them: from the tick before the first of those steps was read, 2 a step
+    k = n - n // 2
+    m = obs.metrics(Allocation(1, 1), 1e9, None, learner_slots=1)
+    assert m.dropped_since_frac == pytest.approx(2 * k / (8 * k + 2 * k))
     # the split set then, the cadence long ago: the same steps
     r.delete(keys.publish)
     obs.tick(r, 10.0 * n)

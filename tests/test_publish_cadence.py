@@ -91,6 +91,10 @@ def test_the_cadence_comes_back_when_drops_exceed_the_budget():
     assert d.changed and d.publish_every == 1 and d.reason == "drops_over_budget"
     # within the budget it stays, at its most
     assert plan_publish(metrics(publish_every=2, dropped_stale=16), JOB).reason == "at_most"
+    # a burst: over the steps since the cadence was set the drops are within the budget; over them too, it comes back
+    d = plan_publish(metrics(publish_every=2, dropped_stale=64, dropped_since_frac=0.004), JOB)
+    assert not d.changed and d.reason == "drops_within_budget_since"
+    assert plan_publish(metrics(publish_every=2, dropped_stale=64, dropped_since_frac=0.006), JOB).changed
 
 
 def test_half_the_data_at_the_bound_is_predicted_dropped_whatever_the_cadence():

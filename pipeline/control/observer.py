@@ -17,8 +17,8 @@ import redis
 
 from pipeline.control import allocator
 from pipeline.control.allocation import AGENT_DEAD_S
-from pipeline.control.allocator import (MAX_WINDOW_FACTOR, MIN_STEPS, Allocation, bound_share_steps, learner_speed,
-                                        median_of_counts, ratio, steps_since)
+from pipeline.control.allocator import (MAX_WINDOW_FACTOR, MIN_STEPS, Allocation, bound_share_steps, drop_share_since,
+                                        learner_speed, median_of_counts, ratio, steps_since)
 from pipeline.control.job import JobInfo
 from pipeline.dataplane.cadence import parse_cadence
 from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_ROLLOUT, LEARNER, JobKeys
@@ -50,8 +50,9 @@ class Observer:
         self.keys = JobKeys(job.name)
         self.ticks: deque[Snapshot] = deque()
         self.steps_cursor = "0-0"
-        # the latest learner step records, each with the time of the tick before the one that read it
-        self.recent: deque[tuple[float, dict]] = deque(maxlen=bound_share_steps(job.max_staleness))
+        # the latest learner step records, each with the time of the tick before the one that read it and the
+        # job's trajectories dropped as stale then (the tick that read it, for the first)
+        self.recent: deque[tuple[float, tuple[dict, int]]] = deque(maxlen=bound_share_steps(job.max_staleness))
         self.costs: dict = {}
         self.step = 0            # the job's latest learner step
 
@@ -71,7 +72,9 @@ class Observer:
             inflight=group_pending(r, k.prompts, GROUP_ROLLOUT) * gs,
             queue=stream_lag(r, k.prompts, GROUP_ROLLOUT) * gs,
             learner_waiting=bool(learner) and json.loads(learner).get("state") == "waiting")
-        self.recent.extend((self.ticks[-1].t if self.ticks else -math.inf, s) for s in steps)
+        before = self.ticks[-1] if self.ticks else snap
+        after = before.t if self.ticks else -math.inf
+        self.recent.extend((after, (s, before.counters.get("dropped_stale", 0))) for s in steps)
         cadence = r.hgetall(k.publish)
         snap.publish_every, snap.publish_at = parse_cadence(cadence, self.job.publish_every, self.job.max_staleness)
         snap.publish_reason = cadence.get(b"reason", b"").decode() if snap.publish_at is not None else ""
@@ -115,7 +118,11 @@ class Observer:
         if rw["items"] == 0 and delta["scored"]:
             rw.update(busy=max(rw["lanes"], 1) * span, items=delta["scored"])
         publish_since_s = last.t - last.publish_at if last.publish_at is not None else math.inf
-        settled = steps_since(self.recent, last.t, since_change_s, publish_since_s, self.job.max_staleness) or steps
+        since = steps_since(self.recent, last.t, since_change_s, publish_since_s, self.job.max_staleness)
+        settled = [s for s, _ in since] or steps
+        dropped_since = drop_share_since(
+            sum(s.get("trajectories", 0) for s, _ in since),
+            max(0, last.counters.get("dropped_stale", 0) - since[0][1]), delta["trained"]) if since else None
         return allocator.Metrics(
             window_s=span, allocation=alloc, since_change_s=since_change_s, changed_from=changed_from,
             rollout_gpu_s_per_traj=ratio(ro["busy"], ro["items"]),
@@ -135,7 +142,8 @@ class Observer:
             rollout_load_s=ratio(ro["reload"], ro["reloads"]),
             publish_every=last.publish_every,
             publish_since_s=publish_since_s, publish_reason=last.publish_reason,
-            staleness_at_bound_frac=staleness_share(settled, self.job.max_staleness), learner_steps=self.step,
+            staleness_at_bound_frac=staleness_share(settled, self.job.max_staleness),
+            dropped_since_frac=dropped_since, learner_steps=self.step,
             rollout_gpu_s_per_traj_last=ratio(ro_last["busy"], ro_last["items"]),
             traj_tokens_last=ratio(ro_last["tokens"], ro_last["items"]) if by_tokens else 1.0)
 

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import numpy as np
 
 from pipeline.control import allocator
-from pipeline.control.allocator import (MAX_WINDOW_FACTOR, MIN_STEPS, Allocation, bound_share_steps, learner_speed,
-                                        median_of_counts, ratio, steps_since)
+from pipeline.control.allocator import (MAX_WINDOW_FACTOR, MIN_STEPS, Allocation, bound_share_steps, drop_share_since,
+                                        learner_speed, median_of_counts, ratio, steps_since)
 from pipeline.sim.workload import Workload
 
 _COUNTERS = ("n_done", "cost", "tokens", "rollout_gpu_s", "pause_gpu_s", "loads", "idle_slot_s", "dropped")
@@ -58,8 +58,11 @@ class Meter:
         self.wl, self.C = wl, concurrency
         self.ticks: deque[dict] = deque(maxlen=64)   # a window of 5 ticks stretches to 50
         self.waits: deque[tuple[float, float]] = deque()   # learner waiting periods (start, end)
-        # the latest learner steps, each with the start of the tick it came in (the share at the staleness bound)
-        self.recent: deque[tuple[float, StepSample]] = deque(maxlen=bound_share_steps(wl.job.max_staleness))
+        # the latest learner steps, each with the start of the tick it came in and the trajectories dropped as
+        # stale before that tick (the share at the staleness bound and of drops since the last change)
+        self.recent: deque[tuple[float, tuple[StepSample, int]]] = deque(
+            maxlen=bound_share_steps(wl.job.max_staleness))
+        self.dropped_total = 0
         self._reset(0.0)
 
     def _reset(self, t: float) -> None:
@@ -85,7 +88,8 @@ class Meter:
         tick = {k: getattr(self, k) for k in ("t0", "steps") + _COUNTERS}
         tick["backlog"] = backlog
         self.ticks.append(tick)
-        self.recent.extend((self.t0, s) for s in self.steps)
+        self.recent.extend((self.t0, (s, self.dropped_total)) for s in self.steps)
+        self.dropped_total += self.dropped
         self._reset(t)
 
     def metrics(self, t: float, window: int, now: Gauges) -> allocator.Metrics:
@@ -105,8 +109,12 @@ class Meter:
         steps = [s for tk in ticks for s in tk["steps"]]
         stale = np.concatenate([s.staleness for s in steps]) if steps else np.zeros(0)
         bound = self.wl.job.max_staleness
-        settled = steps_since(self.recent, t, now.since_change_s, now.publish_since_s, bound) or steps
+        since = steps_since(self.recent, t, now.since_change_s, now.publish_since_s, bound)
+        settled = [s for s, _ in since] or steps
         at_bound = np.concatenate([s.staleness for s in settled]) == bound if settled else np.zeros(0)
+        trained = sum(s.trajectories for s in steps)
+        dropped_since = drop_share_since(sum(s.trajectories for s, _ in since),
+                                         self.dropped_total - since[0][1], trained) if since else None
         n_done, rollout_gpu_s = total["n_done"], total["rollout_gpu_s"]
         n_now = max(now.learner_gpus, 1)
         return allocator.Metrics(
@@ -126,13 +134,14 @@ class Meter:
             learner_wait_frac=self._wait_in(ticks[0]["t0"], t, now.learner_idle_since) / span,
             backlog=ticks[-1]["backlog"],
             backlog_trend_per_s=(ticks[-1]["backlog"] - ticks[0]["backlog"]) / span,
-            trained=sum(s.trajectories for s in steps),
+            trained=trained,
             staleness_p50=median_of_counts(dict(zip(*np.unique(stale, return_counts=True)))),
             dropped_stale=total["dropped"], remaining=now.remaining,
             rollout_load_s=ratio(total["pause_gpu_s"], total["loads"]),
             publish_every=now.publish_every, publish_since_s=now.publish_since_s, publish_reason=now.publish_reason,
             learner_steps=now.learner_steps,
             staleness_at_bound_frac=float(at_bound.mean()) if at_bound.size else 0.0,
+            dropped_since_frac=dropped_since,
             rollout_gpu_s_per_traj_last=ratio(ticks[-1]["cost"], ticks[-1]["n_done"]),
             traj_tokens_last=ratio(ticks[-1]["tokens"], ticks[-1]["n_done"]))
 
