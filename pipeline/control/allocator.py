@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Iterable, Mapping, Sequence, TypeVar
+from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from pipeline.dataplane.keys import ROLES
 
@@ -225,9 +225,15 @@ def steps_since(steps: Iterable[tuple[float, T]], now: float, since_change_s: fl
     return [s for after, s in steps if after >= cutoff][-bound_share_steps(max_staleness):]
 
 
-def drop_share_since(trained: int, dropped: int, window_trained: int) -> float | None:
-    """``Metrics.dropped_since_frac`` from the trajectories trained and dropped over the steps since the last
-    change: None when they are no more than the window's (the window's share stands)."""
+def drop_share_since(since: Sequence[tuple[T, int]], trajectories: Callable[[T], int], dropped_now: int,
+                     window_trained: int) -> float | None:
+    """``Metrics.dropped_since_frac`` over ``since`` (``steps_since`` of (step, trajectories dropped as stale
+    before it)), with ``dropped_now`` dropped so far: None when none came since or they trained no more than
+    the window's ``window_trained`` (the window's share stands)."""
+    if not since:
+        return None
+    trained = sum(trajectories(s) for s, _ in since)
+    dropped = max(0, dropped_now - since[0][1])     # a learner's restore sets the live counters back
     return dropped / (trained + dropped) if trained > window_trained else None
 
 

@@ -72,8 +72,7 @@ class Observer:
             inflight=group_pending(r, k.prompts, GROUP_ROLLOUT) * gs,
             queue=stream_lag(r, k.prompts, GROUP_ROLLOUT) * gs,
             learner_waiting=bool(learner) and json.loads(learner).get("state") == "waiting")
-        before = self.ticks[-1] if self.ticks else snap
-        after = before.t if self.ticks else -math.inf
+        after, before = (self.ticks[-1].t, self.ticks[-1]) if self.ticks else (-math.inf, snap)
         self.recent.extend((after, (s, before.counters.get("dropped_stale", 0))) for s in steps)
         cadence = r.hgetall(k.publish)
         snap.publish_every, snap.publish_at = parse_cadence(cadence, self.job.publish_every, self.job.max_staleness)
@@ -120,9 +119,8 @@ class Observer:
         publish_since_s = last.t - last.publish_at if last.publish_at is not None else math.inf
         since = steps_since(self.recent, last.t, since_change_s, publish_since_s, self.job.max_staleness)
         settled = [s for s, _ in since] or steps
-        dropped_since = drop_share_since(
-            sum(s.get("trajectories", 0) for s, _ in since),
-            max(0, last.counters.get("dropped_stale", 0) - since[0][1]), delta["trained"]) if since else None
+        dropped_since = drop_share_since(since, lambda s: s.get("trajectories", 0),
+                                         last.counters.get("dropped_stale", 0), delta["trained"])
         return allocator.Metrics(
             window_s=span, allocation=alloc, since_change_s=since_change_s, changed_from=changed_from,
             rollout_gpu_s_per_traj=ratio(ro["busy"], ro["items"]),

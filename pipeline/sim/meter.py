@@ -113,8 +113,7 @@ class Meter:
         settled = [s for s, _ in since] or steps
         at_bound = np.concatenate([s.staleness for s in settled]) == bound if settled else np.zeros(0)
         trained = sum(s.trajectories for s in steps)
-        dropped_since = drop_share_since(sum(s.trajectories for s, _ in since),
-                                         self.dropped_total - since[0][1], trained) if since else None
+        dropped_since = drop_share_since(since, lambda s: s.trajectories, self.dropped_total, trained)
         n_done, rollout_gpu_s = total["n_done"], total["rollout_gpu_s"]
         n_now = max(now.learner_gpus, 1)
         return allocator.Metrics(
