@@ -59,6 +59,9 @@ from pipeline.dataplane.keys import (CONTROLLER_EPOCH, CONTROLLER_LEASE, CONTROL
 from pipeline.dataplane.keys import ROLES
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
 
+# Redis 6.2 (the embedded server) truncates a BLPOP timeout to whole milliseconds and reads 0 as "block
+# forever": a wait with less than this left returns instead of hanging until the socket timeout (15 s)
+MIN_BLOCK_S = 0.01
 RESEND_S = 15.0          # an action not reflected in the agent's desired state after this is sent again
 
 
@@ -127,7 +130,7 @@ class Controller:
         deadline = time.monotonic() + self.interval_s
         while not self.stop_event.is_set():
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left < MIN_BLOCK_S:
                 return
             if self.r.blpop([CONTROLLER_WAKE], timeout=min(left, 1.0)):
                 self.r.delete(CONTROLLER_WAKE)
