@@ -14,7 +14,8 @@ from pipeline.sim import bench_allocator
 from pipeline.sim import des
 from pipeline.sim import fluid
 from pipeline.observe.audit import audit
-from pipeline.sim.bench_live import LiveBench, LiveEngineError, LiveSettings, control_settings, worker_counts
+from pipeline.sim.bench_live import (MAX_AUTO_SCALE, WALL_RATE, LiveBench, LiveEngineError, LiveSettings,
+                                     auto_time_scale, control_settings, peak_rate, worker_counts)
 from pipeline.dataplane.keys import CONTROLLER_LEASE, JOBS, JobKeys
 from pipeline.control.allocator import Allocation
 from pipeline.sim.workload import load_workload, parse_workload
@@ -51,6 +52,21 @@ def test_live_settings_reject_what_one_machine_cannot_run():
     for bad in (0, -1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="time-scale"):
             LiveSettings(time_scale=bad).check(parse_workload(BASE))
+
+
+def test_auto_time_scale_keeps_the_fastest_phase_within_what_the_data_plane_carries():
+    steady = load_workload(Path(__file__).resolve().parent.parent / "examples" / "bench" / "steady.toml")
+    assert peak_rate(steady) * MAX_AUTO_SCALE < WALL_RATE
+    assert auto_time_scale(steady) == MAX_AUTO_SCALE == LiveBench(steady, Path("steady.toml"), LiveSettings(),
+                                                                  print).scale
+    # a second phase of responses ten times shorter: many times the trajectories a second, at most WALL_RATE
+    steps = BASE["job"]["steps"]
+    first = {**BASE["phase"][0], "until_step": steps // 2}
+    short = {**first, "until_step": steps, "response_tokens": {"median": 20, "p99": 40, "max": 64}}
+    fast, slow = parse_workload({**BASE, "phase": [first, short]}), parse_workload(BASE)
+    assert peak_rate(fast) > 3 * peak_rate(slow) and peak_rate(fast) * MAX_AUTO_SCALE > WALL_RATE
+    assert peak_rate(fast) * auto_time_scale(fast) == pytest.approx(WALL_RATE)
+    assert LiveBench(fast, Path("fast.toml"), LiveSettings(time_scale=7.0), print).scale == 7.0   # as given
 
 
 def test_wait_before_the_first_prompt_is_not_counted():

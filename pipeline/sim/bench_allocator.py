@@ -26,7 +26,8 @@ from pipeline.control.allocator import AdmissionError
 from pipeline.sim import bench_pool, bench_sweep, des, fluid
 from pipeline.sim.result import ModeResult
 from pipeline.sim.sync import simulate_sync
-from pipeline.sim.bench_live import LIVE_MODES, LiveBench, LiveEngineError, LiveSettings, live_summary
+from pipeline.sim.bench_live import (LIVE_MODES, MAX_AUTO_SCALE, WALL_RATE, LiveBench, LiveEngineError, LiveSettings,
+                                     live_summary)
 from pipeline.control.allocator import Allocation
 from pipeline.sim.workload import WorkloadError, load_workload
 
@@ -348,7 +349,8 @@ def add_parser(subparsers) -> None:
                         "Redis, controller and agent with sim workers on compressed time (up to 64 slots); a "
                         "multi-job workload runs static and libra live, every job at once on the one agent")
     p.add_argument("--time-scale", type=float, default=LiveSettings.time_scale,
-                   help="live: simulated seconds per wall second")
+                   help=f"live: simulated seconds per wall second (default: {MAX_AUTO_SCALE:g}, or less where the "
+                        f"workload's fastest phase would pass more than {WALL_RATE:,.0f} trajectories a wall second)")
     p.add_argument("--redis", help="live: Redis URL to run on (default: an embedded server, removed after)")
     p.add_argument("--runs-dir", default=LiveSettings.runs_dir,
                    help="live: where the run directories and logs go")

@@ -90,17 +90,39 @@ class LiveEngineError(RuntimeError):
     """The live run could not start or stalled; the message names the logs to read."""
 
 
+# The auto time scale: at most MAX_AUTO_SCALE simulated seconds per wall second, and no faster than keeps the
+# workload's fastest phase, at the ideal rate, within WALL_RATE trajectories per wall second. Every trajectory
+# is encoded, written, read and acknowledged by real processes, and on a 2-core machine running 64 slot
+# processes the data plane stops keeping up somewhere between 1,500 and 2,000 a second: drift's first phase
+# alone (static split) ran at 1.01 of the des engine's rate at 20 simulated seconds per wall second (1,444 a
+# wall second at the ideal rate) and at 0.67 at 30 (2,167).
+WALL_RATE = 1_500.0
+MAX_AUTO_SCALE = 20.0
+
+
+def peak_rate(wl: Workload) -> float:
+    """Trajectories per simulated second of ``wl``'s fastest phase at the ideal rate (of any of its jobs,
+    each alone on the cluster: what the jobs of a pool make together at most, give or take their mix)."""
+    views = [wl.view(j.name) for j in wl.jobs] if wl.multi_job else [wl]
+    return max(fluid.ideal_phase_rate(v, ph) for v in views for ph in v.job.phases)
+
+
+def auto_time_scale(wl: Workload) -> float:
+    """The default ``--time-scale``: ``MAX_AUTO_SCALE``, or less where the peak rate would pass ``WALL_RATE``."""
+    return min(MAX_AUTO_SCALE, WALL_RATE / peak_rate(wl))
+
+
 @dataclass(frozen=True)
 class LiveSettings:
     """How the live engine runs: time compression, where Redis and the run directories are."""
 
-    time_scale: float = 20.0            # simulated seconds per wall second
+    time_scale: float | None = None     # simulated seconds per wall second; None: auto_time_scale
     redis_url: str | None = None        # None: an embedded server, removed afterwards
     runs_dir: str = "runs"
     start_timeout_s: float = 300.0      # wall seconds for a mode's initial workers to come up
 
     def check(self, wl: Workload) -> None:
-        if not 0 < self.time_scale < math.inf:
+        if self.time_scale is not None and not 0 < self.time_scale < math.inf:
             raise ValueError(f"--time-scale {self.time_scale}: must be a number > 0")
         if not self.start_timeout_s > 0:
             raise ValueError(f"start_timeout_s {self.start_timeout_s}: must be > 0")
@@ -164,7 +186,7 @@ class LiveBench:
         settings.check(wl)
         self.wl, self.path, self.settings, self.say = wl, Path(workload_path).resolve(), settings, say
         self.seed = seed     # the sim workers' lengths and rewards; None: the workload's own (run_mode)
-        self.scale = settings.time_scale
+        self.scale = settings.time_scale or auto_time_scale(wl)
         stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.dir = Path(settings.runs_dir).resolve() / f"bench-{wl.name}-{stamp}"
         self.redis_dir: Path | None = None
@@ -201,7 +223,16 @@ class LiveBench:
         self.control = start_local_control(None, self.dir, url, slots=self.wl.cluster.gpus, node=NODE,
                                            interval_s=interval)
         self.say(f"live: Redis {redact(url)}, controller every {interval:.2f} s, agent with {self.wl.cluster.gpus} "
-                 f"slots, {self.scale:g} simulated s per wall s; logs in {self.dir / 'logs'}")
+                 f"slots, {self.scale:.3g} simulated s per wall s; logs in {self.dir / 'logs'}")
+        wall = peak_rate(self.wl) * self.scale
+        if self.settings.time_scale is None:
+            self.say(f"live: time scale auto: the fastest phase at the ideal rate makes {wall:,.0f} trajectories "
+                     f"per wall second (at most {WALL_RATE:,.0f}, and {MAX_AUTO_SCALE:g} simulated s per wall s)")
+        elif wall > WALL_RATE:
+            self.say(f"live: warning: at --time-scale {self.scale:g} the fastest phase at the ideal rate makes "
+                     f"{wall:,.0f} trajectories per wall second, over the {WALL_RATE:,.0f} the data plane keeps up "
+                     f"with on a 2-core machine; the live figures may trail the des engine's for the host's sake "
+                     f"(leave --time-scale out for {auto_time_scale(self.wl):.3g})")
 
     def _check_own_redis(self, url: str) -> None:
         """A given Redis must have no controller, agent or running job: ours would act on them."""
