@@ -76,11 +76,14 @@ def test_wait_asks_redis_for_no_sub_millisecond_block(redis_url, monkeypatch):
     ``redis_url`` is unless the environment names another) truncates that to whole milliseconds and reads
     0 as "block forever": the controller hung until the socket timeout and logged Redis unavailable, seven
     times in a 4-minute live bench. The clock here leaves 0.4 ms of the interval at the first look."""
+    from types import SimpleNamespace
+
     from pipeline.control import loop
     from pipeline.dataplane.redisconn import connect
 
+    # loop's own clock only: redis-py reads time.monotonic too (health checks), and must not take these values
     clock = iter([100.0, 100.9996])
-    monkeypatch.setattr(loop.time, "monotonic", lambda: next(clock, 101.1))
+    monkeypatch.setattr(loop, "time", SimpleNamespace(monotonic=lambda: next(clock, 101.1)))
     Controller(connect(redis_url, socket_timeout=2), interval_s=1.0).wait()   # raised TimeoutError
 
 
