@@ -200,6 +200,10 @@ class LearnerConfig:
                         "at a time) and step the optimizer once the batch is whole, so the learner does not "
                         "wait idle for a batch's last groups; one rank and one mini-batch only (the same "
                         "update, to float rounding)")
+    last_chance_first: bool = _f(True, "read scored groups ahead of the batch (up to 1 + streams.backlog_batches "
+                                 "batches) and admit first the groups this step is the last to take (max_staleness "
+                                 "updates old), then the rest in arrival order: a slow group that finished behind "
+                                 "fresher ones is trained instead of dropped as stale at the next step")
     checkpoint_every: int = _f(10, "steps between checkpoints (model, optimizer, consumed ids)")
     keep_published: int = _f(4, "published weight versions kept on disk")
     threads: int = _f(1, "torch CPU threads of the learner")

@@ -260,12 +260,14 @@ def test_admission_held_for_a_learner_behind_cuts_stale_drops_on_drift():
     # ahead, a backlog of up to max_staleness batches builds, and groups that finish late go stale (2.1%
     # of trained, the learner prefetching); held while 1.25 batches wait, the backlog stays short (0.4%) and
     # the rate is kept within 1% (the policy makes other moves on either path, so the two rates differ by
-    # its choices as much as by the hold)
+    # its choices as much as by the hold). The learner takes groups in ready order here, not reading ahead
+    # for last chances (which saves some of those late groups either way: tests/test_lookahead.py).
     wl = load_workload(BENCH / "drift.toml")
     trained = wl.job.steps * wl.job.batch_size
 
     def run(hold: bool):
         sim = des.AsyncSim(wl, fluid.static_split(wl), wl.job.seed, des.LIBRA_CONTROL)
+        sim.lookahead = 0
         if not hold:
             sim.hold_backlog = 0
         return sim.run()

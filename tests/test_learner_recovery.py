@@ -40,7 +40,7 @@ from pipeline.dataplane.keys import JOBS, JobKeys
 from pipeline.dataplane.lineage import Lineage, load_segments
 from pipeline.dataplane.redisconn import ENV_URL
 from pipeline.run import policy_spec
-from pipeline.dataplane.streams import ensure_groups
+from pipeline.dataplane.streams import ensure_groups, learner_backlog
 from workers.envs import calc
 from workers.tiny_policy import completion_logprobs, ensure_policy, load_model, load_tokenizer
 
@@ -116,15 +116,19 @@ def wait_for(cond, timeout_s=300.0):
     raise AssertionError("timed out")
 
 
-def feed(r, groups, issued: int) -> None:
-    """Write scored groups, and count ``issued`` prompts (the first ``issued`` groups' ids) as the feeder would."""
+def feed(r, groups, issued: int, at_once: bool = False) -> None:
+    """Write scored groups, and count ``issued`` prompts (the first ``issued`` groups' ids) as the feeder would;
+    ``at_once``: in one transaction, so that the learner's next read sees them all."""
     keys = JobKeys("rec")
+    w = r.pipeline(transaction=True) if at_once else r
     for g in groups:
-        r.xadd(keys.scored, {messages.FIELD: messages.encode(g)})
-    r.hincrby(keys.counters, "issued_prompts", issued)
-    r.hincrby(keys.counters, "issued", issued * G)
+        w.xadd(keys.scored, {messages.FIELD: messages.encode(g)})
+    w.hincrby(keys.counters, "issued_prompts", issued)
+    w.hincrby(keys.counters, "issued", issued * G)
     if issued:  # the feeder's record: the first ``issued`` prompts among these groups
-        r.sadd(keys.issued, *list(dict.fromkeys(g.prompt_id for g in groups))[:issued])
+        w.sadd(keys.issued, *list(dict.fromkeys(g.prompt_id for g in groups))[:issued])
+    if at_once:
+        w.execute()
 
 
 def published(r) -> int:
@@ -284,8 +288,12 @@ def test_at_the_quickstart_bound_a_group_at_the_bound_is_trained_and_one_past_it
     step B+2 a group of v0, B+1 updates old, is dropped whole and counted as dropped_stale."""
     bound = config_mod.load(str(ROOT / "examples" / "quickstart.toml")).learner.max_staleness
     steps = bound + 2
+    # The groups are stamped with the versions the learner will have published when it reaches them in
+    # stream order, so it must not read ahead (learner.last_chance_first): ahead of its versions it could
+    # not place them, and would drop them.
     run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True,
-                              extra=(f"learner.max_staleness={bound}", f"job.steps={steps}"))
+                              extra=(f"learner.max_staleness={bound}", f"job.steps={steps}",
+                                     "learner.last_chance_first=false"))
     keys = JobKeys("rec")
     groups = scored_groups(policy_dir, 4 * steps + 1)
     old, fresh = groups[:4 * (bound + 1)], groups[4 * (bound + 1):]
@@ -303,6 +311,48 @@ def test_at_the_quickstart_bound_a_group_at_the_bound_is_trained_and_one_past_it
     a = audit(r, "rec", str(run_dir))
     assert a["ok"], a["problems"]
     assert (a["trained"], a["dropped_stale"], a["duplicates_trained"]) == (4 * steps * G, G, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first", [True, False], ids=["last-chance-first", "arrival-order"])
+def test_a_group_at_its_last_chance_behind_fresher_ones_is_trained_first(tmp_path, r, redis_url, policy_dir, first):
+    """max_staleness 1, 4 groups a step. Step 1 trains 4 groups of v0 and publishes v1; then 9 groups arrive
+    at once: 4 of v1, a late one of v0 (1 update old: step 2 is its last), 4 more of v1. Reading ahead
+    (learner.last_chance_first) step 2 takes the late group first and 3 of v1, step 3 the next 4 of v1; in
+    arrival order step 2 takes the first 4 of v1 and step 3 drops the late group as stale."""
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True,
+                              extra=("learner.max_staleness=1", "job.steps=3",
+                                     f"learner.last_chance_first={'true' if first else 'false'}"))
+    keys = JobKeys("rec")
+    groups = scored_groups(policy_dir, 13)
+    late = groups[8]
+    fresh = [replace(g, version=1) for g in groups[4:8] + groups[9:]]
+    feed(r, groups[:4], issued=4)
+    proc = start_learner(run_dir, redis_url)
+    try:
+        wait_for(lambda: published(r) == 1)
+        feed(r, fresh[:4] + [late] + fresh[4:], issued=9, at_once=True)
+        assert proc.wait(timeout=600) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    hists = [m["staleness_hist"] for m in metrics]
+    if first:
+        assert hists == [{"0": 4 * G}, {"0": 3 * G, "1": G}, {"1": 4 * G}]
+        assert [m["dropped_stale"] for m in metrics] == [0, 0, 0]
+        assert ids_of([late]) <= set(records(run_dir, "consumed.txt"))
+        # the learner held no more than its last step took: the ninth group waits in the stream, not at it
+        assert int(r.hget(keys.counters, "learner_ahead")) == 0 and learner_backlog(r, keys) == 1
+        assert consumer_pending(r, "learner-0") == 0
+    else:
+        assert hists == [{"0": 4 * G}, {"0": 4 * G}, {"1": 4 * G}]
+        assert [m["dropped_stale"] for m in metrics] == [0, 0, G]
+        assert set(records(run_dir, "dropped.txt")) == ids_of([late])
+        assert learner_backlog(r, keys) == 0 and int(r.hget(keys.counters, "learner_ahead")) == 0
+    a = audit(r, "rec", str(run_dir))
+    assert a["ok"], a["problems"]
 
 
 @pytest.mark.slow

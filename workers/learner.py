@@ -45,6 +45,8 @@ from pipeline.dataplane.cadence import publishes, read_cadence
 from pipeline.observe.diversity import diversity_metrics
 from pipeline.dataplane.keys import GROUP_LEARNER
 from pipeline.dataplane.lineage import Lineage, load_segments, record_line, restored
+from pipeline.dataplane.lookahead import COUNTER as AHEAD_COUNTER
+from pipeline.dataplane.lookahead import InHand, limit_groups
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
 from pipeline.observe.measures import tool_stats
 from pipeline.observe.trace import span
@@ -110,6 +112,10 @@ class Learner:
         self.published_step = 0   # the step whose weights were published last (restore publishes its own)
         self.publish_every = self.cfg.publish_every   # the cadence last read (pipeline.dataplane.cadence)
         self.unacked: list[bytes] = []  # consumed since the last durable checkpoint
+        # Scored groups read ahead of the batch and not consumed (learner.last_chance_first): pending at us.
+        st = ctx.cfg.streams
+        self.ahead = InHand(limit_groups(self.cfg.batch_size, ctx.cfg.rollout.group_size, st.backlog_batches,
+                                         self.cfg.max_staleness, self.cfg.last_chance_first))
         self.consumed: list[str] = []  # trajectory ids trained since the last checkpoint
         self.dropped: list[str] = []  # trajectory ids dropped as stale since the last checkpoint
         self.dropped_branch: list[str] = []  # of those, the ones generated on a discarded branch
@@ -213,6 +219,13 @@ class Learner:
     def collect(self) -> Batch:
         """Read scored groups until a batch is admitted; stale groups are dropped whole.
 
+        The groups read go in hand first (``self.ahead``); ``take_in_hand``
+        admits from there, and with ``learner.last_chance_first`` the learner
+        reads ahead of the batch and admits first the groups this step is the
+        last to take (``pipeline.dataplane.lookahead``). While the groups in
+        hand could fill the batch, it does not wait on the stream: it takes
+        what is there, and waits only for what the batch still lacks.
+
         With ``learner.dynamic_sampling``, groups without signal (all rewards
         equal) are admitted but do not count towards ``batch_size``: reading
         goes on until the batch holds ``batch_size`` trajectories of groups
@@ -224,36 +237,35 @@ class Learner:
         dyn = self.cfg.dynamic_sampling
         cap = int(self.cfg.dynamic_sampling_max * need) if dyn else need
         streams, gs = self.ctx.cfg.streams, self.ctx.cfg.rollout.group_size
-        held = set(self.unacked)  # pending at us for the next checkpoint, and below, this batch's
+        held = set(self.unacked) | self.ahead.ids()  # pending at us: for the next checkpoint, or in hand
         held_drops = 0   # this batch's stale drops, published as the counter dropped_held until the step commits
         held_filtered = 0  # this batch's groups without signal (dynamic sampling), as the counter filtered_held
+        in_hand = len(self.ahead)
         self.replay_from = "-"
         self.prefetch = self.start_prefetch()
-        while batch.counted(dyn) < need and batch.trajectories < cap and not self.ctx.stopping():
+
+        def full() -> bool:
+            return batch.counted(dyn) >= need or batch.trajectories >= cap
+
+        while not full() and not self.ctx.stopping():
             t0 = time.monotonic()
             want = max(1, (need - batch.counted(dyn)) // gs)
-            entries = self.read_waiting(want, streams.block_ms, held)
+            block = None if len(self.ahead) >= want else streams.block_ms
+            count = self.ahead.read_count(want, want + (self.ctx.cfg.job.steps - self.step - 1) * (need // gs))
+            entries = self.read_waiting(count, block, held) if count else []
             held.update(entry_id for entry_id, _p in entries)
-            batch.raw.update(entries)
             batch.wait_s += time.monotonic() - t0
+            payloads = dict(entries)
             good, bad = decode_entries(entries, streams.max_message_bytes)
             if bad:  # each stood for one group (streams.trajectories_of)
                 self.dead_letter_bad([(i, payload, reason, gs) for i, payload, reason in bad])
             for entry_id, group in good:
-                batch.entry_ids.append(entry_id)
                 if not isinstance(group, messages.Group) or any(t.reward is None for t in group.trajectories):
-                    self.dead_letter_bad([(entry_id, batch.raw[entry_id], "learner expects a scored group",
+                    self.dead_letter_bad([(entry_id, payloads[entry_id], "learner expects a scored group",
                                            trajectories_of(group, gs))])
                     continue
-                if self.dedup and self.already_trained(group, batch):
-                    batch.duplicates += len(group.trajectories)
-                    continue
-                staleness = self.admit(group, batch)
-                if staleness is not None:
-                    batch.groups.append(group)
-                    batch.staleness.append(staleness)
-                    if len(set(group.rewards)) == 1:
-                        batch.no_signal += len(group.trajectories)
+                self.ahead.add(entry_id, group, payloads[entry_id])
+            self.take_in_hand(batch, full)
             self.feed(batch)
             if batch.dropped_trajectories != held_drops:   # room for the feeder now, not at the step's end
                 held_drops = batch.dropped_trajectories
@@ -261,7 +273,42 @@ class Learner:
             if dyn and batch.no_signal != held_filtered:
                 held_filtered = batch.no_signal
                 self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, "filtered_held", held_filtered))
+            if len(self.ahead) != in_hand:
+                in_hand = len(self.ahead)
+                self.publish_ahead()
         return batch
+
+    def take_in_hand(self, batch: Batch, full) -> None:
+        """Consume groups in hand into ``batch`` until ``full()``, in ``InHand.order``: reading ahead
+        (``learner.last_chance_first``), the stale ones and duplicates, then those at ``max_staleness``, then
+        the rest in arrival order; else in arrival order."""
+        items, ahead = self.ahead.items, bool(self.ahead.limit)
+        staleness = [self.lineage.distance(g.version, self.version).updates if ahead else None for _i, g, _p in items]
+        dups = [ahead and self.dedup and self.already_trained(g, batch) for _i, g, _p in items]
+        order, must = self.ahead.order(staleness, dups, self.cfg.max_staleness)
+        taken = []
+        for n, i in enumerate(order):
+            if n >= must and full():
+                break
+            taken.append(i)
+            entry_id, group, payload = items[i]
+            batch.entry_ids.append(entry_id)
+            batch.raw[entry_id] = payload
+            if self.dedup and self.already_trained(group, batch):
+                batch.duplicates += len(group.trajectories)
+                continue
+            updates = self.admit(group, batch)
+            if updates is not None:
+                batch.groups.append(group)
+                batch.staleness.append(updates)
+                if len(set(group.rewards)) == 1:
+                    batch.no_signal += len(group.trajectories)
+        self.ahead.take(taken)
+
+    def publish_ahead(self) -> None:
+        """How many groups we hold read ahead (``learner_backlog`` counts them with the stream's lag)."""
+        n = len(self.ahead)
+        self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, AHEAD_COUNTER, n))
 
     def start_prefetch(self) -> Prefetch | None:
         if not Prefetch.eligible(self.cfg, self.world):
@@ -327,7 +374,7 @@ class Learner:
         in_batch = {tid for g in batch.groups for tid in _ids(g)}
         return any(tid in self.trained_ids or tid in in_batch for tid in ids)
 
-    def read_waiting(self, count: int, block_ms: int, held: set[bytes]) -> list:
+    def read_waiting(self, count: int, block_ms: int | None, held: set[bytes]) -> list:
         """``read_entries``, waiting out an unreachable Redis (``redis.outage_s``); after an outage the
         pending list is looked over again, since a read whose reply was lost delivered its entries to us."""
         outage = Outage(self.ctx.log, stop=self.ctx.stopping)
@@ -340,7 +387,7 @@ class Learner:
                 outage.wait(exc)
                 self.replay_from = "-"
 
-    def read_entries(self, count: int, block_ms: int, held: set[bytes]) -> list:
+    def read_entries(self, count: int, block_ms: int | None, held: set[bytes]) -> list:
         """Entries pending at us that we do not hold (``held``) while there are any, then new ones.
 
         An entry can be pending at ``learner-0`` without this process holding
@@ -648,8 +695,9 @@ class Learner:
         execute_with_backpressure(lambda: _step_writes(self.ctx.r, self.ctx.keys, batch, metrics),
                                   self.ctx.log, self.ctx.stopping)
         # Entries held until the next checkpoint: refresh the claim so no one reclaims them.
-        if self.unacked:
-            self.ctx.r.xclaim(self.ctx.keys.scored, GROUP_LEARNER, self.ctx.worker_id, 0, self.unacked, justid=True)
+        held = self.unacked + sorted(self.ahead.ids())
+        if held:
+            self.ctx.r.xclaim(self.ctx.keys.scored, GROUP_LEARNER, self.ctx.worker_id, 0, held, justid=True)
         with open(self.ctx.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"kind": "learner_step", **metrics}) + "\n")
         self.ctx.count(metrics["trajectories"])
@@ -657,6 +705,7 @@ class Learner:
     def run(self) -> None:
         steps = self.ctx.cfg.job.steps
         self.ctx.publish_state("running")
+        self.publish_ahead()    # none in hand yet: what a predecessor held is pending at us, replayed as we read
         while self.step < steps and not self.ctx.stopping():
             self.ctx.state = "waiting"
             with span(self.ctx.log, "learner_wait"):

@@ -21,8 +21,8 @@ from pipeline.control.allocator import (MAX_WINDOW_FACTOR, MIN_STEPS, Allocation
                                         learner_speed, median_of_counts, ratio, steps_since)
 from pipeline.control.job import JobInfo
 from pipeline.dataplane.cadence import parse_cadence
-from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_ROLLOUT, LEARNER, JobKeys
-from pipeline.dataplane.streams import group_pending, stream_lag
+from pipeline.dataplane.keys import GROUP_ROLLOUT, LEARNER, JobKeys
+from pipeline.dataplane.streams import group_pending, learner_backlog, stream_lag
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Observer:
         snap = Snapshot(
             t=now, counters={a.decode(): int(b) for a, b in r.hgetall(k.counters).items()},
             costs={a.decode(): json.loads(b) for a, b in r.hgetall(k.worker_costs).items()}, steps=steps,
-            backlog=stream_lag(r, k.scored, GROUP_LEARNER) * gs,
+            backlog=learner_backlog(r, k) * gs,
             inflight=group_pending(r, k.prompts, GROUP_ROLLOUT) * gs,
             queue=stream_lag(r, k.prompts, GROUP_ROLLOUT) * gs,
             learner_waiting=bool(learner) and json.loads(learner).get("state") == "waiting")

@@ -32,7 +32,8 @@ from typing import Callable, Iterable
 import redis
 
 from pipeline.dataplane import messages
-from pipeline.dataplane.keys import JobKeys, txn_mark
+from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, JobKeys, txn_mark
+from pipeline.dataplane.lookahead import COUNTER as AHEAD_COUNTER
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage, outage_limit_s
 
 Entry = tuple[bytes, bytes]  # (stream id, payload)
@@ -91,8 +92,8 @@ def ensure_groups(r: redis.Redis, keys: JobKeys) -> None:
                 raise
 
 
-def read(r: redis.Redis, stream: str, group: str, consumer: str, count: int, block_ms: int) -> list[Entry]:
-    """New entries for this consumer (at most ``count``), waiting up to ``block_ms``."""
+def read(r: redis.Redis, stream: str, group: str, consumer: str, count: int, block_ms: int | None) -> list[Entry]:
+    """New entries for this consumer (at most ``count``), waiting up to ``block_ms`` (None: not at all)."""
     reply = r.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
     return _entries(reply)
 
@@ -341,13 +342,18 @@ def downstream_backlog(r: redis.Redis, keys: JobKeys) -> int:
     """Groups generated and not yet taken by the learner: what rollout backpressure counts.
 
     Entries the learner has read stay pending until its next checkpoint
-    although they are trained already, so only the scored stream's lag
-    counts there; at the reward stage pending entries are real work.
+    although they are trained already, so only the scored stream's lag and
+    what the learner holds read ahead count there (``learner_backlog``); at
+    the reward stage pending entries are real work.
     """
-    from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD
-
     return (stream_lag(r, keys.rollouts, GROUP_REWARD) + group_pending(r, keys.rollouts, GROUP_REWARD)
-            + stream_lag(r, keys.scored, GROUP_LEARNER))
+            + learner_backlog(r, keys))
+
+
+def learner_backlog(r: redis.Redis, keys: JobKeys) -> int:
+    """Scored groups waiting for the learner: the scored stream's lag, and the groups the learner holds
+    read ahead of its batch (``pipeline.dataplane.lookahead``)."""
+    return stream_lag(r, keys.scored, GROUP_LEARNER) + int(r.hget(keys.counters, AHEAD_COUNTER) or 0)
 
 
 @dataclass(frozen=True)

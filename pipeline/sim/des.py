@@ -18,7 +18,10 @@ Time is virtual; a run is deterministic for a seed. What it models (see
   trained within ``max_staleness`` versions of the current one, and no new
   trajectory while a learner batch of scored groups waits (the feeder's
   ``streams.backlog_batches``); groups that are staler all the same (they
-  finished late) are dropped and counted;
+  finished late) are dropped and counted; the learner takes the queued groups
+  in the order they became ready, save that, as the learner reads ahead
+  (``learner.last_chance_first``, ``pipeline.dataplane.lookahead``), a group
+  this step is the last to take goes first;
 - role changes: a GPU yields nothing for ``switch_cost_s``; a rollout GPU that
   leaves hands its in-flight trajectories back (they restart elsewhere, the
   work is lost); a learner GPU leaves at the end of the current step.
@@ -58,11 +61,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pipeline.config import ControlConfig, StreamsConfig
+from pipeline.config import ControlConfig, LearnerConfig, StreamsConfig
 from pipeline.control import allocator
 from pipeline.control.allocator import Allocation
 from pipeline.control.job import plan_config
 from pipeline.dataplane.cadence import publishes
+from pipeline.dataplane.lookahead import limit_groups
 from pipeline.sim.meter import Gauges, Meter, StepSample
 from pipeline.sim.result import ModeResult, Progress, hist_quantile
 from pipeline.sim.roles import AWAY, LEARNER, ROLLOUT, SWITCHING, Roles
@@ -135,7 +139,10 @@ class AsyncSim:
         self.tok = Grow(n, np.float64, 0.0)        # per trajectory id: prompt + response tokens
         self.tver = Grow(n, np.int32, 0)           # per trajectory id: policy version it started with
         self.admission = Admission((self.m + 1) * self.B)
-        self.hold_backlog = StreamsConfig().backlog_batches * self.B
+        backlog = StreamsConfig().backlog_batches
+        self.hold_backlog = backlog * self.B
+        # groups the learner holds in hand, read ahead of its batch (0: it takes them in ready order)
+        self.lookahead = limit_groups(self.B, self.gs, backlog, self.m, LearnerConfig().last_chance_first)
         self.groups = Groups(n // self.gs, self.gs)
         self.reward = RewardPool(self.wl.reward.seconds, self.roles.reward_workers(self.wl.reward))
 
@@ -293,6 +300,8 @@ class AsyncSim:
         if self.learner_busy or self.k >= self.job.steps or self.t < self.back_at:
             return
         need = self.B // self.gs
+        if self.lookahead:
+            self._last_chances_first()
         gids = self.groups.queued()
         if not gids.size:
             return
@@ -304,9 +313,23 @@ class AsyncSim:
         last = int(np.searchsorted(cum, need))
         take, dropped = gids[:last + 1][fresh[:last + 1]], gids[:last + 1][~fresh[:last + 1]]
         ready = self.groups.ready_times(last + 1)[fresh[:last + 1]]
+        by_ready = np.argsort(ready, kind="stable")     # the learner trained them as they became ready
+        take, ready = take[by_ready], ready[by_ready]
         self.groups.pop(last + 1)
         self._drop(dropped)
         self._train(take, ready)
+
+    def _last_chances_first(self) -> None:
+        """Order the groups in hand (the first ``lookahead`` queued) as the learner consumes them
+        (``lookahead.InHand.order``): the stale ones, then those step k is the last to take, then the rest,
+        each in ready order."""
+        g = self.groups
+        hand = min(self.lookahead, (self.job.steps - self.k) * (self.B // self.gs))   # never past the run's end
+        seg = slice(g.head, min(g.tail, g.head + hand))
+        age = self.k - g.version.a[g.queue_gid.a[seg]]
+        order = np.argsort(np.where(age > self.m, 0, np.where(age == self.m, 1, 2)), kind="stable")
+        g.queue_gid.a[seg] = g.queue_gid.a[seg][order]
+        g.queue_t.a[seg] = g.queue_t.a[seg][order]
 
     def _drop_leading_stale(self, gids: np.ndarray, fresh: np.ndarray) -> None:
         """Stale groups at the head will never be trained: drop them now so admission reopens."""

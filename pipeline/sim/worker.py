@@ -55,6 +55,8 @@ from pipeline.dataplane import messages
 from pipeline.dataplane.cadence import publishes, read_cadence
 from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT, ROLES
 from pipeline.dataplane.lineage import load_segments, record_line, restored
+from pipeline.dataplane.lookahead import COUNTER as AHEAD_COUNTER
+from pipeline.dataplane.lookahead import InHand, limit_groups
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
 from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
                                         run_stage)
@@ -268,6 +270,10 @@ class SimLearner:
         self.cfg = ctx.cfg.learner
         self.ckpt_dir = ctx.run_dir / "checkpoints"
         self.replay_cursor: str | bytes | None = "0"   # our own pending entries first (after a restart)
+        st = ctx.cfg.streams
+        # scored groups read ahead of the batch and not consumed (learner.last_chance_first): pending at us
+        self.ahead = InHand(limit_groups(self.cfg.batch_size, ctx.cfg.rollout.group_size, st.backlog_batches,
+                                         self.cfg.max_staleness, self.cfg.last_chance_first))
         self.outage = Outage(ctx.log, stop=ctx.stopping)
         self.restore()
 
@@ -296,7 +302,7 @@ class SimLearner:
         pipe.execute()
         self.ctx.set_version(self.version)
 
-    def read_entries(self, count: int) -> list:
+    def read_entries(self, count: int, block_ms: int | None) -> list:
         """Our own pending entries first, then new ones; waits out an unreachable Redis.
 
         After an outage the pending list is read again from the start: a read
@@ -305,14 +311,14 @@ class SimLearner:
         """
         while True:
             try:
-                entries = self._read_entries(count)
+                entries = self._read_entries(count, block_ms)
                 self.outage.ok()
                 return entries
             except UNAVAILABLE as exc:
                 self.outage.wait(exc)
                 self.replay_cursor = "0"
 
-    def _read_entries(self, count: int) -> list:
+    def _read_entries(self, count: int, block_ms: int | None) -> list:
         k = self.ctx.keys
         if self.replay_cursor is not None:
             reply = self.ctx.r.xreadgroup(GROUP_LEARNER, self.ctx.worker_id, {k.scored: self.replay_cursor},
@@ -322,39 +328,70 @@ class SimLearner:
                 self.replay_cursor = entries[-1][0]
                 return entries
             self.replay_cursor = None
-        return read(self.ctx.r, k.scored, GROUP_LEARNER, self.ctx.worker_id, count, self.ctx.cfg.streams.block_ms)
+        return read(self.ctx.r, k.scored, GROUP_LEARNER, self.ctx.worker_id, count, block_ms)
 
     def collect(self) -> _Batch:
+        """Whole groups until a batch is admitted, through groups in hand as the real learner reads them
+        (``workers.learner.Learner.collect``): with ``learner.last_chance_first`` it reads ahead of the
+        batch and admits first the groups this step is the last to take."""
         batch, need = _Batch([], [], []), self.cfg.batch_size
-        gs = self.ctx.cfg.rollout.group_size
+        gs, block_ms = self.ctx.cfg.rollout.group_size, self.ctx.cfg.streams.block_ms
+        in_hand = len(self.ahead)
         while batch.trajectories < need and not self.ctx.stopping():
             t0 = time.monotonic()
-            entries = self.read_entries(max(1, (need - batch.trajectories) // gs))
+            want = max(1, (need - batch.trajectories) // gs)
+            count = self.ahead.read_count(want, want + (self.ctx.cfg.job.steps - self.step - 1) * (need // gs))
+            entries = self.read_entries(count, None if len(self.ahead) >= want else block_ms) if count else []
             batch.wait_s += time.monotonic() - t0
             good, bad = decode_entries(entries, self.ctx.cfg.streams.max_message_bytes)
             if bad:
                 self.dead_letter(bad)
-            in_batch = set(batch.entry_ids)
-            good = [(i, g) for i, g in good if i not in in_batch and self.admissible(i, g)]
-            trained = self.outage.call(self.ctx.r.smismember, self.ctx.keys.sim_trained,
-                                       [g.prompt_id for _i, g in good]) if good else []
-            taken = {g.prompt_id for g in batch.groups}
-            for (entry_id, g), before in zip(good, trained):
-                batch.entry_ids.append(entry_id)
-                if before or g.prompt_id in taken:
-                    batch.duplicates += len(g.trajectories)
-                    continue
-                d = self.lineage.distance(g.version, self.version)
-                if d.updates is None or d.updates > self.cfg.max_staleness:
-                    batch.dropped.append(g)
-                    if not d.on_line:
-                        batch.branch.append(g)
-                else:
-                    batch.groups.append(g)
-                    batch.staleness.append(d.updates)
-                    taken.add(g.prompt_id)
+            known = set(batch.entry_ids) | self.ahead.ids()
+            for entry_id, g in good:
+                if entry_id not in known and self.admissible(entry_id, g):
+                    self.ahead.add(entry_id, g, b"")
+            self.take_in_hand(batch)
             self.prefetch(batch)
+            if len(self.ahead) != in_hand:
+                in_hand = len(self.ahead)
+                self.publish_ahead()
         return batch
+
+    def take_in_hand(self, batch: _Batch) -> None:
+        """Consume groups in hand into ``batch`` until it is whole, in ``InHand.order``."""
+        items, need = self.ahead.items, self.cfg.batch_size
+        if not items:
+            return
+        before = self.outage.call(self.ctx.r.smismember, self.ctx.keys.sim_trained,
+                                  [g.prompt_id for _i, g, _p in items])
+        taken = {g.prompt_id for g in batch.groups}
+        dists = [self.lineage.distance(g.version, self.version) for _i, g, _p in items]
+        dups = [bool(b) or g.prompt_id in taken for b, (_i, g, _p) in zip(before, items)]
+        order, must = self.ahead.order([d.updates for d in dists], dups, self.cfg.max_staleness)
+        consumed = []
+        for n, i in enumerate(order):
+            if n >= must and batch.trajectories >= need:
+                break
+            consumed.append(i)
+            entry_id, g, _p = items[i]
+            batch.entry_ids.append(entry_id)
+            if before[i] or g.prompt_id in taken:
+                batch.duplicates += len(g.trajectories)
+                continue
+            d = dists[i]
+            if d.updates is None or d.updates > self.cfg.max_staleness:
+                batch.dropped.append(g)
+                if not d.on_line:
+                    batch.branch.append(g)
+            else:
+                batch.groups.append(g)
+                batch.staleness.append(d.updates)
+                taken.add(g.prompt_id)
+        self.ahead.take(consumed)
+
+    def publish_ahead(self) -> None:
+        """How many groups we hold read ahead (``streams.learner_backlog`` counts them)."""
+        self.outage.call(self.ctx.r.hset, self.ctx.keys.counters, AHEAD_COUNTER, len(self.ahead))
 
     def prefetch(self, batch: _Batch) -> None:
         """Train the groups admitted so far, as the real learner does with ``learner.prefetch``."""
@@ -459,6 +496,7 @@ class SimLearner:
     def run(self) -> None:
         steps = self.ctx.cfg.job.steps
         self.ctx.publish_state("running")
+        self.publish_ahead()    # none in hand yet: what a predecessor held is pending at us, replayed as we read
         while self.step < steps and not self.ctx.stopping():
             self.ctx.state = "waiting"
             batch = self.collect()
