@@ -203,7 +203,8 @@ class LearnerConfig:
     last_chance_first: bool = _f(True, "read scored groups ahead of the batch (up to 1 + streams.backlog_batches "
                                  "batches) and admit first the groups this step is the last to take (max_staleness "
                                  "updates old), then the rest in arrival order: a slow group that finished behind "
-                                 "fresher ones is trained instead of dropped as stale at the next step")
+                                 "fresher ones is trained instead of dropped as stale at the next step (not with "
+                                 "dynamic_sampling, whose steps may end at their cap)")
     checkpoint_every: int = _f(10, "steps between checkpoints (model, optimizer, consumed ids)")
     keep_published: int = _f(4, "published weight versions kept on disk")
     threads: int = _f(1, "torch CPU threads of the learner")

@@ -114,8 +114,10 @@ class Learner:
         self.unacked: list[bytes] = []  # consumed since the last durable checkpoint
         # Scored groups read ahead of the batch and not consumed (learner.last_chance_first): pending at us.
         st = ctx.cfg.streams
+        # Not with dynamic sampling: a step may end at its cap with groups read, which must not stay in hand.
         self.ahead = InHand(limit_groups(self.cfg.batch_size, ctx.cfg.rollout.group_size, st.backlog_batches,
-                                         self.cfg.max_staleness, self.cfg.last_chance_first))
+                                         self.cfg.max_staleness,
+                                         self.cfg.last_chance_first and not self.cfg.dynamic_sampling))
         self.consumed: list[str] = []  # trajectory ids trained since the last checkpoint
         self.dropped: list[str] = []  # trajectory ids dropped as stale since the last checkpoint
         self.dropped_branch: list[str] = []  # of those, the ones generated on a discarded branch
@@ -224,7 +226,8 @@ class Learner:
         reads ahead of the batch and admits first the groups this step is the
         last to take (``pipeline.dataplane.lookahead``). While the groups in
         hand could fill the batch, it does not wait on the stream: it takes
-        what is there, and waits only for what the batch still lacks.
+        what is there, and waits only for what the batch still lacks. With
+        dynamic sampling it does not read ahead: a step may end at its cap.
 
         With ``learner.dynamic_sampling``, groups without signal (all rewards
         equal) are admitted but do not count towards ``batch_size``: reading
@@ -250,7 +253,7 @@ class Learner:
         while not full() and not self.ctx.stopping():
             t0 = time.monotonic()
             want = max(1, (need - batch.counted(dyn)) // gs)
-            block = None if len(self.ahead) >= want else streams.block_ms
+            block = None if self.ahead else streams.block_ms   # groups in hand: take them, wait after
             count = self.ahead.read_count(want, want + (self.ctx.cfg.job.steps - self.step - 1) * (need // gs))
             entries = self.read_waiting(count, block, held) if count else []
             held.update(entry_id for entry_id, _p in entries)

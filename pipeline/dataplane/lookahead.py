@@ -87,10 +87,11 @@ class InHand:
 
         Reading ahead, the stale groups and the duplicates go first (dropped
         and skipped: they will never be trained), then ``admission_order``.
-        Without read-ahead (``limit`` 0), arrival order, as the stream gives it.
+        Without read-ahead (``limit`` 0), every group read, in arrival order,
+        as the stream gives it: none stays in hand.
         """
         if not self.limit:
-            return list(range(len(self.items))), 0
+            return list(range(len(self.items))), len(self.items)
         admit, stale = admission_order(staleness, bound)
         dups = [i for i in admit if duplicate[i]]
         return stale + dups + [i for i in admit if not duplicate[i]], len(stale) + len(dups)

@@ -341,7 +341,7 @@ class SimLearner:
             t0 = time.monotonic()
             want = max(1, (need - batch.trajectories) // gs)
             count = self.ahead.read_count(want, want + (self.ctx.cfg.job.steps - self.step - 1) * (need // gs))
-            entries = self.read_entries(count, None if len(self.ahead) >= want else block_ms) if count else []
+            entries = self.read_entries(count, None if self.ahead else block_ms) if count else []
             batch.wait_s += time.monotonic() - t0
             good, bad = decode_entries(entries, self.ctx.cfg.streams.max_message_bytes)
             if bad:
