@@ -270,15 +270,15 @@ class Learner:
                 self.ahead.add(entry_id, group, payloads[entry_id])
             self.take_in_hand(batch, full)
             self.feed(batch)
+            changed: dict[str, int] = {}   # the counters that moved, in one write
             if batch.dropped_trajectories != held_drops:   # room for the feeder now, not at the step's end
-                held_drops = batch.dropped_trajectories
-                self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, "dropped_held", held_drops))
+                held_drops = changed["dropped_held"] = batch.dropped_trajectories
             if dyn and batch.no_signal != held_filtered:
-                held_filtered = batch.no_signal
-                self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, "filtered_held", held_filtered))
+                held_filtered = changed["filtered_held"] = batch.no_signal
             if len(self.ahead) != in_hand:
-                in_hand = len(self.ahead)
-                self.publish_ahead()
+                in_hand = changed[AHEAD_COUNTER] = len(self.ahead)
+            if changed:
+                self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping=changed))
         return batch
 
     def take_in_hand(self, batch: Batch, full) -> None:
