@@ -355,3 +355,21 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert "not applicable to multi-job workloads" in capsys.readouterr().err
     assert _cli(["policy", str(multi), "--engine", "live", "--time-scale", "0"]) == 2
     assert "--time-scale" in capsys.readouterr().err
+
+
+def test_libra_makes_no_move_while_its_window_holds_the_first_fill():
+    """The job's start counts as its allocation's last change, as the control plane's record has it
+    (``changed_at`` set at creation): the first window's learner wait is the pipeline filling, and its
+    finished trajectories are the short ones. On sweep-s2-006 (bound 1) a move at 60 s on that window took
+    the learner from 199 to 149 GPUs and lost 13% to the static split."""
+    from pipeline.sim.bench_sweep import workload_at
+    data = workload_at(2, 6)
+    wl = parse_workload(data, data["name"])
+    sim = des.AsyncSim(wl, fluid.static_split(wl), wl.job.seed, des.LIBRA_CONTROL)
+    assert sim._gauges(60.0).since_change_s == 60.0
+    res = sim.run()
+    moves = [d["t"] for d in sim.decisions if "publish" not in d]
+    earliest = max(des.LIBRA_CONTROL.cooldown_s, des.LIBRA_CONTROL.window_s)
+    assert moves and min(moves) >= earliest
+    static = des.simulate_async(wl, fluid.static_split(wl), wl.job.seed)
+    assert res.trajectories_per_s > 0.95 * static.trajectories_per_s

@@ -13,7 +13,6 @@ grow (GPUs ``inbound`` from the pool) or shrink (GPUs leaving for the pool).
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -63,7 +62,9 @@ class Roles:
         self.inbound: dict[int, int] = {}          # GPUs ordered from the pool, not arrived yet: role code
         self.target = alloc                        # the allocation ordered (switches included)
         self.changed_from: Allocation | None = None
-        self.last_change_t = -math.inf
+        # the job's start counts as its last change, as the control plane's allocation record has it
+        # (changed_at set when the job is created): no move while the window still holds the first fill
+        self.last_change_t = 0.0
         self.reconfigs = 0
         self.n_learner = alloc.learner             # learner GPUs that take part in the next step
         self.learner_leaving: list[tuple[int, int]] = []   # (gpu, destination role) at the step's end
