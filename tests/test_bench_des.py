@@ -16,6 +16,7 @@ from pipeline.sim import bench_allocator
 from pipeline.config import ControlConfig
 from pipeline.sim import des
 from pipeline.sim import fluid
+from pipeline.sim.bench_sweep import workload_at
 from pipeline.sim.sync import simulate_sync
 from pipeline.control.allocator import Allocation
 from pipeline.sim.workload import WorkloadError, load_workload, parse_workload
@@ -362,7 +363,6 @@ def test_libra_makes_no_move_while_its_window_holds_the_first_fill():
     (``changed_at`` set at creation): the first window's learner wait is the pipeline filling, and its
     finished trajectories are the short ones. On sweep-s2-006 (bound 1) a move at 60 s on that window took
     the learner from 199 to 149 GPUs and lost 13% to the static split."""
-    from pipeline.sim.bench_sweep import workload_at
     data = workload_at(2, 6)
     wl = parse_workload(data, data["name"])
     sim = des.AsyncSim(wl, fluid.static_split(wl), wl.job.seed, des.LIBRA_CONTROL)
