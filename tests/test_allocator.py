@@ -140,6 +140,26 @@ def test_undoing_the_last_move_needs_a_clearer_gain():
     assert plan(dataclasses.replace(m, traj_tokens=2200.0, changed_from=Allocation(34, 30)), INV, [JOB], hour).changed
 
 
+def test_a_move_that_put_the_cadence_back_is_not_undone_for_the_cadence():
+    # the last move took rollout from 38 to 36 at two steps per version and put the cadence back to one:
+    # at one version per step the loads (3 s per version) leave rollout short, so the window asks for 38 again
+    m = metrics(rollout_gpu_s_per_traj=0.7, rollout_load_s=3.0, learner_wait_frac=0.3, since_change_s=180.0,
+                changed_from=Allocation(38, 26), publish_every=1, publish_reason="split_changed",
+                publish_since_s=180.0)
+    held = plan(m, INV, [JOB])
+    assert not held.changed and held.reason == "cadence_settling" and held.allocation == Allocation(36, 28)
+    # the same window once the cadence has moved again, or after three windows at one: the split's own imbalance
+    for later in (dict(publish_reason="publish_less_often"), dict(publish_since_s=450.0)):
+        d = plan(dataclasses.replace(m, **later), INV, [JOB])
+        assert d.changed and d.allocation.rollout > 36
+    # a move on the same way (more learner) is not held: it does not undo the last one
+    more_learner = dataclasses.replace(m, rollout_gpu_s_per_traj=0.5,
+                                       traj_tokens=5000.0, backlog=20000, backlog_trend_per_s=20.0,
+                                       learner_wait_frac=0.0)
+    d = plan(more_learner, INV, [JOB])
+    assert d.changed and d.allocation.learner > 28
+
+
 def test_window_bound_when_both_sides_idle():
     # learner waits and rollout slots stand empty: the in-flight bound limits, moving GPUs would not help
     d = plan(metrics(rollout_gpu_s_per_traj=1.0, learner_wait_frac=0.6, rollout_idle_frac=0.5), INV, [JOB])

@@ -373,3 +373,19 @@ def test_libra_makes_no_move_while_its_window_holds_the_first_fill():
     assert moves and min(moves) >= earliest
     static = des.simulate_async(wl, fluid.static_split(wl), wl.job.seed)
     assert res.trajectories_per_s > 0.95 * static.trajectories_per_s
+
+
+def test_libra_does_not_undo_a_move_for_the_cadence_it_put_back():
+    """On sweep-s1-030 (bound 8) the split balanced at two steps per version is rollout-short at one. A
+    move towards the learner made at two put the cadence back to one, the next window read rollout short,
+    and the split went back and forth (five moves, each a learner restart, the cadence put back each time).
+    Now the move stands until the cadence has come back, and the cadence goes on to four."""
+    data = workload_at(1, 30)
+    wl = parse_workload(data, data["name"])
+    sim = des.AsyncSim(wl, fluid.static_split(wl), wl.job.seed, des.LIBRA_CONTROL)
+    res = sim.run()
+    moves = [d for d in sim.decisions if "publish" not in d]
+    cadences = [d["publish"]["publish_every"] for d in sim.decisions if "publish" in d]
+    assert len(moves) <= 2 and max(cadences) >= 3
+    static = des.simulate_async(wl, fluid.static_split(wl), wl.job.seed)
+    assert res.trajectories_per_s > 1.03 * static.trajectories_per_s

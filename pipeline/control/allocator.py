@@ -250,6 +250,9 @@ class PlanConfig:
     cooldown_s: float = 150.0           # no move sooner than this after the previous one
     min_gain_frac: float = 0.02         # ignore predicted gains below this share of the current rate
     reverse_gain_frac: float = 0.05     # ... and below this one for a move that undoes the previous move
+    # a move that put a longer publish cadence back is not undone for this many windows while the cadence is
+    # still the one it reset: the imbalance read then is the lost cadence's, which plan_publish restores
+    cadence_settle_windows: float = 3.0
     pool_gain_frac: float = 0.05        # a paced move between jobs: the finish it is judged by comes this much nearer
     learner_wait_threshold: float = LEARNER_WAIT_THRESHOLD  # learner idle above this: rollout is short
     idle_slots_threshold: float = 0.2     # rollout slots this empty while the learner waits: window-bound
@@ -378,7 +381,11 @@ def _plan_window(metrics: Metrics, inventory: Inventory, job: JobSpec, config: P
                         transition_cost=0.0, moved=0, **base)
     target, gain, cost = max(allowed, key=lambda s: s[1] - s[2])
     # measured rates are noisy near balance: undoing the last move needs a clearer gain (no flapping)
-    need = config.reverse_gain_frac if _reverses(metrics.changed_from, cur, target) else config.min_gain_frac
+    reverses = _reverses(metrics.changed_from, cur, target)
+    if reverses and _cadence_settling(metrics, config):
+        return Decision(cur, False, "cadence_settling", predicted_rate=r0, expected_gain=gain,
+                        transition_cost=cost, moved=0, **base)
+    need = config.reverse_gain_frac if reverses else config.min_gain_frac
     if gain - cost <= 0 or model.rate(target) < r0 * (1 + need):
         return Decision(cur, False, "gain_below_cost", predicted_rate=r0, expected_gain=gain,
                         transition_cost=cost, moved=0, **base)
@@ -426,6 +433,23 @@ def _vetoed(cur: Allocation, target: Allocation, signals: tuple[str, ...]) -> bo
     if "rollout_idle" in signals and target.rollout > cur.rollout:
         return True     # rollout leaves most of its slots empty: more of it would idle too
     return False
+
+
+def _cadence_settling(m: Metrics, cfg: PlanConfig) -> bool:
+    """Whether the last move put a longer publish cadence back, and the cadence has not moved since.
+
+    Each published version costs every rollout GPU a weight load, so a
+    stretched cadence leaves rollout more capacity: the split balanced at
+    two steps per version is rollout-short at one. A move made at the longer
+    cadence puts it back (``plan_publish``, ``split_changed``), and the next
+    window reads rollout short. Undoing the move then would undo it for the
+    cadence's sake, and the cadence comes back a window later: on
+    ``sweep-s1-030`` the split went back and forth four times, each move a
+    learner restart. The hold ends once the cadence has moved again or
+    ``cadence_settle_windows`` windows have passed (where staleness keeps
+    it at one, the imbalance is the split's).
+    """
+    return m.publish_reason == "split_changed" and m.publish_since_s < cfg.cadence_settle_windows * m.window_s
 
 
 def _reverses(before: Allocation | None, cur: Allocation, target: Allocation) -> bool:
