@@ -152,7 +152,10 @@ def test_a_move_that_put_the_cadence_back_is_not_undone_for_the_cadence():
     for later in (dict(publish_reason="publish_less_often"), dict(publish_since_s=450.0)):
         d = plan(dataclasses.replace(m, **later), INV, [JOB])
         assert d.changed and d.allocation.rollout > 36
-    # a move on the same way (more learner) is not held: it does not undo the last one
+    # the cadence was put back by an earlier move, and the last one (180 s ago) found it at one: nothing to wait for
+    d = plan(dataclasses.replace(m, publish_since_s=300.0), INV, [JOB])
+    assert d.changed and d.allocation.rollout > 36
+    # a move in the same direction (more learner) is not held: it does not undo the last one
     more_learner = dataclasses.replace(m, rollout_gpu_s_per_traj=0.5,
                                        traj_tokens=5000.0, backlog=20000, backlog_trend_per_s=20.0,
                                        learner_wait_frac=0.0)

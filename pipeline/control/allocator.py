@@ -447,9 +447,13 @@ def _cadence_settling(m: Metrics, cfg: PlanConfig) -> bool:
     ``sweep-s1-030`` the split went back and forth four times, each move a
     learner restart. The hold ends once the cadence has moved again or
     ``cadence_settle_windows`` windows have passed (where staleness keeps
-    it at one, the imbalance is the split's).
+    it at one, the imbalance is the split's). A move that found the cadence
+    already at one reset nothing, and is not held: the controller writes the
+    cadence and the split at the same tick, so the cadence was put back by
+    the last move only if it was set no earlier than that move.
     """
-    return m.publish_reason == "split_changed" and m.publish_since_s < cfg.cadence_settle_windows * m.window_s
+    return (m.publish_reason == "split_changed" and m.publish_since_s <= m.since_change_s
+            and m.publish_since_s < cfg.cadence_settle_windows * m.window_s)
 
 
 def _reverses(before: Allocation | None, cur: Allocation, target: Allocation) -> bool:
