@@ -340,3 +340,30 @@ def test_restarted_agent_adopts_its_workers_and_stops_only_its_own(r, redis_url,
     finally:
         stranger.kill()
         stranger.wait()
+
+
+@pytest.mark.parametrize("phase, finished", [("trained", True), ("done", True), ("running", False)])
+def test_an_adopted_learner_that_exits_after_its_last_step_is_not_restarted(r, redis_url, tmp_path, stop_agents,
+                                                                            phase, finished):
+    """A restarted agent cannot read an adopted process's exit code: a learner that leaves once its job is
+    trained finished; one that leaves while the job still runs crashed and is restarted."""
+    run_dir = sim_job(r, redis_url, tmp_path)
+    key, s = worker_key(JOB, "learner-0"), {**spec(run_dir, "learner-0", [0], role="learner"), "generation": 0}
+    learner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        record = {**s, "node": NODE, "pid": learner.pid, "start": process_start(learner.pid),
+                  "started_at": time.time(), "state": "running"}
+        r.hset(agent_procs(NODE), key, json.dumps(record))
+        a = make_agent(r, redis_url)
+        stop_agents.append(a)
+        assert a.procs[key].popen is None     # adopted, not started by this agent
+        r.hset(JobKeys(JOB).state, "phase", phase)
+        learner.kill()
+        learner.wait()
+        a.reap({key: {**s, "state": agent_mod.STATE_RUN, "seq": 7}})
+        assert key not in a.procs
+        assert (a.completed.get(key) == 7) is finished and (key in a.backoff) is not finished
+        assert [e["event"] for e in log_events(r) if e["key"] == key] == ["exited"]   # nothing spawned
+    finally:
+        learner.kill()
+        learner.wait()

@@ -12,6 +12,8 @@ Its main loop, every ``TICK_S``:
 2. reaps its processes that exited: a slot is free only once its process has
    exited; a crash (non-zero exit while the worker should run) is restarted
    with exponential back-off, a clean exit (the learner finished) is not;
+   an adopted process's exit code is not ours to read, so an adopted learner
+   that exits once its job is marked trained counts as a clean exit;
 3. drives processes toward the desired state: SIGTERM to a worker that
    should not run (the stage finishes the batch in hand, writes and acks,
    exits; the learner commits its step and exits), SIGKILL to its process
@@ -418,7 +420,7 @@ class Agent:
             self.event("exited", p, code=code, ran_s=round(ran, 2))
             d = desired.get(key)
             if p.term_at is None and d and d["state"] == STATE_RUN and same_worker(d, p.spec):
-                if code == 0:
+                if code == 0 or (code is None and self.finished_training(p)):
                     self.completed[key] = d["seq"]     # finished its work (the learner's last step)
                 else:
                     self.book_restart(key, ran, d["run_dir"])
@@ -427,6 +429,18 @@ class Agent:
                     hand_over_pending(self.r, p.spec["job"], p.spec["role"], p.spec["worker"], self.log)
                 except UNAVAILABLE as exc:   # they stay pending, and are reclaimed once idle long enough
                     self.log.warning("hand_over_failed", worker=p.spec["worker"], error=str(exc))
+
+    def finished_training(self, p: Proc) -> bool:
+        """Whether an adopted process (whose exit code only its parent could read) left because it was done.
+
+        A learner marks its job ``trained`` as its last act before it exits 0
+        (and the run's owner may have moved it on to ``stopping`` or ``done``
+        since); any other adopted process that exits is taken for a crash, as
+        a child's non-zero exit is.
+        """
+        if p.spec["role"] != "learner":
+            return False
+        return self.r.hget(JobKeys(p.spec["job"]).state, "phase") in (b"trained", b"stopping", b"done")
 
     def book_restart(self, key: str, ran_s: float, run_dir: str) -> None:
         b = self.backoff.setdefault(key, Backoff())
