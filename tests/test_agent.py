@@ -367,3 +367,15 @@ def test_an_adopted_learner_that_exits_after_its_last_step_is_not_restarted(r, r
     finally:
         learner.kill()
         learner.wait()
+
+
+def test_no_learner_is_started_for_a_job_whose_training_is_done(r, redis_url, tmp_path, stop_agents):
+    """An agent started after the learner exited 0 has no record of that exit; the job's phase says it."""
+    run_dir = sim_job(r, redis_url, tmp_path)
+    r.hset(JobKeys(JOB).state, "phase", "trained")
+    a = make_agent(r, redis_url)
+    stop_agents.append(a)
+    key = worker_key(JOB, "learner-0")
+    a.drive({key: {**spec(run_dir, "learner-0", [0], role="learner"), "generation": 0,
+                   "state": agent_mod.STATE_RUN, "seq": 3}})
+    assert key not in a.procs and not [e for e in log_events(r) if e["key"] == key]

@@ -13,7 +13,8 @@ Its main loop, every ``TICK_S``:
    exited; a crash (non-zero exit while the worker should run) is restarted
    with exponential back-off, a clean exit (the learner finished) is not;
    an adopted process's exit code is not ours to read, so an adopted learner
-   that exits once its job is marked trained counts as a clean exit;
+   that exits once its job is marked trained counts as a clean exit, and
+   no learner is started for a trained job;
 3. drives processes toward the desired state: SIGTERM to a worker that
    should not run (the stage finishes the batch in hand, writes and acks,
    exits; the learner commits its step and exits), SIGKILL to its process
@@ -482,6 +483,8 @@ class Agent:
             phase, run_dir = self.job_run(d["job"], runs)
             if phase not in ("running", "trained"):
                 continue   # the job is over (or gone): desired state left behind is not revived
+            if phase == "trained" and d["role"] == "learner":
+                continue   # its steps are done (an agent restarted since it exited 0 has no record of that)
             if run_dir and not same_dir(run_dir, d["run_dir"]):
                 continue   # an earlier run's record (an action of it retried after the reset): never started
             self.spawn(key, d)
