@@ -441,7 +441,7 @@ class Agent:
         """
         if p.spec["role"] != "learner":
             return False
-        return self.r.hget(JobKeys(p.spec["job"]).state, "phase") in (b"trained", b"stopping", b"done")
+        return self.job_run(p.spec["job"], {})[0] in ("trained", "stopping", "done")
 
     def book_restart(self, key: str, ran_s: float, run_dir: str) -> None:
         b = self.backoff.setdefault(key, Backoff())
