@@ -135,6 +135,8 @@ def test_kill_9_of_a_run_leaves_nothing_behind_and_resume_finishes(tmp_path):
         names = " ".join(labels.values())
         assert all(w in names for w in ("redis-server", "controller", "agent", "workers.feeder",
                                         "workers.rollout", "workers.reward", "workers.learner")), names
+        agent_log = run_dir / "logs" / "agent.out"
+        seen = agent_log.stat().st_size
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         t0 = time.monotonic()
@@ -153,6 +155,10 @@ def test_kill_9_of_a_run_leaves_nothing_behind_and_resume_finishes(tmp_path):
             left = "\n".join(f"{p.pid} {_cmdline(p)[:200]}" for p in _gone(family))
             raise AssertionError(f"{e}; still running:\n{left}") from None
         print(f"{len(family)} processes of the killed run ended within {time.monotonic() - t0:.1f}s")
+        # the agent ends with the run before its workers do (they poll for the run): it drains them and
+        # takes their exits for the end of the run, never for crashes to restart
+        after = agent_log.read_bytes()[seen:].decode(errors="replace")
+        assert "worker_crashed" not in after and "spawned" not in after, after
     finally:
         if proc.poll() is None:
             proc.kill()
