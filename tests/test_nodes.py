@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -167,3 +168,51 @@ def test_work_moves_off_a_failed_node_and_nothing_is_lost(r, redis_url, tmp_path
     assert a["ok"], a["problems"]
     assert a["duplicates_trained"] == 0 and a["trained"] >= 96
     assert r.hget(AGENTS, "n2") is None                   # n2's agent left; n1's record is a dead one's
+
+
+def test_a_learner_moved_to_another_node_starts_there_once_the_old_one_has_exited(r, redis_url, tmp_path):
+    """learner-0 names no node: moved from n1 to n2, it must never run on both at once (both would claim its
+    pending entries and write its checkpoint directory); the controller orders n2's once n1's has exited."""
+    from pipeline.control.actions import worker_key
+    from pipeline.control.agent import Agent, Slot
+    from pipeline.control.loop import Controller
+
+    sim_job(r, redis_url, tmp_path, control={"mode": "pinned"})
+    key = worker_key(JOB, LEARNER)
+    n1 = Agent(r, redis_url, "n1", [Slot(0, None), Slot(1, None)], grace_s=10.0).start()
+    agents = [n1]
+    try:
+        ctl = Controller(r, interval_s=1.0)
+        ctl.tick()
+
+        def step_all():
+            for a in agents:
+                a.step()
+            return True
+
+        wait_for(lambda: step_all() and key in n1.procs and n1.procs[key].alive(), 30, "the learner on n1")
+        old = n1.procs[key]
+        time.sleep(2.0)                 # up and reading: a SIGTERM now takes a moment to drain
+        n2 = Agent(r, redis_url, "n2", [Slot(0, None), Slot(1, None), Slot(2, None)], grace_s=10.0).start()
+        agents.append(n2)
+        pin(r, JOB, {"learner": 3})     # n1 has no room for 3 learner slots: learner-0 moves to n2
+        both, old_end = [], None
+
+        def moved():
+            nonlocal old_end
+            ctl.tick()
+            step_all()
+            new = n2.procs.get(key)
+            if new is not None and new.alive() and old.alive():
+                both.append((old.pid, new.pid))
+            if old_end is None and not old.alive():
+                old_end = time.monotonic()
+            return new is not None and new.alive()
+
+        wait_for(moved, 60, "learner-0 to start on n2")
+        assert not both, f"learner-0 ran on n1 and n2 at once: {both[0]} ({len(both)} samples)"
+        assert old_end is not None and n2.procs[key].started_at >= time.time() - (time.monotonic() - old_end) - 0.5
+        assert n2.procs[key].slots == [0, 1, 2]
+    finally:
+        for a in agents:
+            a.shutdown(timeout_s=10)

@@ -55,7 +55,7 @@ from pipeline.control.observer import Observer
 from pipeline.control.placement import agents_share, external_floor, fit, place
 from pipeline.dataplane.cadence import read_cadence, write_cadence
 from pipeline.dataplane.keys import (CONTROLLER_EPOCH, CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, LEARNER, JobKeys,
-                                     agent_desired)
+                                     agent_desired, agent_procs)
 from pipeline.dataplane.keys import ROLES
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
 
@@ -317,11 +317,19 @@ class Controller:
         info, orders, now = jc.info, [], time.monotonic()
         desired = {n: {k.decode(): json.loads(v) for k, v in self.r.hgetall(agent_desired(n)).items()}
                    for n in nodes}
+        running = {n: {k.decode() for k in self.r.hkeys(agent_procs(n))} for n in nodes}
         for worker, rec in sorted(new.items()):
             spec = {"job": info.name, "worker": worker, "role": rec["role"], "slots": rec["slots"],
                     "run_dir": info.run_dir, "backend": info.backend}
-            have = desired.get(rec["node"], {}).get(worker_key(info.name, worker))
+            key = worker_key(info.name, worker)
+            have = desired.get(rec["node"], {}).get(key)
             if have and have["state"] == STATE_RUN and all(have.get(f) == spec[f] for f in spec):
+                continue
+            if any(key in running[n] or desired[n].get(key, {}).get("state") == STATE_RUN
+                   for n in nodes if n != rec["node"]):
+                # a worker moving to another node (the learner, whose id names no node) starts there once its
+                # process on the old one has exited: two processes of one consumer name would both claim its
+                # pending entries (a batch trained twice) and the same checkpoint directory
                 continue
             if self._send(jc, rec["node"], "ensure", spec, now):
                 orders.append({"action": "ensure", "node": rec["node"], "worker": worker, "role": rec["role"],
