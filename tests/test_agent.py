@@ -285,6 +285,24 @@ def test_desired_workers_of_a_finished_job_are_not_started(r, redis_url, tmp_pat
     assert not log_events(r)
 
 
+def test_the_workers_of_a_job_that_is_over_are_drained_though_no_drain_came(r, redis_url, tmp_path, stop_agents):
+    """The controller drains a finished job on the agents it sees; an agent away at that moment still has the
+    job's workers desired to run when it is back, and must stop them rather than hold their slots for good."""
+    run_dir = sim_job(r, redis_url, tmp_path)
+    a = make_agent(r, redis_url, grace_s=5.0)
+    stop_agents.append(a)
+    actions.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    actions.ensure(r, NODE, spec(run_dir, "learner-0", [1], role="learner"))
+    step_until(a, lambda: live(a, "rollout-n1-0") and live(a, "learner-0"), what="both workers")
+    r.hset(JobKeys(JOB).state, "phase", "done")
+    step_until(a, lambda: not a.procs, 20, "the finished job's workers to exit")
+    for _ in range(5):
+        a.step()
+    assert not a.procs and not a.busy_slots()
+    assert sorted(e["key"] for e in log_events(r) if e["event"] == "sigterm") == sorted(
+        worker_key(JOB, w) for w in ("learner-0", "rollout-n1-0"))   # drained, not left to die
+
+
 @pytest.mark.slow
 def test_drain_kills_after_grace_and_hands_pending_work_over(r, redis_url, tmp_path, stop_agents):
     # a call of one group takes ~4 s: the worker cannot finish it within the grace

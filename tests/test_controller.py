@@ -630,3 +630,21 @@ def test_start_local_control_runs_a_job_and_stops_everything(r, redis_url, tmp_p
                                      for pid in spawned)
     assert not r.hexists(AGENTS, "local") and r.get(CONTROLLER_LEASE) is None
     assert audit(r, JOB, str(run_dir))["ok"]
+
+
+def test_a_job_that_ends_while_an_agent_is_unseen_is_drained_on_that_agent_too(r, redis_url, tmp_path):
+    """An agent away when the job ended (restarting, or waiting out a Redis outage with its workers) finds the
+    drains queued when it is back: its desired state does not keep the finished job's workers."""
+    sim_job(r, redis_url, tmp_path, control={"mode": "pinned"})
+    jobs = fake_agent(r, "n1", 4)
+    ctl = Controller(r, interval_s=1.0)
+    ctl.tick()
+    jobs.run_pending()
+    assert desired_roles(r, "n1")
+    rec = json.loads(r.hget(AGENTS, "n1"))
+    r.hset(AGENTS, "n1", json.dumps({**rec, "heartbeat": time.time() - 60}))   # unseen
+    r.hset(JobKeys("simtest").state, "phase", "done")
+    ctl.tick()
+    jobs = fake_agent(r, "n1", 4)                                              # back
+    jobs.run_pending()
+    assert desired_roles(r, "n1") == {}

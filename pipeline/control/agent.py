@@ -16,9 +16,9 @@ Its main loop, every ``TICK_S``:
    that exits once its job is marked trained counts as a clean exit, and
    no learner is started for a trained job;
 3. drives processes toward the desired state: SIGTERM to a worker that
-   should not run (the stage finishes the batch in hand, writes and acks,
-   exits; the learner commits its step and exits), SIGKILL to its process
-   group after ``grace_s``; a worker that should run and has none is started
+   should not run or whose job is over (the stage finishes the batch in
+   hand, writes and acks, exits; the learner commits its step and exits),
+   SIGKILL to its process group after ``grace_s``; a worker that should run and has none is started
    when every one of its slots is free, with its own ``CUDA_VISIBLE_DEVICES``;
 4. publishes its processes in ``agent_procs(node)`` and logs every start and
    stop in ``agent_log(node)``.
@@ -461,8 +461,11 @@ class Agent:
             d = desired.get(key)
             keep = d is not None and d["state"] == STATE_RUN and same_worker(d, p.spec)
             if keep:
-                current = self.job_run(p.spec["job"], runs)[1]
+                phase, current = self.job_run(p.spec["job"], runs)
                 keep = not current or same_dir(current, p.spec["run_dir"])   # not an earlier run's worker
+                # a job that is over: its workers go even if the controller's drain never reached us (it is
+                # sent to the agents it sees; one away when the job ended would keep them, and their slots)
+                keep = keep and phase in ("running", "trained", "")
             if not keep:
                 self.terminate(p)
             if p.term_at is not None and not p.killed and time.time() - p.term_at > self.grace_s:

@@ -54,8 +54,8 @@ from pipeline.control.lease import Lease
 from pipeline.control.observer import Observer
 from pipeline.control.placement import agents_share, external_floor, fit, place
 from pipeline.dataplane.cadence import read_cadence, write_cadence
-from pipeline.dataplane.keys import (CONTROLLER_EPOCH, CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, LEARNER, JobKeys,
-                                     agent_desired, agent_procs)
+from pipeline.dataplane.keys import (AGENTS, CONTROLLER_EPOCH, CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, LEARNER,
+                                     JobKeys, agent_desired, agent_procs)
 from pipeline.dataplane.keys import ROLES
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
 
@@ -393,9 +393,15 @@ class Controller:
         pipe.execute()
 
     def finish(self, jc: JobControl, nodes: dict[str, dict]) -> None:
-        """A job that is done: drain every worker of it on every agent, feeder included."""
+        """A job that is done: drain every worker of it on every agent, feeder included.
+
+        Every agent on record, not only the live ones: one unseen for a moment
+        (restarting, or waiting out a Redis outage with its workers running)
+        runs the drains it finds queued when it is back. It would also drain
+        them itself (``Agent.drive``); this keeps its desired state true.
+        """
         sent = []
-        for node in nodes:
+        for node in sorted({*nodes, *(n.decode() for n in self.r.hkeys(AGENTS))}):
             for key, raw in self.r.hgetall(agent_desired(node)).items():
                 d = json.loads(raw)
                 if d["job"] == jc.info.name and d["state"] == STATE_RUN:
