@@ -249,6 +249,8 @@ def test_the_engines_share_at_the_bound_is_read_over_the_steps_since_the_last_ch
         return m.staleness_at_bound_frac, m.dropped_since_frac
     # the split or the cadence set at 240 s: the ticks from then on, 8 steps and 4 groups dropped
     assert read(240.0) == read(1e9, 240.0) == (pytest.approx(1 / 8), pytest.approx(32 / (8 * 4096 + 32)))
+    now = Gauges(Allocation(36, 28), None, 1e9, 0, 0, 28, None, 0)
+    assert meter.metrics(480.0, 5, now).staleness_max == b      # over the same steps: data at the bound
     # neither within the steps held: the last 2 x (4 + 1) of them, two all at the bound
     assert read(1e9) == (pytest.approx((2 + 8 / 8) / 10), pytest.approx(40 / (10 * 4096 + 40)))
     # the split set at 420 s: two steps, no more than the window's five, whose drop share stands

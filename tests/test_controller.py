@@ -208,6 +208,7 @@ def test_observer_maps_live_metrics_onto_plan_inputs(r, redis_url, tmp_path):
     assert info.spec().publish_every == info.publish_every >= 1      # from the manifest's learner table
     # the publish cadence's inputs: a quarter of the data at the bound (2), two steps, the config's cadence
     assert m.staleness_at_bound_frac == pytest.approx(0.25) and m.learner_steps == 2
+    assert m.staleness_max == 2     # the stalest data trained (the early cadence's input)
     assert (m.publish_every, m.publish_since_s) == (info.publish_every, math.inf)
     # one interval in the window: it is its own last interval
     assert (m.rollout_gpu_s_per_traj_last, m.traj_tokens_last) == (pytest.approx(8 / 20), pytest.approx(300.0))

@@ -143,6 +143,24 @@ def test_no_change_on_a_window_that_cannot_tell(kw):
     assert plan_publish(metrics(**kw), JOB).reason == "measuring"
 
 
+def test_before_its_data_can_reach_the_bound_the_cadence_grows_while_the_stalest_is_two_steps_clear():
+    # bound 4: the share at the bound is known after 10 steps; at step 5 the stalest data trained is 2 old, and
+    # data up to 3 steps older than that could have come in: one step more of age keeps it clear of the bound
+    early = dict(learner_steps=5, staleness_max=2, staleness_at_bound_frac=0.0)
+    d = plan_publish(metrics(**early), JOB)
+    assert d.changed and d.publish_every == 2 and d.reason == "publish_less_often"
+    for kw in (dict(learner_steps=4),      # not yet 3 steps past the stalest data
+               dict(staleness_max=3),      # one step from the bound
+               dict(staleness_max=-1)):    # nothing trained over the steps since the last change
+        assert plan_publish(metrics(**{**early, **kw}), JOB).reason == "measuring", kw
+    # above the config's cadence, only on its own data: trained up to 5 steps (75 s) after it was set, then a
+    # window, 525 s
+    job = dataclasses.replace(JOB, publish_every_max=4)
+    at2 = dict(early, publish_every=2, learner_steps=8, staleness_max=1)
+    assert plan_publish(metrics(publish_since_s=300.0, **at2), job).reason == "measuring"
+    assert plan_publish(metrics(publish_since_s=530.0, **at2), job).publish_every == 3
+
+
 def test_the_cadence_stays_within_the_config_and_the_staleness_bound():
     fixed = dataclasses.replace(JOB, publish_every_max=1)
     assert plan_publish(metrics(), fixed).reason == "fixed"

@@ -141,6 +141,7 @@ class Observer:
             publish_every=last.publish_every,
             publish_since_s=publish_since_s, publish_reason=last.publish_reason,
             staleness_at_bound_frac=staleness_share(settled, self.job.max_staleness),
+            staleness_max=max((v for v, n in staleness_counts(settled).items() if n > 0), default=-1),
             dropped_since_frac=dropped_since, learner_steps=self.step,
             rollout_gpu_s_per_traj_last=ratio(ro_last["busy"], ro_last["items"]),
             traj_tokens_last=ratio(ro_last["tokens"], ro_last["items"]) if by_tokens else 1.0)

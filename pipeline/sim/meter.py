@@ -111,7 +111,8 @@ class Meter:
         bound = self.wl.job.max_staleness
         since = steps_since(self.recent, t, now.since_change_s, now.publish_since_s, bound)
         settled = [s for s, _ in since] or steps
-        at_bound = np.concatenate([s.staleness for s in settled]) == bound if settled else np.zeros(0)
+        settled_stale = np.concatenate([s.staleness for s in settled]) if settled else np.zeros(0, dtype=int)
+        at_bound = settled_stale == bound
         trained = sum(s.trajectories for s in steps)
         dropped_since = drop_share_since(since, lambda s: s.trajectories, self.dropped_total, trained)
         n_done, rollout_gpu_s = total["n_done"], total["rollout_gpu_s"]
@@ -140,6 +141,7 @@ class Meter:
             publish_every=now.publish_every, publish_since_s=now.publish_since_s, publish_reason=now.publish_reason,
             learner_steps=now.learner_steps,
             staleness_at_bound_frac=float(at_bound.mean()) if at_bound.size else 0.0,
+            staleness_max=int(settled_stale.max()) if settled_stale.size else -1,
             dropped_since_frac=dropped_since,
             rollout_gpu_s_per_traj_last=ratio(ticks[-1]["cost"], ticks[-1]["n_done"]),
             traj_tokens_last=ratio(ticks[-1]["tokens"], ticks[-1]["n_done"]))
