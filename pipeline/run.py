@@ -57,6 +57,7 @@ from pipeline.redaction import is_redacted, open_private, redact, write_private
 
 STOP_GRACE_S = 20.0
 CHILD_RESTARTS = 20       # restarts of the feeder before the run gives up on it
+JOINED_GONE_S = 30.0      # a joined controller or agents gone this long (no lease, no heartbeat): the run fails
 RATE_WINDOW_S = 30.0
 EVAL_TIMEOUT_S = 300.0
 
@@ -137,6 +138,8 @@ class Orchestrator:
         self.keys = JobKeys(cfg.job.name)
         self.children: list[Child] = []
         self.control = None
+        self.joined: tuple[bool, bool] = (False, False)   # (a controller, agents) this run found and did not start
+        self.joined_gone_at: float | None = None
         self.rate_samples: collections.deque = collections.deque()
         self.t0 = time.monotonic()
         self.started_at = time.time()   # wall clock of t0: summary.json puts learner steps and evals on it
@@ -158,6 +161,7 @@ class Orchestrator:
         """The feeder here; the stage workers through the controller and agents on this Redis, or our own."""
         self.spawn("feeder", "workers.feeder", "feeder-0")
         controller, agents = self.find_control()
+        self.joined = (controller, bool(agents))
         if not (controller and agents):
             self.control = start_local_control(self.cfg, self.run_dir, self.url, controller=not controller,
                                                agent=not agents, say=self.say)
@@ -190,6 +194,7 @@ class Orchestrator:
                 self.control.check()
             except RuntimeError as exc:
                 raise RunFailed(str(exc)) from None
+        self.check_joined()
         for c in self.children:
             code = c.proc.poll()
             if code == 0:
@@ -200,6 +205,31 @@ class Orchestrator:
             if code is not None:   # the feeder's cursor and counters are in Redis: a new one goes on from there
                 self.say(f"{c.worker_id} exited with code {code}; restarting it")
                 c.proc, c.restarts = self._popen(c.module, c.worker_id), c.restarts + 1
+
+    def check_joined(self) -> None:
+        """Fail the run once a controller or the agents it joined have been gone for ``JOINED_GONE_S``.
+
+        Nothing else would restart them (another run's, or the cluster's), and
+        without them no worker of this job starts again: the run would wait
+        for its steps forever. ``libra-ctl resume`` starts its own, or joins
+        those that are back.
+        """
+        controller, agents = self.joined
+        gone = []
+        if controller and not self.r.exists(CONTROLLER_LEASE):
+            gone.append("controller")
+        if agents and not live_agents(self.r):
+            gone.append("agents")
+        if not gone:
+            self.joined_gone_at = None
+            return
+        now = time.monotonic()
+        self.joined_gone_at = self.joined_gone_at or now
+        if now - self.joined_gone_at >= JOINED_GONE_S:
+            raise RunFailed(f"the {' and the '.join(gone)} this run joined on its Redis "
+                            f"{'have' if len(gone) > 1 else 'has'} been gone for {JOINED_GONE_S:.0f} s (another "
+                            f"run's, which ended?): nothing starts this job's workers. Resume with: "
+                            f"libra-ctl resume {self.run_dir}")
 
     def stop_children(self) -> None:
         if self.control is not None:

@@ -298,6 +298,37 @@ def test_run_joins_the_controller_and_agent_already_on_its_redis(r, redis_url, t
     assert "joined the controller and agents n1" in out.getvalue() and "started" not in out.getvalue()
 
 
+def test_a_run_whose_joined_controller_and_agent_are_gone_fails_saying_how_to_resume(r, redis_url, tmp_path,
+                                                                                     monkeypatch):
+    """Another run's controller and agent end with that run, and nothing restarts them for this one: its
+    workers would never start again, and it would wait for its steps forever. It fails instead, naming resume."""
+    from pipeline import run as run_mod
+
+    monkeypatch.setattr(run_mod, "JOINED_GONE_S", 1.0)
+    run_dir = sim_job(r, redis_url, tmp_path)
+    lease = Lease(r, CONTROLLER_LEASE, ttl_s=60, epoch_key=CONTROLLER_EPOCH)
+    assert lease.acquire()
+    fake_agent(r, "n1", 2)
+    orch, _out = _orchestrator(r, redis_url, run_dir)
+    try:
+        orch.start_workers()
+        assert orch.control is None
+        orch.check_children()
+        lease.release()                      # the controller goes; a moment without one is no failure
+        orch.check_children()
+        lease.acquire()                      # ... it is back (restarted by the run that owns it)
+        time.sleep(1.2)
+        orch.check_children()
+        lease.release()
+        r.hdel(AGENTS, "n1")                 # the run that owned them ended
+        orch.check_children()
+        time.sleep(1.2)
+        with pytest.raises(run_mod.RunFailed, match=f"controller and the agents .* libra-ctl resume {run_dir}"):
+            orch.check_children()
+    finally:
+        orch.stop_children()
+
+
 def test_run_waits_for_a_controller_starting_beside_it(r, redis_url, tmp_path):
     run_dir = sim_job(r, redis_url, tmp_path)
     fake_agent(r, "n1", 2)
