@@ -10,10 +10,13 @@ quick-start staleness bound, a crash after a checkpoint and more publishes
 trains the restored line's replayed work instead of dropping it as stale, and
 drops what a discarded version generated only as far as the bound says, and a
 group exactly at the bound is trained while one past it is dropped and
-counted. A learner under another consumer name takes over the entries a dead
-one held and trains them once. At the controller's publish cadence the
-learner publishes every so many steps, and a restart numbers its weights
-past the versions a dead learner only recorded.
+counted. A stale group dropped in a step whose checkpoint is durable but
+whose acks were lost is skipped when it is replayed, not dropped twice; a
+learner restored at its last step acknowledges such entries. A learner under
+another consumer name takes over the entries a dead one held and trains them
+once. At the controller's publish cadence the learner publishes every so many
+steps, and a restart numbers its weights past the versions a dead learner only
+recorded.
 """
 
 from __future__ import annotations
@@ -30,17 +33,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog
 import torch
 
 from pipeline import config as config_mod
 from pipeline.dataplane import messages
 from pipeline.dataplane.cadence import write_cadence
 from pipeline.observe.audit import audit
-from pipeline.dataplane.keys import JOBS, JobKeys
+from pipeline.dataplane.keys import GROUP_LEARNER, JOBS, LEARNER, JobKeys
 from pipeline.dataplane.lineage import Lineage, load_segments
 from pipeline.dataplane.redisconn import ENV_URL
 from pipeline.run import policy_spec
-from pipeline.dataplane.streams import ensure_groups, learner_backlog
+from pipeline.dataplane.streams import ensure_groups, group_pending, learner_backlog
+from pipeline.dataplane.worker import WorkerContext, load_run_config
+from workers import learner as learner_mod
 from workers.envs import calc
 from workers.tiny_policy import completion_logprobs, ensure_policy, load_model, load_tokenizer
 
@@ -441,3 +447,78 @@ def test_a_restart_numbers_its_weights_past_a_version_the_dead_learner_only_reco
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["policy_version"] for m in metrics] == [9, 10]
     assert published(r) == 10
+
+
+class Killed(BaseException):
+    """The learner process dies (SIGKILL) where this is raised."""
+
+
+def killed_after_checkpoint(monkeypatch, step: int) -> None:
+    """Make the in-process learner die right after checkpoint ``step`` is durable, before its acks."""
+    write = learner_mod.write_checkpoint
+
+    def write_then_die(*args, **kwargs):
+        write(*args, **kwargs)
+        if args[5]["step"] == step:
+            raise Killed
+
+    monkeypatch.setattr(learner_mod, "write_checkpoint", write_then_die)
+
+
+def in_process_learner(run_dir: Path, r) -> "learner_mod.Learner":
+    ctx = WorkerContext(cfg=load_run_config(run_dir), run_dir=run_dir, keys=JobKeys("rec"), r=r,
+                        worker_id=LEARNER, role="learner", log=structlog.get_logger(), node="h")
+    return learner_mod.Learner(ctx)
+
+
+@pytest.mark.slow
+def test_a_stale_group_dropped_in_a_checkpointed_step_whose_acks_were_lost_is_not_dropped_again_after_a_restore(
+        tmp_path, r, redis_url, policy_dir, monkeypatch):
+    """Killed between checkpoint 2 and its acks: the restore replays step 2's entries, and the group dropped
+    at step 2 is skipped as already judged, as its trained groups are: one record, one count, audit ok."""
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True,
+                              extra=("job.steps=3", "learner.max_staleness=0", "learner.checkpoint_every=1",
+                                     "learner.prefetch=false"))
+    keys = JobKeys("rec")
+    gs = scored_groups(policy_dir, 13)
+    stale = [replace(gs[4], version=0)]   # judged at step 2 (the learner at v1): 1 update > max_staleness 0
+    feed(r, [replace(g, version=0) for g in gs[0:4]] + stale + [replace(g, version=1) for g in gs[5:9]],
+         issued=9, at_once=True)
+    killed_after_checkpoint(monkeypatch, step=2)
+    with pytest.raises(Killed):
+        in_process_learner(run_dir, r).run()
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-000001", "step-000002"]
+    assert int(r.hget(keys.counters, "dropped_stale")) == G and group_pending(r, keys.scored, GROUP_LEARNER) == 5
+
+    monkeypatch.undo()
+    feed(r, [replace(g, version=3) for g in gs[9:13]], issued=4, at_once=True)
+    learner = in_process_learner(run_dir, r)   # restores step 2 under version 3, replays step 2's five entries
+    assert learner.version == 3
+    learner.run()
+    assert sorted(records(run_dir, "dropped.txt")) == sorted(ids_of(stale))
+    assert int(r.hget(keys.counters, "dropped_stale")) == G
+    a = audit(r, "rec", str(run_dir))
+    assert a["ok"], a["problems"]
+    assert a["trained"] == 12 * G and a["dropped_stale"] == G and a["duplicates_trained"] == 0
+
+
+@pytest.mark.slow
+def test_a_learner_restored_at_its_last_step_acknowledges_the_entries_whose_acks_were_lost(
+        tmp_path, r, redis_url, policy_dir, monkeypatch):
+    """Killed between the last checkpoint and its acks: the restore has no step left to replay them into,
+    and acknowledges the entries its checkpoints hold instead of leaving them pending for good."""
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True,
+                              extra=("job.steps=2", "learner.checkpoint_every=1", "learner.prefetch=false"))
+    keys = JobKeys("rec")
+    feed(r, scored_groups(policy_dir, 8), issued=8, at_once=True)
+    killed_after_checkpoint(monkeypatch, step=2)
+    with pytest.raises(Killed):
+        in_process_learner(run_dir, r).run()
+    assert group_pending(r, keys.scored, GROUP_LEARNER) == 4
+
+    monkeypatch.undo()
+    in_process_learner(run_dir, r).run()
+    assert group_pending(r, keys.scored, GROUP_LEARNER) == 0
+    a = audit(r, "rec", str(run_dir))
+    assert a["ok"], a["problems"]
+    assert a["trained"] == 8 * G and a["duplicates_trained"] == 0 and a["in_flight"] == 0

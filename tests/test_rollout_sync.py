@@ -1,4 +1,5 @@
-"""Rollout catches up to a prompt's ``min_version`` before generating it (the synchronous mode's guarantee).
+"""Rollout catches up to a prompt's ``min_version`` before generating it (the synchronous mode's guarantee),
+and dead-letters what is not a prompt instead of dying on it.
 
 The engine here is a recorder of reloads: what is under test is the rollout
 stage's decision to load newer weights, read from a real Redis, not vLLM.
@@ -10,7 +11,10 @@ from types import SimpleNamespace
 
 import structlog
 
-from pipeline.dataplane.keys import JobKeys
+from pipeline.dataplane import messages as m
+from pipeline.dataplane.keys import GROUP_ROLLOUT, JobKeys
+from pipeline.dataplane.streams import ClaimPolicy, ensure_groups, group_pending, run_stage
+from tests.test_streams import unscored_group
 from workers.rollout import Rollout
 
 
@@ -23,6 +27,9 @@ class Reloads:
 
 
 class Meter:
+    def got_input(self) -> None:
+        pass
+
     def add(self, **_kw) -> None:
         pass
 
@@ -54,3 +61,24 @@ def test_a_version_not_published_is_logged_not_waited_for(r):
     s = stage(r, version=5)
     s.catch_up(7)   # published versions only grow, so this cannot happen; it must not hang or go back
     assert s.engine.paths == [] and s.ctx.policy_version == 5
+
+
+def test_a_well_formed_message_of_another_kind_on_the_prompts_stream_is_dead_lettered_and_the_worker_lives(r):
+    keys = JobKeys("sync")
+    ensure_groups(r, keys)
+    r.hset(keys.feeder, "group_size", 2)
+    r.hset(keys.policy, mapping={"version": 0, "path": "/weights/v0"})
+    r.xadd(keys.prompts, {m.FIELD: m.encode(m.Prompt("p@0", "Q:1+2\n", 3, 1.0))})
+    r.xadd(keys.prompts, {m.FIELD: m.encode(unscored_group("g@0"))})   # well-formed, on the wrong stream
+    s = stage(r, version=0)
+    s.play = lambda prompts: [unscored_group(p.prompt_id) for p in prompts]   # the engine's part
+    rounds = []
+    run_stage(r, keys, source=keys.prompts, group=GROUP_ROLLOUT, consumer="rollout-n-0", sink=keys.rollouts,
+              handle=s.generate, count=8, block_ms=50, max_bytes=1 << 20, counter="generated",
+              stop=lambda: rounds.append(1) or len(rounds) > 2,
+              claims=ClaimPolicy(min_idle_ms=60_000, max_deliveries=3))
+    [(_id, dead)] = r.xrange(keys.dead_letters)
+    assert dead[b"reason"] == b"rollout stage expects a prompt" and int(dead[b"deliveries"]) == 1
+    assert m.decode(dead[b"payload"], 1 << 20).prompt_id == "g@0" and int(dead[b"trajectories"]) == 2
+    assert [m.decode(f[m.FIELD], 1 << 20).prompt_id for _i, f in r.xrange(keys.rollouts)] == ["p@0"]
+    assert group_pending(r, keys.prompts, GROUP_ROLLOUT) == 0

@@ -311,6 +311,48 @@ def test_a_stage_restarted_under_its_name_stops_replaying_a_message_that_kills_i
     assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
 
 
+@pytest.mark.parametrize("taken_by", ["restart", "takeover"])
+def test_a_message_that_kills_its_worker_is_dead_lettered_alone_not_with_the_good_ones_read_in_its_batch(
+        r, taken_by):
+    """A batch of three holds a poison group. Each worker that handles it dies; the batch comes back either
+    to the worker restarted under its name (replay_own) or to another worker once idle (reclaim). Entries
+    delivered before are handled one per round, so only the poison reaches max_deliveries: it alone is
+    dead-lettered, and the two good groups of its batch are scored once."""
+    keys = JobKeys("t")
+    ensure_groups(r, keys)
+    r.hset(keys.feeder, "group_size", 2)
+    for pid in ("fine-a", "poison", "fine-b"):
+        r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group(pid))})
+    policy = ClaimPolicy(min_idle_ms=60_000, max_deliveries=3)
+
+    class Died(BaseException):   # the process dies (SIGKILL, OOM, a segfault in a native library...)
+        pass
+
+    def handle(groups):
+        if any(g.prompt_id == "poison" for g in groups):
+            raise Died
+        return [g.with_rewards([1.0, 0.0], 1.0) for g in groups]
+
+    def start(life: int):
+        if taken_by == "takeover":   # the dead worker's entries turn idle, and a new worker takes them
+            for info in r.xpending_range(keys.rollouts, GROUP_REWARD, min="-", max="+", count=10):
+                age(r, keys.rollouts, GROUP_REWARD, info["consumer"], info["message_id"], 2 * policy.min_idle_ms)
+        rounds = []
+        run_stage(r, keys, source=keys.rollouts, group=GROUP_REWARD,
+                  consumer="reward-0" if taken_by == "restart" else f"reward-{life}", sink=keys.scored,
+                  handle=handle, count=16, block_ms=50, max_bytes=1 << 20,
+                  stop=lambda: rounds.append(1) or len(rounds) > 4, counter="scored", claims=policy)
+
+    for life in range(3):   # the first reads the batch whole; each dies on the poison
+        with pytest.raises(Died):
+            start(life)
+    start(3)
+    dead = [(m.decode(f[b"payload"], 1 << 20).prompt_id, f[b"reason"]) for _i, f in r.xrange(keys.dead_letters)]
+    assert dead == [("poison", b"exceeded max_deliveries (3): delivered 4 times")]
+    assert sorted(m.decode(f[m.FIELD], 1 << 20).prompt_id for _i, f in r.xrange(keys.scored)) == ["fine-a", "fine-b"]
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 0
+
+
 def test_take_over_pending_moves_a_dead_consumers_entries_to_a_new_name_once(r):
     """Two ranks of an old world (learner-0, learner-1) die holding entries; a learner under a new
     consumer name takes them over, reads each once from its own pending list, and acknowledges it."""

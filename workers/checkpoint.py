@@ -45,16 +45,17 @@ def read_optimizer(ckpt: Path) -> dict:
     return torch.load(ckpt / "optimizer.pt", weights_only=True, map_location="cpu")
 
 
-def trained_ids_after(ckpt_dir: Path, after_step: int) -> dict[str, int]:
-    """Trajectory id -> step, for the ids consumed by every complete checkpoint after ``after_step``."""
+def recorded_ids_after(ckpt_dir: Path, after_step: int, record: str = "consumed.txt") -> dict[str, int]:
+    """Trajectory id -> step, for the ids in ``record`` of every complete checkpoint after ``after_step``:
+    ``consumed.txt`` (trained) or ``dropped.txt`` (dropped as stale)."""
     ids = {}
     for ckpt in sorted(ckpt_dir.glob("step-*")):
         state_file = ckpt / "state.json"
-        if ckpt.name.endswith(".tmp") or not state_file.exists():
+        if ckpt.name.endswith(".tmp") or not state_file.exists() or not (ckpt / record).exists():
             continue
         step = json.loads(state_file.read_text())["step"]
         if step > after_step:
-            for tid in (ckpt / "consumed.txt").read_text().split():
+            for tid in (ckpt / record).read_text().split():
                 ids[tid] = step
     return ids
 

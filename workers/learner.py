@@ -54,7 +54,7 @@ from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_grou
                                         take_over_pending, trajectories_of, transact, trim)
 from pipeline.dataplane.worker import CostMeter, WorkerContext, finish_worker, start_worker
 from workers.checkpoint import (announcement, latest_checkpoint, prune_published, read_optimizer, read_state,
-                                trained_ids_after, write_checkpoint, write_published)
+                                recorded_ids_after, write_checkpoint, write_published)
 from workers.oom import is_oom, oom_reported, record_oom
 from workers.ranks import RankGroup, pick_device, world_size
 # The step's compute lives in workers.update (shared by every rank); these names stay importable from here.
@@ -125,6 +125,9 @@ class Learner:
         # Trajectory id -> step that trained it, for the last DEDUP_STEPS steps: a
         # redelivered or regenerated group arrives within that window.
         self.trained_ids: dict[str, int] = {}
+        # The same for the ids dropped as stale: a checkpointed step's entries whose acks were lost are
+        # replayed after a restore, and a drop judged again would be recorded and counted twice.
+        self.dropped_ids: dict[str, int] = {}
         # Where the next look over our own pending list starts (XPENDING range), None while reading new
         # entries; "-" at the start, at every step and after a read that found nothing (see read_entries).
         self.replay_from: str | None = "-"
@@ -193,7 +196,8 @@ class Learner:
                           parent_version=state["version"])
         opt = read_optimizer(latest)
         self.restored_from = latest
-        self.trained_ids.update(trained_ids_after(self.ckpt_dir, self.step - DEDUP_STEPS))
+        self.trained_ids.update(recorded_ids_after(self.ckpt_dir, self.step - DEDUP_STEPS, "consumed.txt"))
+        self.dropped_ids.update(recorded_ids_after(self.ckpt_dir, self.step - DEDUP_STEPS, "dropped.txt"))
         # Counters follow the checkpoint: steps after it will be trained again from the replay.
         self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={
             "trained": self.trained_total, "dropped_stale": self.dropped_total,
@@ -287,7 +291,7 @@ class Learner:
         the rest in arrival order; else in arrival order."""
         items, ahead = self.ahead.items, bool(self.ahead.limit)
         staleness = [self.lineage.distance(g.version, self.version).updates if ahead else None for _i, g, _p in items]
-        dups = [ahead and self.dedup and self.already_trained(g, batch) for _i, g, _p in items]
+        dups = [ahead and self.dedup and self.already_judged(g, batch) for _i, g, _p in items]
         order, must = self.ahead.order(staleness, dups, self.cfg.max_staleness)
         taken = []
         for n, i in enumerate(order):
@@ -297,7 +301,7 @@ class Learner:
             entry_id, group, payload = items[i]
             batch.entry_ids.append(entry_id)
             batch.raw[entry_id] = payload
-            if self.dedup and self.already_trained(group, batch):
+            if self.dedup and self.already_judged(group, batch):
                 batch.duplicates += len(group.trajectories)
                 continue
             updates = self.admit(group, batch)
@@ -371,11 +375,10 @@ class Learner:
     def dedup(self) -> bool:
         return self.ctx.cfg.streams.dedup
 
-    def already_trained(self, group: messages.Group, batch: Batch) -> bool:
-        """Was this group (any of its trajectory ids) trained, or admitted to this batch?"""
-        ids = _ids(group)
-        in_batch = {tid for g in batch.groups for tid in _ids(g)}
-        return any(tid in self.trained_ids or tid in in_batch for tid in ids)
+    def already_judged(self, group: messages.Group, batch: Batch) -> bool:
+        """Was this group (any of its trajectory ids) trained or dropped as stale, or judged in this batch?"""
+        in_batch = {tid for g in batch.groups for tid in _ids(g)} | set(batch.dropped_ids)
+        return any(tid in self.trained_ids or tid in self.dropped_ids or tid in in_batch for tid in _ids(group))
 
     def read_waiting(self, count: int, block_ms: int | None, held: set[bytes]) -> list:
         """``read_entries``, waiting out an unreachable Redis (``redis.outage_s``); after an outage the
@@ -442,6 +445,29 @@ class Learner:
             self.dead_letter_bad([(i, b"", "deleted from the stream while pending", self.ctx.cfg.rollout.group_size)
                                   for i in sorted(gone)])
         return entries
+
+    def ack_judged_pending(self) -> None:
+        """Acknowledge the entries pending at us whose groups the checkpoints hold (trained or dropped).
+
+        For a learner restored with no step left to take: the last
+        checkpoint's acks were lost (a kill between the checkpoint and its
+        XACK), and no step replays the entries, so nothing else would ever
+        acknowledge them. What no checkpoint holds stays pending.
+        """
+        self.replay_from = "-"
+        judged, trajectories = [], 0
+        while entries := self.replay_unheld(PENDING_PAGE, set()):
+            good, _bad = decode_entries(entries, self.ctx.cfg.streams.max_message_bytes)
+            for entry_id, group in good:
+                if isinstance(group, messages.Group) and self.already_judged(group, Batch()):
+                    judged.append(entry_id)
+                    trajectories += len(group.trajectories)
+        if judged:
+            keys = self.ctx.keys
+            self.write(lambda pipe: (pipe.xack(keys.scored, GROUP_LEARNER, *judged),
+                                     pipe.hincrby(keys.counters, "duplicates_dropped_learner", trajectories)))
+            trim(self.ctx.r, keys.scored)
+            self.ctx.log.info("acked_judged_pending", entries=len(judged))
 
     def write(self, queue) -> None:
         """A transaction of small writes, waiting while Redis is full (backpressure, never a crash)."""
@@ -669,8 +695,12 @@ class Learner:
             "lineage": self.lineage.to_json(), "world_size": self.world, "written_at": time.time()},
             self.source_dir, dropped_branch=self.dropped_branch)
         if self.unacked:
-            self.ctx.r.xack(self.ctx.keys.scored, GROUP_LEARNER, *self.unacked)
-            self.ctx.r.hdel(self.ctx.keys.learner_attempts, *self.unacked)   # trained: their failures are past
+            # Both are safe to repeat, so a Redis blip is waited out. Acks lost all the same (a kill right
+            # here, an everysec AOF) leave the entries pending: replayed after a restore, they are skipped
+            # as already judged (already_judged), or acknowledged at once when no step is left.
+            outage = Outage(self.ctx.log, stop=self.ctx.stopping)
+            outage.call(self.ctx.r.xack, self.ctx.keys.scored, GROUP_LEARNER, *self.unacked)
+            outage.call(self.ctx.r.hdel, self.ctx.keys.learner_attempts, *self.unacked)   # trained: failures past
         trim(self.ctx.r, self.ctx.keys.scored)
         self.meter.add(pause_s=time.monotonic() - t0)
         self.ctx.log.info("checkpointed", step=self.step, acked=len(self.unacked))
@@ -688,7 +718,10 @@ class Learner:
         self.dropped_branch_total += len(batch.dropped_branch_ids)
         for tid in trained:
             self.trained_ids[tid] = self.step
+        for tid in batch.dropped_ids:
+            self.dropped_ids[tid] = self.step
         self.trained_ids = {k: v for k, v in self.trained_ids.items() if v > self.step - DEDUP_STEPS}
+        self.dropped_ids = {k: v for k, v in self.dropped_ids.items() if v > self.step - DEDUP_STEPS}
         self.trained_total += metrics["trajectories"]
         self.dropped_total += batch.dropped_trajectories
         self.meter.add(busy_s=metrics["train_s"] * self.world, items=metrics["trajectories"],
@@ -709,6 +742,8 @@ class Learner:
         steps = self.ctx.cfg.job.steps
         self.ctx.publish_state("running")
         self.publish_ahead()    # none in hand yet: what a predecessor held is pending at us, replayed as we read
+        if self.step >= steps:   # restored at the end: no step replays what the last checkpoint's lost acks left
+            self.ack_judged_pending()
         while self.step < steps and not self.ctx.stopping():
             self.ctx.state = "waiting"
             with span(self.ctx.log, "learner_wait"):

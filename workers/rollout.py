@@ -148,9 +148,22 @@ class Rollout:
 
     # --- the stage --------------------------------------------------------------------------
 
-    def generate(self, prompts: list[messages.Prompt]) -> list[messages.Group | Reject]:
-        """Run group_size episodes per prompt in one batched multi-turn loop (a Reject for a failed tool)."""
+    def generate(self, msgs: list) -> list[messages.Group | Reject]:
+        """One output per input, in order: a group per prompt (``play``), a Reject for anything else.
+
+        A well-formed message of another kind (a group written to the wrong
+        stream) is dead-lettered with the reason, as the reward stage and the
+        learner do, not read as a prompt: that would kill the worker on every
+        delivery of its batch.
+        """
         self.meter.got_input()
+        prompts = [p for p in msgs if isinstance(p, messages.Prompt)]
+        groups = iter(self.play(prompts) if prompts else ())
+        return [next(groups) if isinstance(p, messages.Prompt) else Reject("rollout stage expects a prompt")
+                for p in msgs]
+
+    def play(self, prompts: list[messages.Prompt]) -> list[messages.Group | Reject]:
+        """Run group_size episodes per prompt in one batched multi-turn loop (a Reject for a failed tool)."""
         self.catch_up(max((p.min_version for p in prompts), default=0))
         g = self.cfg.group_size
         tasks = [Task(p.prompt_id, p.prompt, p.answer) for p in prompts]

@@ -603,7 +603,7 @@ def hand_over_pending(r: redis.Redis, job: str, role: str, consumer: str, log=No
 
     Redis has no "unclaim": XCLAIM moves the entries (JUSTID, so no delivery is
     counted) and sets their idle time past the group's reclaim threshold, so
-    the receiver's next XAUTOCLAIM picks them up. A worker drained cleanly has
+    the receiver's next reclaim picks them up. A worker drained cleanly has
     nothing pending; one killed mid-batch has its batch here. Without a live
     worker to take them they stay pending, reclaimed once idle long enough.
     """

@@ -374,19 +374,29 @@ class ClaimPolicy:
 
 def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: str, policy: ClaimPolicy,
             count: int, cursor: str, log=None) -> tuple[list[Entry], str]:
-    """Claim entries idle longer than ``min_idle_ms`` from any consumer of ``group`` (XAUTOCLAIM).
+    """Claim up to ``count`` entries idle longer than ``min_idle_ms`` from any consumer of ``group``.
 
-    Entries delivered more than ``max_deliveries`` times are dead-lettered with
-    their delivery count instead of being handed out again. Returns the
-    entries to process and the cursor to continue from.
+    The idle entries are found with XPENDING ... IDLE, which counts no
+    delivery, and only those are claimed (XCLAIM with the same idle bound,
+    so a concurrent reclaimer takes each at most once): ``run_stage`` claims
+    one per round, so that an entry's delivery count goes up only when it is
+    handled, alone. Entries delivered more than ``max_deliveries`` times are
+    dead-lettered with their delivery count instead of being handed out
+    again. Returns the entries to process and the cursor to continue from
+    (``"0-0"``: the scan reached the end of the pending list).
     """
-    reply = r.xautoclaim(source, group, consumer, policy.min_idle_ms, start_id=cursor, count=count)
-    next_cursor, claimed = reply[0], reply[1]
-    next_cursor = next_cursor.decode() if isinstance(next_cursor, bytes) else next_cursor
-    if not claimed:
+    start = "-" if cursor == "0-0" else cursor
+    idle = r.xpending_range(source, group, min=start, max="+", count=count, idle=policy.min_idle_ms)
+    if not idle:
+        return [], "0-0"
+    ids = [_as_bytes(info["message_id"]) for info in idle]
+    next_cursor = "(" + ids[-1].decode() if len(ids) == count else "0-0"
+    claimed = r.xclaim(source, group, consumer, policy.min_idle_ms, ids)
+    # An entry deleted from the stream while pending: Redis 6.2 answers nil (7 drops it from the pending list).
+    got = [(i, (f or {}).get(messages.FIELD, b"")) for i, f in claimed if i is not None]
+    if not got:
         return [], next_cursor
-    keep = _within_deliveries(r, keys, source, group, consumer, policy,
-                              [(i, (f or {}).get(messages.FIELD, b"")) for i, f in claimed], log)
+    keep = _within_deliveries(r, keys, source, group, consumer, policy, got, log)
     if keep and log:
         log.info("reclaimed", entries=len(keep))
     return keep, next_cursor
@@ -398,7 +408,10 @@ def replay_own(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer:
 
     The read counts a delivery, so entries past ``max_deliveries`` are
     dead-lettered as a reclaim's are: a message whose handling kills the
-    worker is not replayed by every restart for ever. Returns the entries to
+    worker is not replayed by every restart for ever. ``run_stage`` replays
+    one entry per round: a batch read again whole would count a delivery of
+    every entry each time the poison among them kills the worker, and take
+    them all to the dead-letter stream with it. Returns the entries to
     process and where the replay goes on from (None: nothing more is pending).
     """
     entries = read_own_pending(r, source, group, consumer, count, after)
@@ -438,7 +451,7 @@ def delivery_counts(r: redis.Redis, stream: str, group: str, ids: list[bytes],
                     consumer: str | None = None) -> dict[bytes, int]:
     """How many times each pending entry has been delivered.
 
-    With ``consumer`` (the one that holds them all, as after XAUTOCLAIM) one
+    With ``consumer`` (the one that holds them all, as after a reclaim) one
     XPENDING over the ids' range answers for all of them; entries it misses
     (the range held more of that consumer's entries than it returned) are
     asked for one by one.
@@ -467,7 +480,7 @@ class ClaimKeeper:
     """Refresh our claim on entries in hand during a long handler (XCLAIM ... JUSTID).
 
     JUSTID resets the idle time without counting a delivery, so another
-    consumer's XAUTOCLAIM does not take entries we are still working on. One
+    consumer's reclaim does not take entries we are still working on. One
     thread per stage, started with the first batch and kept until ``close``:
     starting a thread per batch costs more than a fast handler's whole batch
     on a loaded machine. It refreshes the ids in hand every ``interval_s``
@@ -536,9 +549,10 @@ def run_stage(
     """The loop every streaming stage runs until ``stop()``.
 
     Each round: ``before_read`` (reloads, evaluations, backpressure; False
-    skips the round), then entries reclaimed from idle consumers (scanned for
-    at most every ``claims.scan_every_s`` once a scan found none), else new
-    ones; ``handle`` maps decoded messages to outputs in order (a message for
+    skips the round), then an entry reclaimed from idle consumers (scanned for
+    at most every ``claims.scan_every_s`` once a scan found none), else one of
+    our own pending entries (at the start, after an outage), else new ones;
+    ``handle`` maps decoded messages to outputs in order (a message for
     ``sink`` or a ``Reject``); outputs and acks go in one transaction.
     ``counter`` names the counter increased by the trajectories written.
     """
@@ -559,12 +573,14 @@ def run_stage(
                 if rounds % TRIM_EVERY == 0:
                     trim(r, source)
                 entries = []
+                # Entries delivered before (reclaimed, or our own replayed) are handled one per round: only
+                # the one whose handling kills the worker is counted towards max_deliveries.
                 if cursor != "0-0" or time.monotonic() >= next_scan:   # a scan in progress goes on
-                    entries, cursor = reclaim(r, keys, source, group, consumer, claims, count, cursor, log)
+                    entries, cursor = reclaim(r, keys, source, group, consumer, claims, 1, cursor, log)
                     if cursor == "0-0" and not entries:
                         next_scan = time.monotonic() + claims.scan_every_s
                 if not entries and own is not None:
-                    entries, own = replay_own(r, keys, source, group, consumer, claims, count, own, log)
+                    entries, own = replay_own(r, keys, source, group, consumer, claims, 1, own, log)
                 if not entries:
                     entries = read(r, source, group, consumer, count, block_ms)
                 outage.ok()
