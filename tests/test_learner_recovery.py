@@ -449,6 +449,20 @@ def test_a_restart_numbers_its_weights_past_a_version_the_dead_learner_only_reco
     assert published(r) == 10
 
 
+def test_a_restart_numbers_its_weights_past_a_version_written_to_disk_that_redis_does_not_know(
+        tmp_path, r, redis_url, policy_dir):
+    """Redis's AOF (fsync every second) can lose the announcement of the last weights the dead learner wrote:
+    its ``policy/v000005`` is on disk, and Redis knows of none. The restart must not name other weights v5."""
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True, extra=("job.steps=2",))
+    (run_dir / "policy" / "v000005").mkdir(parents=True)
+    feed(r, scored_groups(policy_dir, 4 * 2), issued=4 * 2)
+    proc = start_learner(run_dir, redis_url)
+    assert proc.wait(timeout=600) == 0
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["policy_version"] for m in metrics] == [7, 8]
+    assert published(r) == 8
+
+
 class Killed(BaseException):
     """The learner process dies (SIGKILL) where this is raised."""
 

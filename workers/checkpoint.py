@@ -105,6 +105,12 @@ def announcement(version: int, path: Path, step: int) -> dict:
     return {"version": version, "path": str(Path(path).resolve()), "step": step, "published_at": time.time()}
 
 
+def newest_published(pub_dir: Path) -> int:
+    """The highest version number among the weights written to ``pub_dir`` (0: none), half-written ones too."""
+    names = (p.name.removesuffix(".tmp") for p in pub_dir.glob("v*"))
+    return max((int(n[1:]) for n in names if n[1:].isdigit()), default=0)
+
+
 def prune_published(pub_dir: Path, keep: int) -> None:
     versions = sorted(p for p in pub_dir.glob("v*") if not p.name.endswith(".tmp"))
     for old in versions[:-keep]:

@@ -53,8 +53,8 @@ from pipeline.observe.trace import span
 from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
                                         take_over_pending, trajectories_of, transact, trim)
 from pipeline.dataplane.worker import CostMeter, WorkerContext, finish_worker, start_worker
-from workers.checkpoint import (announcement, latest_checkpoint, prune_published, read_optimizer, read_state,
-                                recorded_ids_after, write_checkpoint, write_published)
+from workers.checkpoint import (announcement, latest_checkpoint, newest_published, prune_published, read_optimizer,
+                                read_state, recorded_ids_after, write_checkpoint, write_published)
 from workers.oom import is_oom, oom_reported, record_oom
 from workers.ranks import RankGroup, pick_device, world_size
 # The step's compute lives in workers.update (shared by every rank); these names stay importable from here.
@@ -162,9 +162,10 @@ class Learner:
         self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={"dropped_held": 0, "filtered_held": 0}))
         info = self.ctx.r.hgetall(self.ctx.keys.policy)
         # the newest version number used: published, or only named by a step the dead learner recorded (a
-        # publish cadence above 1 leaves steps unpublished); the restart numbers past both
+        # publish cadence above 1 leaves steps unpublished), or written to disk and not announced (or
+        # announced, and the announcement lost with Redis's last second of AOF); the restart numbers past all
         recorded = json.loads(self.ctx.r.hget(self.ctx.keys.learner_stats, "policy_version") or "0")
-        published = max(int(info[b"version"]) if info else 0, int(recorded))
+        published = max(int(info[b"version"]) if info else 0, int(recorded), newest_published(self.pub_dir))
         stored = load_segments(self.ctx.r, self.ctx.keys)
         if latest is None:
             manifest = json.loads((self.ctx.run_dir / "manifest.json").read_text())
