@@ -214,12 +214,11 @@ class Orchestrator:
         for its steps forever. ``libra-ctl resume`` starts its own, or joins
         those that are back.
         """
-        controller, agents = self.joined
-        gone = []
-        if controller and not self.r.exists(CONTROLLER_LEASE):
-            gone.append("controller")
-        if agents and not live_agents(self.r):
-            gone.append("agents")
+        if not any(self.joined):
+            return
+        gone = self.redis_call(self.joined_gone)
+        if gone is None:
+            return   # Redis unreachable: redis_call judges the outage, and nothing can be told meanwhile
         if not gone:
             self.joined_gone_at = None
             return
@@ -230,6 +229,16 @@ class Orchestrator:
                             f"{'have' if len(gone) > 1 else 'has'} been gone for {JOINED_GONE_S:.0f} s (another "
                             f"run's, which ended?): nothing starts this job's workers. Resume with: "
                             f"libra-ctl resume {self.run_dir}")
+
+    def joined_gone(self) -> list[str]:
+        """Which of what this run joined is gone: "controller" (no lease), "agents" (none live)."""
+        controller, agents = self.joined
+        gone = []
+        if controller and not self.r.exists(CONTROLLER_LEASE):
+            gone.append("controller")
+        if agents and not live_agents(self.r):
+            gone.append("agents")
+        return gone
 
     def stop_children(self) -> None:
         if self.control is not None:

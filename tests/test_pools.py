@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import redis
 import structlog
 
 from pipeline import cli
@@ -319,6 +320,10 @@ def test_a_run_whose_joined_controller_and_agent_are_gone_fails_saying_how_to_re
         lease.acquire()                      # ... it is back (restarted by the run that owns it)
         time.sleep(1.2)
         orch.check_children()
+        real = orch.joined_gone
+        orch.joined_gone = lambda: (_ for _ in ()).throw(redis.ConnectionError("away"))
+        orch.check_children()                # Redis unreachable: an outage (waited out), not a verdict
+        orch.joined_gone = real
         lease.release()
         r.hdel(AGENTS, "n1")                 # the run that owned them ended
         orch.check_children()

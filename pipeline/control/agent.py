@@ -18,8 +18,9 @@ Its main loop, every ``TICK_S``:
 3. drives processes toward the desired state: SIGTERM to a worker that
    should not run or whose job is over (the stage finishes the batch in
    hand, writes and acks, exits; the learner commits its step and exits),
-   SIGKILL to its process group after ``grace_s``; a worker that should run and has none is started
-   when every one of its slots is free, with its own ``CUDA_VISIBLE_DEVICES``;
+   SIGKILL to its process group after ``grace_s``; a worker that should
+   run and has none is started when every one of its slots is free, with
+   its own ``CUDA_VISIBLE_DEVICES``;
 4. publishes its processes in ``agent_procs(node)`` and logs every start and
    stop in ``agent_log(node)``.
 
