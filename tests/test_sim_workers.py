@@ -273,3 +273,28 @@ def test_sim_learner_judges_staleness_along_the_version_tree_after_a_restore(r, 
     step = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert (step["step"], step["policy_version"], step["dropped_stale"]) == (3, 4, 0)
     assert step["staleness_hist"] == {"0": 4, "1": 4}
+
+
+def test_the_sim_rollout_dead_letters_what_is_not_a_prompt(r, redis_url, tmp_path):
+    """As the vLLM rollout worker: a well-formed group on the prompts stream is rejected, not turned into a new
+    group of the same prompt id."""
+    import structlog
+
+    from pipeline.dataplane.streams import Reject
+    from pipeline.dataplane.worker import CostMeter, WorkerContext, load_run_config
+    from pipeline.sim.worker import SimRollout, sim_settings
+    from pipeline.sim.workload import load_workload
+    from tests.test_streams import unscored_group
+
+    run_dir = sim_job(r, redis_url, tmp_path)
+    keys = JobKeys("simtest")
+    ctx = WorkerContext(cfg=load_run_config(run_dir), run_dir=run_dir, keys=keys, r=r, worker_id="rollout-n-0",
+                        role="rollout", log=structlog.get_logger(), node="n")
+    sim = sim_settings(run_dir)
+    wl = load_workload(sim["workload"], sim.get("job"))
+    stage = SimRollout(ctx, CostModel(wl, seed=1), Clock(1e6), CostMeter(r, keys, ctx.worker_id, "rollout"))
+    prompt = messages.Prompt("p@0", "Q", 1, 0.0)
+    out = stage.generate([unscored_group("g@0"), prompt, unscored_group("h@0")])
+    assert [type(o).__name__ for o in out] == ["Reject", "Group", "Reject"]
+    assert out[0].reason == "rollout stage expects a prompt" and isinstance(out[2], Reject)
+    assert out[1].prompt_id == "p@0" and len(out[1].trajectories) == stage.group_size

@@ -181,18 +181,26 @@ class SimRollout:
             self.load_weights(reload=True)
         return room_downstream(self.ctx, self.group_size, pause_s=0.05)
 
-    def generate(self, prompts: list) -> list:
+    def generate(self, msgs: list) -> list:
+        """A group per prompt; anything else is dead-lettered, as the vLLM rollout worker does."""
+        from pipeline.dataplane.streams import Reject
+
+        prompts = [p for p in msgs if isinstance(p, messages.Prompt)]
         version, started = self.ctx.policy_version, time.time()
         call = self.model.rollout(version, len(prompts), self.group_size)
         wall = self.clock.sleep(call.gpu_s)
-        out = []
-        for k, p in enumerate(prompts):
+        out, k = [], 0
+        for p in msgs:
+            if not isinstance(p, messages.Prompt):
+                out.append(Reject("rollout stage expects a prompt"))
+                continue
             trajs = tuple(_trajectory(i, call.tool_calls[k * self.group_size + i]) for i in range(self.group_size))
             out.append(messages.Group(
                 prompt_id=p.prompt_id, prompt=p.prompt, answer=p.answer,
                 prompt_tokens=np.zeros(1, dtype=np.int32), version=version, worker=self.ctx.worker_id,
                 generated_at=started, gen_s=wall, trajectories=trajs,
                 extra={"sim_tokens": call.group_tokens[k]}))
+            k += 1
         n = len(prompts) * self.group_size
         self.meter.add(busy_s=wall, items=n, tokens=sum(call.group_tokens))
         self.ctx.count(n)
