@@ -433,13 +433,19 @@ def test_a_learner_counts_its_ranks_so_scale_wait_sees_a_pinned_learner_running(
     assert "running learner=2 rollout=1" in capsys.readouterr().out
 
 
-def test_drain_goes_through_the_controller_or_straight_to_the_agent(r, redis_url, tmp_path, capsys):
+def two_rollouts_placed(r, redis_url, tmp_path) -> tuple[Controller, ControlJobRunner]:
+    """A pinned sim job with two rollout workers placed on a fake agent n1 of two slots."""
     sim_job(r, redis_url, tmp_path, control={"mode": "pinned"})
     pin(r, JOB, {"rollout": 2})
     jobs = fake_agent(r, "n1", 2)
     ctl = Controller(r, interval_s=1.0)
     ctl.tick()
     jobs.run_pending()
+    return ctl, jobs
+
+
+def test_drain_goes_through_the_controller_or_straight_to_the_agent(r, redis_url, tmp_path, capsys):
+    ctl, jobs = two_rollouts_placed(r, redis_url, tmp_path)
     assert cli.main(["drain", "rollout-n1-1", "--redis", redis_url]) == 0      # a controller holds the lease
     ctl.tick()
     jobs.run_pending()
@@ -453,6 +459,26 @@ def test_drain_goes_through_the_controller_or_straight_to_the_agent(r, redis_url
     jobs.run_pending()
     assert json.loads(r.hget(agent_desired("n1"), f"{JOB}/{LEARNER}"))["state"] == "drain"
     assert cli.main(["drain", "nobody", "--redis", redis_url]) == 2
+
+
+def test_a_drain_request_outlives_a_reconcile_that_fails_before_acting_on_it(r, redis_url, tmp_path):
+    """``libra-ctl drain`` leaves a request the controller acts on; a tick that fails half way (the lease
+    lost while acting, Redis gone) must not take the request with it."""
+    ctl, jobs = two_rollouts_placed(r, redis_url, tmp_path)
+    assert cli.main(["drain", "rollout-n1-1", "--redis", redis_url]) == 0
+    act = ctl.act
+
+    def fails(*_a, **_k):
+        raise ValueError("lost the controller lease while acting")
+
+    ctl.act = fails
+    ctl.tick()                                   # logged as reconcile_failed; nothing acted on
+    assert r.smembers(JobKeys(JOB).drain_requests) == {b"rollout-n1-1"}
+    ctl.act = act
+    ctl.tick()
+    jobs.run_pending()
+    assert json.loads(r.hget(agent_desired("n1"), f"{JOB}/rollout-n1-1"))["state"] == "drain"
+    assert not r.exists(JobKeys(JOB).drain_requests)
 
 
 # --- end to end: libra-ctl agent + controller + sim workers ------------------------------------------------------

@@ -172,11 +172,7 @@ def read_placement(r: redis.Redis, job: str) -> dict[str, dict]:
     return {w.decode(): json.loads(v) for w, v in r.hgetall(JobKeys(job).placement).items()}
 
 
-def take_drain_requests(r: redis.Redis, job: str) -> list[str]:
-    k = JobKeys(job)
-    out = []
-    while True:
-        w = r.spop(k.drain_requests)
-        if w is None:
-            return out
-        out.append(w.decode())
+def drain_requests(r: redis.Redis, job: str) -> list[str]:
+    """The workers ``libra-ctl drain`` asked the controller to drain; it removes them once it has acted
+    (``Controller.commit``): a reconcile that fails half way leaves them for the next tick."""
+    return sorted(w.decode() for w in r.smembers(JobKeys(job).drain_requests))

@@ -46,7 +46,7 @@ import structlog
 from pipeline.control import actions, allocator
 from pipeline.control.actions import STATE_RUN, worker_key
 from pipeline.control.allocation import (counts_of, external_counts, external_workers, get_allocation, live_agents,
-                                         read_placement, take_drain_requests)
+                                         read_placement, drain_requests)
 from pipeline.control.allocator import Allocation
 from pipeline.control.events import record_event
 from pipeline.control.job import JobInfo, load_job, plan_config, role_bounds
@@ -231,7 +231,7 @@ class Controller:
         # an external worker of a slot role stands for one slot beside the agents' (it holds none of theirs)
         slots = free + sum(counts_of(view.ext_n, jc.info.control.reward_on_slots).values())
         cur = placements.get(name, {})
-        drained = take_drain_requests(self.r, name)
+        drained = drain_requests(self.r, name)
         # a drained worker leaves its slot empty for this tick, so a replacement goes elsewhere if it can
         taken |= {(cur[w]["node"], s) for w in drained if w in cur for s in cur[w]["slots"]}
         cur = {w: rec for w, rec in cur.items() if w not in drained}
@@ -239,7 +239,7 @@ class Controller:
         new = place(agents_share(target, view.ext_n), cur, slot_map, taken, jc.info.control.reward_on_slots)
         orders = self.act(jc, new, nodes) + self.drain_external(jc, view.ext, target)
         placements[name] = new
-        self.commit(jc, view.alloc, cur, new, target, now)
+        self.commit(jc, view.alloc, cur, new, target, now, drained)
         if event is not None or orders or drained:
             record_event(self.r, jc.info, {**(event or {"kind": "drain" if drained else "repair"}),
                                            "epoch": self.lease.epoch, "actions": orders, "drained": drained,
@@ -380,11 +380,15 @@ class Controller:
         jc.sent[digest] = now
         return True
 
-    def commit(self, jc: JobControl, alloc: dict, cur: dict, new: dict, target: dict, now: float) -> None:
-        """Write the placement and, if the target moved, when and from what (the allocator's cooldown)."""
+    def commit(self, jc: JobControl, alloc: dict, cur: dict, new: dict, target: dict, now: float,
+               drained: list[str] = ()) -> None:
+        """Write the placement and, if the target moved, when and from what (the allocator's cooldown); the
+        drain requests acted on go with it."""
         k = JobKeys(jc.info.name)
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(k.placement)
+        if drained:
+            pipe.srem(k.drain_requests, *drained)
         if new:
             pipe.hset(k.placement, mapping={w: json.dumps(rec) for w, rec in new.items()})
         if target != alloc["target"]:
