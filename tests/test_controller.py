@@ -393,13 +393,19 @@ def test_auto_mode_records_the_decision_with_its_inputs(r, redis_url, tmp_path):
     assert alloc["target"]["rollout"] == e["to"]["rollout"] and alloc["changed_from"]["rollout"] == 2
 
 
-def test_a_finished_job_is_drained_everywhere(r, redis_url, tmp_path):
+def job_placed_on_n1(r, redis_url, tmp_path) -> tuple[Controller, ControlJobRunner]:
+    """A pinned sim job whose workers the controller placed on a fake agent n1 of four slots."""
     sim_job(r, redis_url, tmp_path, control={"mode": "pinned"})
     jobs = fake_agent(r, "n1", 4)
     ctl = Controller(r, interval_s=1.0)
     ctl.tick()
     jobs.run_pending()
     assert desired_roles(r, "n1")
+    return ctl, jobs
+
+
+def test_a_finished_job_is_drained_everywhere(r, redis_url, tmp_path):
+    ctl, jobs = job_placed_on_n1(r, redis_url, tmp_path)
     r.hset(JobKeys(JOB).state, "phase", "done")
     ctl.tick()
     jobs.run_pending()
@@ -662,12 +668,7 @@ def test_start_local_control_runs_a_job_and_stops_everything(r, redis_url, tmp_p
 def test_a_job_that_ends_while_an_agent_is_unseen_is_drained_on_that_agent_too(r, redis_url, tmp_path):
     """An agent away when the job ended (restarting, or waiting out a Redis outage with its workers) finds the
     drains queued when it is back: its desired state does not keep the finished job's workers."""
-    sim_job(r, redis_url, tmp_path, control={"mode": "pinned"})
-    jobs = fake_agent(r, "n1", 4)
-    ctl = Controller(r, interval_s=1.0)
-    ctl.tick()
-    jobs.run_pending()
-    assert desired_roles(r, "n1")
+    ctl, jobs = job_placed_on_n1(r, redis_url, tmp_path)
     rec = json.loads(r.hget(AGENTS, "n1"))
     r.hset(AGENTS, "n1", json.dumps({**rec, "heartbeat": time.time() - 60}))   # unseen
     r.hset(JobKeys("simtest").state, "phase", "done")

@@ -45,7 +45,7 @@ def read_optimizer(ckpt: Path) -> dict:
     return torch.load(ckpt / "optimizer.pt", weights_only=True, map_location="cpu")
 
 
-def recorded_ids_after(ckpt_dir: Path, after_step: int, record: str = "consumed.txt") -> dict[str, int]:
+def recorded_ids_after(ckpt_dir: Path, after_step: int, record: str) -> dict[str, int]:
     """Trajectory id -> step, for the ids in ``record`` of every complete checkpoint after ``after_step``:
     ``consumed.txt`` (trained) or ``dropped.txt`` (dropped as stale)."""
     ids = {}

@@ -122,12 +122,10 @@ class Learner:
         self.dropped: list[str] = []  # trajectory ids dropped as stale since the last checkpoint
         self.dropped_branch: list[str] = []  # of those, the ones generated on a discarded branch
         self.lineage = Lineage()  # the version tree: staleness counts updates along it (see restore_or_init)
-        # Trajectory id -> step that trained it, for the last DEDUP_STEPS steps: a
-        # redelivered or regenerated group arrives within that window.
-        self.trained_ids: dict[str, int] = {}
-        # The same for the ids dropped as stale: a checkpointed step's entries whose acks were lost are
-        # replayed after a restore, and a drop judged again would be recorded and counted twice.
-        self.dropped_ids: dict[str, int] = {}
+        # Trajectory id -> step that trained it or dropped it as stale, for the last DEDUP_STEPS steps: a
+        # redelivered or regenerated group arrives within that window, and a checkpointed step's entries whose
+        # acks were lost are replayed after a restore (a drop judged again would be recorded twice).
+        self.judged_ids: dict[str, int] = {}
         # Where the next look over our own pending list starts (XPENDING range), None while reading new
         # entries; "-" at the start, at every step and after a read that found nothing (see read_entries).
         self.replay_from: str | None = "-"
@@ -197,8 +195,8 @@ class Learner:
                           parent_version=state["version"])
         opt = read_optimizer(latest)
         self.restored_from = latest
-        self.trained_ids.update(recorded_ids_after(self.ckpt_dir, self.step - DEDUP_STEPS, "consumed.txt"))
-        self.dropped_ids.update(recorded_ids_after(self.ckpt_dir, self.step - DEDUP_STEPS, "dropped.txt"))
+        for record in ("consumed.txt", "dropped.txt"):
+            self.judged_ids.update(recorded_ids_after(self.ckpt_dir, self.step - DEDUP_STEPS, record))
         # Counters follow the checkpoint: steps after it will be trained again from the replay.
         self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, mapping={
             "trained": self.trained_total, "dropped_stale": self.dropped_total,
@@ -379,7 +377,7 @@ class Learner:
     def already_judged(self, group: messages.Group, batch: Batch) -> bool:
         """Was this group (any of its trajectory ids) trained or dropped as stale, or judged in this batch?"""
         in_batch = {tid for g in batch.groups for tid in _ids(g)} | set(batch.dropped_ids)
-        return any(tid in self.trained_ids or tid in self.dropped_ids or tid in in_batch for tid in _ids(group))
+        return any(tid in self.judged_ids or tid in in_batch for tid in _ids(group))
 
     def read_waiting(self, count: int, block_ms: int | None, held: set[bytes]) -> list:
         """``read_entries``, waiting out an unreachable Redis (``redis.outage_s``); after an outage the
@@ -717,12 +715,9 @@ class Learner:
         self.dropped += batch.dropped_ids
         self.dropped_branch += batch.dropped_branch_ids
         self.dropped_branch_total += len(batch.dropped_branch_ids)
-        for tid in trained:
-            self.trained_ids[tid] = self.step
-        for tid in batch.dropped_ids:
-            self.dropped_ids[tid] = self.step
-        self.trained_ids = {k: v for k, v in self.trained_ids.items() if v > self.step - DEDUP_STEPS}
-        self.dropped_ids = {k: v for k, v in self.dropped_ids.items() if v > self.step - DEDUP_STEPS}
+        for tid in (*trained, *batch.dropped_ids):
+            self.judged_ids[tid] = self.step
+        self.judged_ids = {k: v for k, v in self.judged_ids.items() if v > self.step - DEDUP_STEPS}
         self.trained_total += metrics["trajectories"]
         self.dropped_total += batch.dropped_trajectories
         self.meter.add(busy_s=metrics["train_s"] * self.world, items=metrics["trajectories"],

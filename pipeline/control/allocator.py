@@ -689,8 +689,9 @@ def plan_publish(m: Metrics, job: JobSpec, config: PlanConfig = PlanConfig(), mo
     began after the cadence and the split were last set, once the learner
     has made enough steps (``2 * (max_staleness + 1)``) for its data to have
     reached the bound, or earlier while the stalest data trained stands two
-    steps clear of it (``_staleness_known``). A move of the split, under way (within the window) or
-    ordered at this tick (``moving``), puts it back at ``job.publish_every``:
+    steps clear of it (``_staleness_known``). A move of the split, under way
+    (within the window) or ordered at this tick (``moving``), puts it back at
+    ``job.publish_every``:
     the rates it was sized for are gone, and a learner restart or a new
     bottleneck ages the in-flight work.
     """
@@ -758,7 +759,7 @@ def _staleness_known(m: Metrics, job: JobSpec, c: int, lo: int) -> bool:
     (data up to that much older could have come in, and none did) and, above
     ``lo``, once the data trained is the present cadence's (``_aged_out``).
     On the sweeps of seeds 1-3 this lets a bound of 4 or 8 stretch the
-    cadence some ten steps earlier (docs/bench.md, "publish cadence").
+    cadence a median of 11 steps earlier (docs/bench.md, "publish cadence").
     """
     if m.learner_steps >= bound_share_steps(job.max_staleness):
         return True

@@ -177,7 +177,7 @@ class Controller:
             jc = self.jobs[name] = JobControl(info, Observer(info))
         if phase not in ("running", "trained"):
             if not jc.finished:
-                self.finish(jc, nodes)
+                self.finish(jc)
             return None
         jc.finished = False
         if not any(rec["slots"] for rec in nodes.values()):
@@ -396,16 +396,16 @@ class Controller:
                                              "changed_from": json.dumps(_slot_counts(alloc["target"], jc))})
         pipe.execute()
 
-    def finish(self, jc: JobControl, nodes: dict[str, dict]) -> None:
+    def finish(self, jc: JobControl) -> None:
         """A job that is done: drain every worker of it on every agent, feeder included.
 
-        Every agent on record, not only the live ones: one unseen for a moment
+        Every agent on record (``AGENTS``), not only the live ones: one unseen for a moment
         (restarting, or waiting out a Redis outage with its workers running)
         runs the drains it finds queued when it is back. It would also drain
         them itself (``Agent.drive``); this keeps its desired state true.
         """
         sent = []
-        for node in sorted({*nodes, *(n.decode() for n in self.r.hkeys(AGENTS))}):
+        for node in sorted(n.decode() for n in self.r.hkeys(AGENTS)):
             for key, raw in self.r.hgetall(agent_desired(node)).items():
                 d = json.loads(raw)
                 if d["job"] == jc.info.name and d["state"] == STATE_RUN:

@@ -119,6 +119,7 @@ class Observer:
         publish_since_s = last.t - last.publish_at if last.publish_at is not None else math.inf
         since = steps_since(self.recent, last.t, since_change_s, publish_since_s, self.job.max_staleness)
         settled = [s for s, _ in since] or steps
+        settled_hist = staleness_counts(settled)
         dropped_since = drop_share_since(since, lambda s: s.get("trajectories", 0),
                                          last.counters.get("dropped_stale", 0), delta["trained"])
         return allocator.Metrics(
@@ -140,8 +141,8 @@ class Observer:
             rollout_load_s=ratio(ro["reload"], ro["reloads"]),
             publish_every=last.publish_every,
             publish_since_s=publish_since_s, publish_reason=last.publish_reason,
-            staleness_at_bound_frac=staleness_share(settled, self.job.max_staleness),
-            staleness_max=max((v for v, n in staleness_counts(settled).items() if n > 0), default=-1),
+            staleness_at_bound_frac=ratio(settled_hist.get(self.job.max_staleness, 0), sum(settled_hist.values())),
+            staleness_max=max((v for v, n in settled_hist.items() if n > 0), default=-1),
             dropped_since_frac=dropped_since, learner_steps=self.step,
             rollout_gpu_s_per_traj_last=ratio(ro_last["busy"], ro_last["items"]),
             traj_tokens_last=ratio(ro_last["tokens"], ro_last["items"]) if by_tokens else 1.0)
@@ -193,11 +194,6 @@ def staleness_median(steps: list) -> float:
     """Median staleness of the trajectories the learner's step records count."""
     return median_of_counts(staleness_counts(steps))
 
-
-def staleness_share(steps: list, staleness: int) -> float:
-    """Share of the trajectories the step records count that were exactly ``staleness`` versions old."""
-    hist = staleness_counts(steps)
-    return ratio(hist.get(staleness, 0), sum(hist.values()))
 
 
 def _rounded(costs: dict) -> dict:
