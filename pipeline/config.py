@@ -211,7 +211,8 @@ class LearnerConfig:
     step_budget_s: float = _f(60.0, "the longest a learner step (waiting for data included) may take")
     checkpoint_write_s: float = _f(30.0, "the longest a checkpoint write may take")
     max_train_attempts: int = _f(3, "a scored group whose training raised this many times (counted across "
-                                 "restarts) is dead-lettered with the error; the rest of its batch is trained")
+                                 "restarts), or killed the learner process this many times when tried alone, is "
+                                 "dead-lettered with the error; the rest of its batch is trained")
     dtype: str = _f("fp32", "forward-pass precision: fp32, or bf16 (torch.autocast; master weights, optimizer "
                     "and log-softmax stay float32)")
     micro_batch_tokens: int = _f(8192, "padded tokens (rows x longest row) per forward/backward; bounds "

@@ -536,3 +536,73 @@ def test_a_learner_restored_at_its_last_step_acknowledges_the_entries_whose_acks
     a = audit(r, "rec", str(run_dir))
     assert a["ok"], a["problems"]
     assert a["trained"] == 8 * G and a["duplicates_trained"] == 0 and a["in_flight"] == 0
+
+
+@pytest.mark.slow
+def test_a_group_that_kills_the_learner_process_is_found_alone_and_dead_lettered_while_its_batch_is_trained(
+        tmp_path, r, redis_url, policy_dir, monkeypatch):
+    """A scored group whose gradient kills the learner process (an OOM kill, a native crash: nothing is raised
+    that Python could count) rides in step 2, prefetched as it arrives. The restart probes the step's entries
+    one at a time, and each death in a probe is charged to that group alone: after ``max_train_attempts`` (2)
+    such deaths it is dead-lettered, the other three groups of its step are trained once, and nothing is left
+    on record."""
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True,
+                              extra=("job.steps=2", "learner.checkpoint_every=1", "learner.max_train_attempts=2",
+                                     "learner.prefetch=true"))
+    keys = JobKeys("rec")
+    gs = scored_groups(policy_dir, 8)
+    poison = gs[5]
+    fatal = (poison.prompt_tokens.tolist(), poison.trajectories[0].completion.tolist())
+    feed(r, gs, issued=8, at_once=True)
+    from workers import update as update_mod
+    logprobs = update_mod.completion_logprobs
+    gradients_of_the_poison = []
+
+    def dies_on_the_poison(model, prompts, completions, **kwargs):
+        if any((p, c) == fatal for p, c in zip(prompts, completions)):
+            gradients_of_the_poison.append(len(prompts))
+            raise Killed
+        return logprobs(model, prompts, completions, **kwargs)
+
+    monkeypatch.setattr(update_mod, "completion_logprobs", dies_on_the_poison)
+    lives = 0
+    while lives < 6:
+        lives += 1
+        try:
+            in_process_learner(run_dir, r).run()
+            break
+        except Killed:
+            pass
+    # life 1 dies prefetching step 2 whole; lives 2 and 3 die probing the poison alone; life 4 dead-letters it
+    assert lives == 4 and learner_step(r) == 2
+    first, *alone = gradients_of_the_poison   # rows in the forward pass that met the poison
+    assert first > G and alone == [G, G]
+    [(_id, dead)] = r.xrange(keys.dead_letters)
+    assert dead[b"reason"] == b"learner: the learner process died 2 times training this group alone"
+    assert dead[b"payload"] == messages.encode(poison)
+    assert sorted(records(run_dir, "consumed.txt")) == sorted(ids_of(gs[:5] + gs[6:]))
+    assert not r.exists(keys.learner_suspects) and not r.exists(keys.learner_training)
+    a = audit(r, "rec", str(run_dir))
+    assert a["ok"], a["problems"]
+    assert a["trained"] == 7 * G and a["dead_lettered"] == G and a["duplicates_trained"] == 0
+    assert group_pending(r, keys.scored, GROUP_LEARNER) == 0
+
+
+def test_a_suspect_acknowledged_since_is_forgotten_and_does_not_hold_prefetch_off(tmp_path, r, redis_url,
+                                                                                   policy_dir):
+    """Suspects whose entries are no longer pending (dead-lettered, or acknowledged with a checkpoint) never
+    come back to be probed: a restart forgets them, so prefetch (off while a suspect waits) comes back."""
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True, extra=("learner.prefetch=true",))
+    keys = JobKeys("rec")
+    feed(r, scored_groups(policy_dir, 2), issued=2, at_once=True)
+    [(_s, [(pending, _f), (acked, _g)])] = r.xreadgroup(GROUP_LEARNER, LEARNER, {keys.scored: ">"}, count=2)
+    r.xack(keys.scored, GROUP_LEARNER, acked)
+    r.hset(keys.learner_training, mapping={pending: "step", acked: "probe"})   # what a dead learner left
+    learner = in_process_learner(run_dir, r)
+    assert learner.suspects == {pending: 0}
+    assert r.hgetall(keys.learner_suspects) == {pending: b"0"} and not r.exists(keys.learner_training)
+    assert learner.start_prefetch() is None
+    r.xack(keys.scored, GROUP_LEARNER, pending)
+    learner = in_process_learner(run_dir, r)
+    assert learner.suspects == {} and not r.exists(keys.learner_suspects)
+    assert learner.start_prefetch() is not None

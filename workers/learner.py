@@ -82,6 +82,7 @@ class Batch:
     wait_s: float = 0.0
     prefetch_s: float = 0.0  # training the groups while the batch filled (learner.prefetch)
     raw: dict[bytes, bytes] = field(default_factory=dict)  # entry id -> payload as read (for dead letters)
+    marked: set[bytes] = field(default_factory=set)  # entry ids recorded as in training (Learner.mark_training)
 
     @property
     def trajectories(self) -> int:
@@ -136,6 +137,9 @@ class Learner:
         start = self.restore_or_init()
         self.meter.add(pause_s=time.monotonic() - t0)
         self.checkpointed_step = self.step  # the last step a durable checkpoint holds
+        # Entry id -> deaths while probed alone, of the entries in our hands when a learner process died
+        # (see take_suspects): each is probed alone before it is trained again.
+        self.suspects: dict[bytes, int] = self.take_suspects()
         self.optimizer = make_optimizer(self.model, self.cfg)
         if start is not None:
             self.optimizer.load_state_dict(start)
@@ -317,7 +321,7 @@ class Learner:
         self.write(lambda pipe: pipe.hset(self.ctx.keys.counters, AHEAD_COUNTER, n))
 
     def start_prefetch(self) -> Prefetch | None:
-        if not Prefetch.eligible(self.cfg, self.world):
+        if not Prefetch.eligible(self.cfg, self.world) or self.suspects:   # a suspect is probed before training
             return None
         ro = self.ctx.cfg.rollout
         return Prefetch(self.model, self.optimizer, self.cfg, ro.temperature, ro.max_turns * ro.max_tokens_per_turn)
@@ -337,6 +341,7 @@ class Learner:
         try:
             if self.device.type == "cuda" and self.vocabulary_errors(new):
                 raise ValueError("a group holds token ids outside the policy's vocabulary")
+            self.mark_training(batch)
             self.ctx.state = "running"
             pf.add(new, stale)
         except Exception as exc:  # noqa: BLE001 - the batch is trained again whole, where errors are handled
@@ -523,12 +528,17 @@ class Learner:
         every one does: a broken device, not the data), or with several
         ranks, the attempts of the whole batch are counted and the error
         re-raised: the learner exits, and its restart replays the batch.
-        A kill (SIGKILL, a drain) counts no attempt.
+        A learner process that dies in training (an OOM kill, a native crash)
+        raises nothing; its restart probes the entries it held, one at a time
+        (``probe_suspects``).
         """
         if self.device.type == "cuda":
             self.dead_letter_entries(batch, self.outside_vocabulary(batch))
         if self.ctx.r.exists(self.ctx.keys.learner_attempts):   # some entry made training raise before
             self.dead_letter_entries(batch, self.attempts_over(list(self.entry_ids_of(batch).values())))
+        if self.suspects:
+            self.probe_suspects(batch)
+        self.mark_training(batch)
         while True:
             try:
                 return self.train(batch)
@@ -539,6 +549,7 @@ class Learner:
                 culprits = self.failing_groups(batch) if self.ranks is None and len(batch.groups) else {}
                 if not culprits or len(culprits) == len(batch.groups) > 1:
                     self.count_attempts(batch.entry_ids, error)
+                    self.write(lambda pipe: pipe.delete(self.ctx.keys.learner_training))   # an error, no death
                     raise
                 self.ctx.log.warning("train_raised", error=error, failing_groups=len(culprits))
                 self.dead_letter_entries(batch, culprits)
@@ -601,6 +612,72 @@ class Learner:
         finally:
             self.optimizer.zero_grad(set_to_none=True)
 
+    # --- entries in hand when a learner process died -------------------------------------------------
+
+    def mark_training(self, batch: Batch) -> None:
+        """Record in Redis the batch's entries before their gradients are computed; the step's writes clear
+        them. What a dead process left there, ``take_suspects`` reads."""
+        new = [i for i in batch.entry_ids if i not in batch.marked]
+        if new:
+            self.write(lambda pipe: pipe.hset(self.ctx.keys.learner_training, mapping=dict.fromkeys(new, "step")))
+            batch.marked.update(new)
+
+    def take_suspects(self) -> dict[bytes, int]:
+        """The suspects on record, with what a dead predecessor left in training added (at start).
+
+        A process that dies computing gradients (an OOM kill, a segfault in a
+        native library, a SIGKILL) leaves its entries in ``learner_training``:
+        a step's entries become suspects with no death counted against them (a
+        whole batch cannot say which one killed it); an entry probed alone is
+        charged the death. A suspect charged ``max_train_attempts`` deaths is
+        dead-lettered instead of trained (``probe_suspects``).
+        """
+        keys = self.ctx.keys
+        left = self.ctx.r.hgetall(keys.learner_training)
+        if left:
+            def queue(pipe):
+                for entry_id, how in left.items():
+                    if how == b"probe":
+                        pipe.hincrby(keys.learner_suspects, entry_id, 1)
+                    else:
+                        pipe.hsetnx(keys.learner_suspects, entry_id, 0)
+                pipe.delete(keys.learner_training)
+            self.write(queue)
+            self.ctx.log.warning("died_in_training", entries=len(left),
+                                 probed_alone=sum(how == b"probe" for how in left.values()))
+        suspects = {i: int(n) for i, n in self.ctx.r.hgetall(keys.learner_suspects).items()}
+        # one acknowledged since (dead-lettered, or judged in a step a checkpoint holds) never comes back
+        gone = [i for i in suspects if not self.ctx.r.xpending_range(keys.scored, GROUP_LEARNER, i, i, 1)]
+        if gone:
+            self.write(lambda pipe: pipe.hdel(keys.learner_suspects, *gone))
+        return {i: n for i, n in suspects.items() if i not in gone}
+
+    def probe_suspects(self, batch: Batch) -> None:
+        """Dead-letter the batch's suspects charged ``max_train_attempts`` deaths; probe the others alone.
+
+        Each probe (``probe``: a forward and backward pass of the group alone)
+        is recorded in ``learner_training`` first, so that a death during it
+        is charged to that group alone. A probe that passes clears the
+        suspect; one that raises leaves the group to the error path of
+        ``train_contained``, as any group that raises.
+        """
+        entry_of = self.entry_ids_of(batch)
+        limit = self.cfg.max_train_attempts
+        over = {i: f"the learner process died {n} times training this group alone" for i in entry_of.values()
+                if (n := self.suspects.get(i, 0)) >= limit}
+        self.dead_letter_entries(batch, over)
+        keys = self.ctx.keys
+        for g, stale in zip(batch.groups, batch.staleness, strict=True):
+            entry_id = entry_of.get(g.prompt_id)
+            if entry_id not in self.suspects:
+                continue
+            self.write(lambda pipe: pipe.hset(keys.learner_training, entry_id, "probe"))
+            error = self.probe(g, stale)
+            self.ctx.log.info("probed_suspect", entry=entry_id.decode(), deaths=self.suspects[entry_id],
+                              error=error)
+            del self.suspects[entry_id]
+            self.write(lambda pipe: (pipe.hdel(keys.learner_suspects, entry_id), pipe.delete(keys.learner_training)))
+
     def entry_ids_of(self, batch: Batch) -> dict[str, bytes]:
         """prompt_id -> entry id of the batch's admitted groups (a group's prompt id is unique in a batch)."""
         wanted = {g.prompt_id for g in batch.groups}
@@ -648,7 +725,10 @@ class Learner:
         gs = self.ctx.cfg.rollout.group_size
         self.dead_letter_bad([(i, batch.raw.get(i, b""), f"learner: {error}",
                                trajectories_of(failed.get(i), gs)) for i, error in errors.items()])
-        self.write(lambda pipe: pipe.hdel(self.ctx.keys.learner_attempts, *errors))
+        self.write(lambda pipe: (pipe.hdel(self.ctx.keys.learner_attempts, *errors),
+                                 pipe.hdel(self.ctx.keys.learner_suspects, *errors)))
+        for entry_id in errors:
+            self.suspects.pop(entry_id, None)
 
     # --- publishing and checkpoints ---------------------------------------------------------------
 
@@ -700,6 +780,10 @@ class Learner:
             outage = Outage(self.ctx.log, stop=self.ctx.stopping)
             outage.call(self.ctx.r.xack, self.ctx.keys.scored, GROUP_LEARNER, *self.unacked)
             outage.call(self.ctx.r.hdel, self.ctx.keys.learner_attempts, *self.unacked)   # trained: failures past
+            if self.suspects:   # those judged without a probe (a duplicate, a stale drop)
+                outage.call(self.ctx.r.hdel, self.ctx.keys.learner_suspects, *self.unacked)
+                for entry_id in self.unacked:
+                    self.suspects.pop(entry_id, None)
         trim(self.ctx.r, self.ctx.keys.scored)
         self.meter.add(pause_s=time.monotonic() - t0)
         self.ctx.log.info("checkpointed", step=self.step, acked=len(self.unacked))
@@ -744,8 +828,9 @@ class Learner:
             self.ctx.state = "waiting"
             with span(self.ctx.log, "learner_wait"):
                 batch = self.collect()
-            if self.ctx.stopping():
-                break  # a batch not trained: its entries stay pending, and the next learner-0 replays them
+            if self.ctx.stopping():   # a batch not trained: its entries stay pending, and the next learner-0
+                self.write(lambda pipe: pipe.delete(self.ctx.keys.learner_training))   # replays them
+                break
             self.ctx.state = "running"
             t0 = time.monotonic()
             with span(self.ctx.log, "train", trajectories=batch.trajectories, world=self.world):
@@ -859,6 +944,7 @@ def _step_writes(r, keys, batch: Batch, metrics: dict):
     if metrics.get("skipped_nonfinite"):
         pipe.hincrby(keys.counters, "steps_skipped_nonfinite", 1)
     pipe.hset(keys.learner_stats, mapping={k: json.dumps(v) for k, v in metrics.items()})
+    pipe.delete(keys.learner_training)   # trained: no death to charge
     pipe.xadd(keys.metrics, {"kind": "learner_step", "data": json.dumps(metrics)},
               maxlen=100_000, approximate=True)
     return pipe

@@ -93,6 +93,14 @@ class JobKeys:
         return self._k("learner:attempts")
 
     @property
+    def learner_training(self) -> str:  # hash: scored entry id -> "step"|"probe": in the learner's hands now
+        return self._k("learner:training")
+
+    @property
+    def learner_suspects(self) -> str:  # hash: scored entry id -> the learner deaths while it was probed alone
+        return self._k("learner:suspects")
+
+    @property
     def workers(self) -> str:  # hash: worker id -> JSON (role, pid, node, slots, state, rate)
         return self._k("workers")
 
