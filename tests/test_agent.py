@@ -14,15 +14,18 @@ import sys
 import time
 
 import pytest
+import redis
 from rq.job import Job
 
 from pipeline.control import agent as agent_mod
 from pipeline.control import actions
 from pipeline.dataplane import messages
-from pipeline.control.agent import Agent, Slot, SlotError, detect_slots, process_start, worker_argv
+from pipeline.control.agent import (Agent, Slot, SlotError, detect_slots, hand_over_pending, process_start,
+                                    worker_argv)
 from pipeline.control.actions import worker_key
-from pipeline.dataplane.keys import AGENTS, CONTROLLER_EPOCH, GROUP_ROLLOUT, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
-from pipeline.dataplane.streams import group_pending
+from pipeline.dataplane.keys import (AGENTS, CONTROLLER_EPOCH, GROUP_REWARD, GROUP_ROLLOUT, JobKeys, agent_backoff,
+                                     agent_desired, agent_lock, agent_log, agent_procs)
+from pipeline.dataplane.streams import ensure_groups, group_pending
 try:  # pytest imports tests/ as a package when it has an __init__.py, else as a directory on sys.path
     from tests.test_sim_workers import sim_job, wait_for
 except ModuleNotFoundError:
@@ -222,6 +225,30 @@ def test_actions_of_a_fenced_controller_are_ignored(r, redis_url, tmp_path, stop
     assert Job.fetch(bad.id, connection=r, serializer=bad.serializer).get_status() in ("scheduled", "failed")
 
 
+@pytest.mark.parametrize("died", ["dequeued", "started"])
+def test_an_action_a_killed_agent_took_and_did_not_finish_is_run_by_the_next_agent(r, redis_url, tmp_path,
+                                                                                    stop_agents, died):
+    """An agent SIGKILLed after rq took a job off its queue (into the intermediate list) or began it (the
+    started registry) leaves it there; the next agent of the node puts it back and runs it."""
+    run_dir = sim_job(r, redis_url, tmp_path)
+    a = make_agent(r, redis_url)
+    job = actions.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    taken, queue = a.jobs.dequeue()
+    assert taken.id == job.id
+    if died == "started":
+        a.jobs.worker.prepare_execution(taken)    # what rq's execute_job does before the action runs
+        a.jobs.worker.prepare_job_execution(taken, remove_from_intermediate_queue=True)
+        assert job.id in queue.started_job_registry.get_job_ids(cleanup=False)
+    r.delete(agent_lock(NODE))    # the agent dies here: nothing written, its lock expires
+    assert not r.hexists(agent_desired(NODE), worker_key(JOB, "rollout-n1-0"))
+    b = make_agent(r, redis_url)
+    stop_agents.append(b)
+    assert b.jobs.run_pending() == 1
+    assert json.loads(r.hget(agent_desired(NODE), worker_key(JOB, "rollout-n1-0")))["state"] == agent_mod.STATE_RUN
+    assert Job.fetch(job.id, connection=r, serializer=job.serializer).get_status() == "finished"
+    assert not queue.intermediate_queue.get_job_ids() and not queue.started_job_registry.get_job_ids(cleanup=False)
+
+
 def test_restart_action_bumps_the_generation_once(r, redis_url, tmp_path, stop_agents):
     run_dir = sim_job(r, redis_url, tmp_path)
     a = make_agent(r, redis_url)
@@ -250,13 +277,77 @@ def test_crashed_worker_restarts_with_backoff(r, redis_url, tmp_path, stop_agent
         os.kill(pids[-1], signal.SIGKILL)         # a crash (the test kills it, not the agent)
         step_until(a, lambda: key not in a.procs, what="the crash to be seen")
         b = a.backoff[key]
-        waits.append(b.next_at - time.monotonic())
+        waits.append(b.next_at - time.time())
         assert b.restarts == n
         pids.append(step_until(a, lambda: live(a, "rollout-n1-0"), what=f"restart {n}").pid)
     assert len(set(pids)) == 3
     assert waits[1] > waits[0]                     # the back-off grows
     events = [e["event"] for e in log_events(r)]
     assert events.count("spawned") == 3 and "sigkill" not in events and "sigterm" not in events
+
+
+@pytest.mark.slow
+def test_a_restarted_agent_keeps_the_back_off_of_a_crash_looping_worker(r, redis_url, tmp_path, stop_agents):
+    """The back-off is on record in Redis: an agent that restarts while a worker waits out its back-off
+    waits the rest of it, instead of starting the worker again at once."""
+    run_dir = sim_job(r, redis_url, tmp_path)
+    a = make_agent(r, redis_url, backoff_s=(30.0, 60.0))
+    actions.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    key = worker_key(JOB, "rollout-n1-0")
+    os.kill(step_until(a, lambda: live(a, "rollout-n1-0"), what="the worker").pid, signal.SIGKILL)
+    step_until(a, lambda: key not in a.procs, what="the crash to be seen")
+    assert a.backoff[key].restarts == 1
+    r.delete(agent_lock(NODE))    # the agent dies (its lock expires) while the worker waits out 30 s
+    b = make_agent(r, redis_url, backoff_s=(30.0, 60.0))
+    stop_agents.append(b)
+    assert b.backoff[key] == a.backoff[key]
+    for _ in range(20):
+        b.step()
+        time.sleep(0.05)
+    assert key not in b.procs and [e["event"] for e in log_events(r)].count("spawned") == 1
+    b.backoff[key].next_at = time.time()    # the wait is over: started again, and a next crash waits longer
+    pid = step_until(b, lambda: live(b, "rollout-n1-0"), what="the restart").pid
+    os.kill(pid, signal.SIGKILL)
+    step_until(b, lambda: key not in b.procs, what="the second crash to be seen")
+    assert b.backoff[key].restarts == 2
+    assert json.loads(r.hget(agent_backoff(NODE), key))["restarts"] == 2
+
+
+def test_an_exit_seen_while_redis_fails_is_booked_on_the_next_pass(r, redis_url, tmp_path, stop_agents,
+                                                                   monkeypatch):
+    """An adopted learner's exit is judged by reading its job's phase; a Redis error right there must not
+    forget the process unjudged (its crash's back-off lost): the next pass books it."""
+    run_dir = sim_job(r, redis_url, tmp_path)
+    key, s = worker_key(JOB, "learner-0"), {**spec(run_dir, "learner-0", [0], role="learner"), "generation": 0}
+    learner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        r.hset(agent_procs(NODE), key, json.dumps({**s, "node": NODE, "pid": learner.pid,
+                                                    "start": process_start(learner.pid),
+                                                    "started_at": time.time(), "state": "running"}))
+        a = make_agent(r, redis_url)
+        stop_agents.append(a)
+        assert a.procs[key].popen is None     # adopted: its exit code is not ours to read
+        learner.kill()
+        learner.wait()
+        desired = {key: {**s, "state": agent_mod.STATE_RUN, "seq": 7}}
+        real, calls = a.job_run, []
+
+        def fails_once(job, runs):
+            calls.append(job)
+            if len(calls) == 1:
+                raise redis.ConnectionError("Redis went away")
+            return real(job, runs)
+
+        monkeypatch.setattr(a, "job_run", fails_once)
+        with pytest.raises(redis.ConnectionError):
+            a.reap(desired)
+        assert key in a.procs                  # not forgotten
+        a.reap(desired)
+        assert key not in a.procs and a.backoff[key].restarts == 1
+        assert [e["event"] for e in log_events(r) if e["key"] == key] == ["exited"]
+    finally:
+        learner.kill()
+        learner.wait()
 
 
 @pytest.mark.slow
@@ -325,6 +416,24 @@ def test_drain_kills_after_grace_and_hands_pending_work_over(r, redis_url, tmp_p
     # its prompt went to the other worker, which generates it: nothing lost
     step_until(a, lambda: r.xlen(keys.rollouts) == 1, 60, "the other worker to generate the handed-over prompt")
     assert group_pending(r, keys.prompts, GROUP_ROLLOUT) == 0
+
+
+def test_every_pending_entry_of_an_exited_worker_is_handed_over_past_one_listing(r):
+    """More entries pending than one XPENDING listing returns (10,000): all go to the live worker before the
+    exited one's consumer is deleted (deleting it drops what it holds from the pending list: lost)."""
+    keys = JobKeys(JOB)
+    ensure_groups(r, keys)
+    n = agent_mod.HAND_OVER_PAGE + 5
+    pipe = r.pipeline(transaction=False)
+    for i in range(n):
+        pipe.xadd(keys.rollouts, {"i": i})
+    pipe.execute()
+    r.xreadgroup(GROUP_REWARD, "reward-n1-0", {keys.rollouts: ">"}, count=n)
+    r.hset(keys.workers, "reward-n1-1", json.dumps({"id": "reward-n1-1", "role": "reward", "state": "running",
+                                                    "heartbeat": time.time()}))
+    assert hand_over_pending(r, JOB, "reward", "reward-n1-0") == n
+    consumers = {c["name"].decode(): c["pending"] for c in r.xinfo_consumers(keys.rollouts, GROUP_REWARD)}
+    assert consumers == {"reward-n1-1": n} and group_pending(r, keys.rollouts, GROUP_REWARD) == n
 
 
 @pytest.mark.slow

@@ -8,10 +8,13 @@ Its main loop, every ``TICK_S``:
 
 1. runs the control jobs waiting on its rq queue in-process (an rq
    ``SimpleWorker`` that never forks; ``pipeline.control.actions``): they only
-   write the desired state of workers into ``agent_desired(node)``;
+   write the desired state of workers into ``agent_desired(node)``; at start
+   it first requeues the jobs a killed predecessor took and did not finish;
 2. reaps its processes that exited: a slot is free only once its process has
    exited; a crash (non-zero exit while the worker should run) is restarted
-   with exponential back-off, a clean exit (the learner finished) is not;
+   with exponential back-off (kept in ``agent_backoff(node)``, so a
+   restarted agent keeps a crash-looping worker's wait), a clean exit (the
+   learner finished) is not;
    an adopted process's exit code is not ours to read, so an adopted learner
    that exits once its job is marked trained counts as a clean exit, and
    no learner is started for a trained job;
@@ -50,7 +53,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import redis
@@ -58,7 +61,8 @@ import structlog
 
 from pipeline.control import actions
 from pipeline.control.actions import STATE_DRAIN, STATE_GONE, STATE_RUN
-from pipeline.dataplane.keys import AGENTS, ROLES, JobKeys, agent_desired, agent_lock, agent_log, agent_procs
+from pipeline.dataplane.keys import (AGENTS, ROLES, JobKeys, agent_backoff, agent_desired, agent_lock, agent_log,
+                                     agent_procs)
 from pipeline.dataplane.lifeline import ORPHAN_EXIT_S, process_start, watch_parent
 from pipeline.dataplane.redisconn import ENV_URL, UNAVAILABLE, Outage, connect
 from pipeline.redaction import open_private
@@ -68,6 +72,7 @@ HEARTBEAT_S = 1.0
 LOCK_TTL_S = 15.0
 GRACE_S = 30.0            # SIGTERM -> SIGKILL; longer than a stage's slowest batch
 BACKOFF_S = (1.0, 60.0)   # first and longest wait before restarting a crashed worker
+HAND_OVER_PAGE = 10_000   # pending entries listed or claimed per command when a worker's are handed over
 STABLE_S = 60.0           # a worker that ran this long starts its back-off afresh
 TOMBSTONE_S = 3600.0      # drained records are kept this long, so a late retried action stays ignored
 GPUS_ENV = "LIBRA_GPUS"
@@ -205,7 +210,7 @@ def same_dir(a: str, b: str) -> bool:
 @dataclass
 class Backoff:
     restarts: int = 0
-    next_at: float = 0.0
+    next_at: float = 0.0  # time.time() of the earliest restart (wall clock: it outlives the agent's process)
     run_dir: str = ""     # the run whose worker crashed: a later run's worker of the same id starts afresh
 
 
@@ -250,6 +255,35 @@ class ControlJobRunner:
         self.scheduler = RQScheduler([self.queue], connection=r, serializer=JSONSerializer)
         self.scheduler.prepare_registries([self.queue.name])
         self.worker.bootstrap(logging_level="WARNING")
+
+    def recover(self) -> int:
+        """Put back at the front of the queue the jobs a dead predecessor took and did not finish.
+
+        rq moves a job off the queue into an intermediate list, then into the
+        started registry while it runs; an agent killed in between leaves it
+        there, and nothing of ours would ever run it (rq's own maintenance
+        fails a job stuck that way after a minute). Only the agent holding
+        the node's lock takes from its queue, so at start every job found
+        there is a predecessor's. An action is idempotent (``seq``), so one
+        that did write its record before the kill writes the same again.
+        """
+        from rq.job import JobStatus
+
+        q = self.queue
+        left = q.intermediate_queue.get_job_ids() + q.started_job_registry.get_job_ids(cleanup=False)
+        requeued = 0
+        for job_id in dict.fromkeys(left):
+            job = q.fetch_job(job_id)
+            q.intermediate_queue.remove(job_id)
+            if job is None:
+                continue
+            q.started_job_registry.remove_executions(job)
+            if job.get_status() in (JobStatus.QUEUED, JobStatus.STARTED):   # not finished, failed nor refused
+                q.enqueue_job(job, at_front=True)
+                requeued += 1
+        if requeued:
+            self.log.warning("control_jobs_requeued", jobs=requeued)
+        return requeued
 
     def run_pending(self, limit: int = 64) -> int:
         """Move due retries back onto the queue, then run (or refuse) up to ``limit`` queued jobs."""
@@ -329,7 +363,10 @@ class Agent:
             raise SystemExit(f"agent: another agent holds node name {self.node!r} "
                              f"({(self.r.get(agent_lock(self.node)) or b'').decode()}); pick another --node")
         self.adopt()
+        self.backoff = {k.decode(): Backoff(**json.loads(v))
+                        for k, v in self.r.hgetall(agent_backoff(self.node)).items()}
         self.jobs = ControlJobRunner(self.r, self.node, self.log)
+        self.jobs.recover()
         self.heartbeat(force=True)
         self.log.info("agent_started", slots=[s.as_dict() for s in self.slots], pid=os.getpid())
         return self
@@ -416,16 +453,18 @@ class Agent:
         for key, p in list(self.procs.items()):
             if p.alive():
                 continue
-            del self.procs[key]
             code = p.exit_code
             ran = time.time() - p.started_at
-            self.event("exited", p, code=code, ran_s=round(ran, 2))
             d = desired.get(key)
-            if p.term_at is None and d and d["state"] == STATE_RUN and same_worker(d, p.spec):
-                if code == 0 or (code is None and self.finished_training(p)):
-                    self.completed[key] = d["seq"]     # finished its work (the learner's last step)
-                else:
-                    self.book_restart(key, ran, d["run_dir"])
+            ended = p.term_at is None and d and d["state"] == STATE_RUN and same_worker(d, p.spec)
+            # read before the process is forgotten: a Redis error here leaves it to the next pass
+            done = ended and (code == 0 or (code is None and self.finished_training(p)))
+            del self.procs[key]
+            self.event("exited", p, code=code, ran_s=round(ran, 2))
+            if done:
+                self.completed[key] = d["seq"]     # finished its work (the learner's last step)
+            elif ended:
+                self.book_restart(key, ran, d["run_dir"])
             if p.spec["role"] in ("rollout", "reward"):
                 try:
                     hand_over_pending(self.r, p.spec["job"], p.spec["role"], p.spec["worker"], self.log)
@@ -452,11 +491,18 @@ class Agent:
         first, longest = self.backoff_s
         wait = min(first * 2 ** b.restarts, longest)
         b.restarts += 1
-        b.next_at = time.monotonic() + wait
+        b.next_at = time.time() + wait
         self.log.warning("worker_crashed", key=key, restart_in_s=wait, restarts=b.restarts)
+        try:   # for a restarted agent; past the longest wait and a stable run, a record says nothing more
+            pipe = self.r.pipeline(transaction=True)
+            pipe.hset(agent_backoff(self.node), key, json.dumps(asdict(b)))
+            pipe.expire(agent_backoff(self.node), int(longest + STABLE_S) + 1)
+            pipe.execute()
+        except UNAVAILABLE as exc:   # the wait holds in this process all the same
+            self.log.warning("backoff_not_recorded", key=key, error=str(exc))
 
     def drive(self, desired: dict[str, dict]) -> None:
-        now = time.monotonic()
+        now = time.time()
         runs: dict[str, tuple[str, str]] = {}   # job -> (phase, run_dir), read once a pass
         for key, p in self.procs.items():
             d = desired.get(key)
@@ -610,14 +656,22 @@ def hand_over_pending(r: redis.Redis, job: str, role: str, consumer: str, log=No
     """
     keys = JobKeys(job)
     stream, group = {s: (src, g) for s, src, g in keys.stages}[role]
+    ids, start = [], "-"
     try:
-        mine = r.xpending_range(stream, group, "-", "+", 10_000, consumername=consumer)
+        while True:   # every one: deleting a consumer drops what it still holds from the pending list
+            page = [e["message_id"] for e in r.xpending_range(stream, group, start, "+", HAND_OVER_PAGE,
+                                                              consumername=consumer)]
+            ids += page
+            if len(page) < HAND_OVER_PAGE:
+                break
+            start = "(" + (page[-1].decode() if isinstance(page[-1], bytes) else page[-1])
     except redis.ResponseError:
         return 0   # no such stream or group (the job is gone)
-    ids = [e["message_id"] for e in mine]
     target = live_worker(r, keys, role, exclude=consumer)
     if ids and target:
-        r.xclaim(stream, group, target, 0, ids, idle=365 * 24 * 3600 * 1000, justid=True)
+        for i in range(0, len(ids), HAND_OVER_PAGE):
+            r.xclaim(stream, group, target, 0, ids[i:i + HAND_OVER_PAGE], idle=365 * 24 * 3600 * 1000,
+                     justid=True)
         if log:
             log.info("handed_over_pending", worker=consumer, to=target, entries=len(ids))
     if not ids or target:

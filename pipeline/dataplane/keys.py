@@ -203,6 +203,10 @@ def agent_procs(node: str) -> str:  # hash: "job/worker" -> JSON {pid, start, sl
     return f"{PREFIX}:agent:{node}:procs"
 
 
+def agent_backoff(node: str) -> str:  # hash: "job/worker" -> JSON {restarts, next_at, run_dir} of a crash
+    return f"{PREFIX}:agent:{node}:backoff"
+
+
 def agent_log(node: str) -> str:  # stream capped by length: every process the agent started or stopped
     return f"{PREFIX}:agent:{node}:log"
 
