@@ -30,9 +30,15 @@ import torch
 from workers.tiny_policy import save_weights
 
 
+def numbered(paths, prefix: str) -> list[tuple[int, Path]]:
+    """(number, path) of the ``<prefix><digits>`` names among ``paths``, by number: a step or a version
+    past 999,999 has a seventh digit, and names would sort it first."""
+    out = [(int(p.name[len(prefix):]), p) for p in paths if p.name[len(prefix):].isdigit()]
+    return sorted(out)
+
+
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    done = sorted(p for p in ckpt_dir.glob("step-*") if not p.name.endswith(".tmp")
-                  and (p / "state.json").exists())
+    done = [p for _n, p in numbered(ckpt_dir.glob("step-*"), "step-") if (p / "state.json").exists()]
     return done[-1] if done else None
 
 
@@ -69,7 +75,7 @@ def write_checkpoint(ckpt_dir: Path, model, optimizer, consumed: list[str], drop
     """
     final = ckpt_dir / f"step-{state['step']:06d}"
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_partial(ckpt_dir, "step-")
     tmp.mkdir(parents=True)
     save_weights(model, tmp / "model", source_dir)
     torch.save(_on_cpu(optimizer.state_dict()), tmp / "optimizer.pt")
@@ -77,17 +83,17 @@ def write_checkpoint(ckpt_dir: Path, model, optimizer, consumed: list[str], drop
     (tmp / "dropped.txt").write_text("".join(f"{i}\n" for i in dropped))
     (tmp / "dropped_branch.txt").write_text("".join(f"{i}\n" for i in dropped_branch))
     (tmp / "state.json").write_text(json.dumps(state))
-    _fsync_dir(tmp)
+    _fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    _fsync_dir(ckpt_dir)
+    _fsync_tree(ckpt_dir, recurse=False)
 
 
 def write_published(pub_dir: Path, version: int, model, source_dir: Path) -> Path:
     """Write the weights of ``version`` as ``v<version>``, replacing any earlier set under that name."""
     final = pub_dir / f"v{version:06d}"
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_partial(pub_dir, "v")
     save_weights(model, tmp, source_dir)
     if final.exists():
         shutil.rmtree(final)
@@ -112,9 +118,16 @@ def newest_published(pub_dir: Path) -> int:
 
 
 def prune_published(pub_dir: Path, keep: int) -> None:
-    versions = sorted(p for p in pub_dir.glob("v*") if not p.name.endswith(".tmp"))
-    for old in versions[:-keep]:
+    for _n, old in numbered(pub_dir.glob("v*"), "v")[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_partial(directory: Path, prefix: str) -> None:
+    """Remove the half-written ``<prefix>N.tmp`` directories a killed write left (only the learner writes
+    here, one write at a time, so any found before a write is debris; a restart numbers past it, and no
+    later write of the same name would clear it)."""
+    for p in directory.glob(f"{prefix}*.tmp"):
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _on_cpu(obj):
@@ -128,8 +141,10 @@ def _on_cpu(obj):
     return obj
 
 
-def _fsync_dir(path: Path) -> None:
-    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+def _fsync_tree(path: Path, recurse: bool = True) -> None:
+    """fsync ``path`` and, with ``recurse``, everything under it (a new directory before its rename); without,
+    the directory alone (its entries: the rename into it)."""
+    for p in [path, *path.rglob("*")] if recurse and path.is_dir() else [path]:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)

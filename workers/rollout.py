@@ -11,6 +11,8 @@ single policy version that generated all of its samples.
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Callable, TypeVar
 
 import msgpack
 import numpy as np
@@ -37,6 +39,28 @@ def published_policy(ctx: WorkerContext) -> tuple[int, str]:
     return int(info[b"version"]), info[b"path"].decode()
 
 
+T = TypeVar("T")
+
+
+def load_newest(ctx: WorkerContext, load: Callable[[str], T]) -> tuple[int, str, T]:
+    """(version, dir, ``load(dir)``) of the newest published weights.
+
+    The learner keeps ``learner.keep_published`` versions and prunes older
+    ones; a load that takes longer than that many publications (an engine
+    starting while a backlog is trained at one version a step) can find its
+    directory gone. Then it loads the newer weights announced since; an
+    error with the directory still there, or with nothing newer, is raised.
+    """
+    while True:
+        version, path = published_policy(ctx)
+        try:
+            return version, path, load(path)
+        except Exception:
+            if Path(path).exists() or published_policy(ctx)[0] == version:
+                raise
+            ctx.log.warning("weights_pruned_while_loading", version=version, path=path)
+
+
 class Rollout:
     """The rollout stage of one worker: its engine, its policy version, its evaluation cursor."""
 
@@ -46,10 +70,10 @@ class Rollout:
         # What the controller plans from: engine time, weight loads (the first included), waits for
         # input and for room downstream.
         self.meter = CostMeter(ctx.r, ctx.keys, ctx.worker_id, "rollout")
-        version, path = published_policy(ctx)
         t0 = time.monotonic()
-        self.engine = make_engine(ctx.cfg, path)
-        self.tokenizer = load_tokenizer(path)
+        # the tokenizer first: a load that fails on pruned files leaves no engine behind
+        version, path, (self.tokenizer, self.engine) = load_newest(
+            ctx, lambda p: (load_tokenizer(p), make_engine(ctx.cfg, p)))
         ctx.set_version(version)
         self.meter.add(pause_s=time.monotonic() - t0)
         ctx.log.info("engine_loaded", path=path, load_s=round(time.monotonic() - t0, 1))
@@ -76,12 +100,12 @@ class Rollout:
         return True
 
     def maybe_reload(self, min_version: int = 0) -> None:
-        version, path = published_policy(self.ctx)
+        version, _path = published_policy(self.ctx)
         if version <= self.ctx.policy_version:
             return
         t0 = time.monotonic()
         with span(self.ctx.log, "weight_sync", version=version):
-            self.engine.reload(path)
+            version, _path, _ = load_newest(self.ctx, self.engine.reload)
         took = time.monotonic() - t0
         self.meter.add(pause_s=took, reload_s=took, reloads=1)
         self.ctx.set_version(version)
