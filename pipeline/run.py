@@ -443,6 +443,7 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
         r = connect(url)
         if resume_dir:
             check_resumable(r, JobKeys(cfg.job.name), run_dir)
+            check_prompts_unchanged(r, cfg)
         else:
             if _refused(cfg, out, r):    # again: the pool may have changed while the policy was prepared
                 return 2
@@ -571,6 +572,17 @@ def check_resumable(r: redis.Redis, keys: JobKeys, run_dir: Path) -> None:
     if not r.exists(keys.policy):
         raise RunFailed(f"nothing to resume: job {keys.job!r} has no state in this Redis "
                         f"(a Redis without persistence loses it on restart)")
+
+
+def check_prompts_unchanged(r: redis.Redis, cfg: Config) -> None:
+    """The feeder's own check (``workers.feeder.prompts_changed``), before anything starts."""
+    from workers.envs import env_from_config
+    from workers.feeder import load_prompts, prompts_changed
+
+    path = cfg.job.train_prompts
+    why = prompts_changed(r, JobKeys(cfg.job.name), path, load_prompts(env_from_config(cfg), path)[0])
+    if why:
+        raise RunFailed(why)
 
 
 def resume_job(run_dir: Path, argv: list[str], out=sys.stderr) -> int:

@@ -14,6 +14,8 @@ reads at most (``step_reads_spent``).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import random
 import time
 
@@ -108,6 +110,7 @@ def run(ctx: WorkerContext) -> None:
     limit = admission_limit(cfg)
     outage = Outage(ctx.log, stop=ctx.stopping)
     outage.call(ensure_groups, ctx.r, ctx.keys)
+    outage.call(check_prompts, ctx, problems)
     outage.call(ctx.publish_state, "running")
     while not ctx.stopping():
         try:
@@ -133,9 +136,46 @@ def task_at(problems: list[Task], seed: int, cursor: int) -> Task:
     ``libra-ctl bench rollout`` reads the same tasks for its direct path.
     """
     epoch, idx = divmod(cursor, len(problems))
-    order = random.Random(seed * 1_000_003 + epoch).sample(range(len(problems)), len(problems))
-    p = problems[order[idx]]
+    p = problems[epoch_order(seed, epoch, len(problems))[idx]]
     return Task(f"{p.prompt_id}@{epoch}", p.prompt, p.answer)
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
+    """The order of an epoch's ``n`` prompts, drawn once per epoch (not once per prompt issued)."""
+    return random.Random(seed * 1_000_003 + epoch).sample(range(n), n)
+
+
+def fingerprint(problems: list[Task]) -> str:
+    """What the cursor counts: the prompt ids in file order (their number and order both matter)."""
+    h = hashlib.sha256()
+    for p in problems:
+        h.update(p.prompt_id.encode() + b"\n")
+    return f"{len(problems)}:{h.hexdigest()[:16]}"
+
+
+def prompts_changed(r, keys, path: str, problems: list[Task]) -> str | None:
+    """Why ``problems`` (read from ``path``) is not the prompt file the job's cursor counts in; None if it is.
+
+    The cursor maps to (epoch, line) through the file's length and order: a
+    resumed job whose file gained, lost or reordered lines would issue ids
+    already issued (``<id>@<epoch>`` again) and skip others. A job that has
+    issued nothing, or that recorded no file, may take any.
+    """
+    cursor, recorded = r.hmget(keys.feeder, ["cursor", "prompts"])
+    mine = fingerprint(problems)
+    if recorded is None or int(cursor or 0) == 0 or recorded.decode() == mine:
+        return None
+    return (f"{path} is not the prompt file this job issued {int(cursor)} prompts from (ids in order: "
+            f"{recorded.decode()} then, {mine} now); put that file back to resume, or start a new run")
+
+
+def check_prompts(ctx: WorkerContext, problems: list[Task]) -> None:
+    """Refuse to go on over another prompt file than the one the cursor counts in; record this one."""
+    why = prompts_changed(ctx.r, ctx.keys, ctx.cfg.job.train_prompts, problems)
+    if why:
+        raise SystemExit(f"feeder: {why}")
+    ctx.r.hset(ctx.keys.feeder, "prompts", fingerprint(problems))
 
 
 def issue_one(ctx: WorkerContext, problems: list[Task], group: int, outage: Outage | None = None) -> None:

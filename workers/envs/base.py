@@ -220,13 +220,24 @@ class Environment:
         return Task(prompt_id, record["prompt"], record.get("answer"))
 
     def read_prompts(self, path: str | Path) -> Iterator[Task | BadLine]:
-        """Each line's task, or a ``BadLine`` saying why not; blank lines are skipped."""
+        """Each line's task, or a ``BadLine`` saying why not; blank lines are skipped.
+
+        A prompt id already used by an earlier line is a bad line: the feeder
+        issues ``<id>@<epoch>``, unique per issue only while the file's ids are.
+        """
+        first_line: dict[str, int] = {}
         with open(path, encoding="utf-8", errors="replace") as f:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
                 try:
-                    yield self.parse_task(json.loads(line))
+                    task = self.parse_task(json.loads(line))
+                    if task.prompt_id in first_line:
+                        yield BadLine(lineno, f"prompt_id {task.prompt_id!r} is already the id of line "
+                                              f"{first_line[task.prompt_id]} (ids must be unique)")
+                        continue
+                    first_line[task.prompt_id] = lineno
+                    yield task
                 except json.JSONDecodeError as exc:
                     yield BadLine(lineno, f"bad JSON: {exc.msg}")
                 except ValueError as exc:
