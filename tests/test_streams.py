@@ -1,10 +1,15 @@
+import threading
+import time
+
 import numpy as np
 import pytest
+import redis
 
 from pipeline.dataplane import messages as m
 from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, JobKeys
-from pipeline.dataplane.streams import (ClaimPolicy, Reject, ensure_groups, group_pending, read, read_own_pending,
-                                        replay_own, run_stage, stream_lag, take_over_pending)
+from pipeline.dataplane.streams import (ClaimPolicy, Dedup, Reject, ensure_groups, group_pending, read,
+                                        read_own_pending, reclaim, replay_own, run_stage, stream_lag,
+                                        take_over_pending)
 
 
 def unscored_group(pid: str) -> m.Group:
@@ -373,3 +378,59 @@ def test_take_over_pending_moves_a_dead_consumers_entries_to_a_new_name_once(r):
     new = r.xreadgroup(GROUP_LEARNER, "learner-new", {keys.scored: ">"}, count=100)
     assert [i for i, _f in new[0][1]] == [ids[5]]           # then only what no one had read
     assert group_pending(r, keys.scored, GROUP_LEARNER) == 1
+
+
+class _FullForScripts:
+    """A client for one stage whose write+ack script meets a full Redis (noeviction: OOM) until ``freed``.
+    Everything else (reads, XCLAIM, XACK: not refused by a full Redis, checked on 6.2) goes through."""
+
+    def __init__(self, r: redis.Redis):
+        self._r, self.freed, self.refused = r, threading.Event(), 0
+
+    def eval(self, *args, **kwargs):
+        if not self.freed.is_set():
+            self.refused += 1
+            raise redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+        return self._r.eval(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._r, name)
+
+
+def test_a_worker_waiting_out_a_full_redis_keeps_its_claim_and_its_group_is_scored_once(r):
+    """A full Redis is backpressure: the stage holds its batch while its write waits. The claim is kept
+    through that wait (XCLAIM still goes through a full Redis), so another worker's reclaim finds nothing
+    idle; were it taken, the reclaim past max_deliveries (1 here) would dead-letter the group while the
+    holder's write scores it once memory frees: counted twice."""
+    keys = JobKeys("full")
+    ensure_groups(r, keys)
+    r.hset(keys.feeder, "group_size", 2)
+    r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group("g"))})
+    policy = ClaimPolicy(min_idle_ms=1000, max_deliveries=1)
+    full = _FullForScripts(r)
+    stopping = threading.Event()
+    holder = threading.Thread(target=run_stage, daemon=True, args=(full, keys), kwargs=dict(
+        source=keys.rollouts, group=GROUP_REWARD, consumer="reward-0", sink=keys.scored,
+        handle=lambda groups: [g.with_rewards([1.0, 0.0], 1.0) for g in groups], count=16, block_ms=20,
+        max_bytes=1 << 20, claims=policy, stop=stopping.is_set, counter="scored", dedup=Dedup("reward", 600)))
+    holder.start()
+    try:
+        deadline = time.monotonic() + 10
+        while full.refused == 0 and time.monotonic() < deadline:   # reward-0 scored it, and waits to write
+            time.sleep(0.02)
+        assert full.refused > 0
+        time.sleep(2.0)          # Redis stays full for 2 x min_idle; reward-0 is alive and waiting all along
+        # another reward worker's round: its reclaim scan
+        assert reclaim(r, keys, keys.rollouts, GROUP_REWARD, "reward-1", policy, 1, "0-0")[0] == []
+        full.freed.set()         # memory frees; reward-0's write goes through
+        deadline = time.monotonic() + 15
+        while r.xlen(keys.scored) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        full.freed.set()
+        stopping.set()
+        holder.join(timeout=15)
+    scored = [m.decode(f[m.FIELD], 1 << 20).prompt_id for _i, f in r.xrange(keys.scored)]
+    dead = [f[b"reason"].decode() for _i, f in r.xrange(keys.dead_letters)]
+    c = {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()}
+    assert scored == ["g"] and dead == [] and c.get("scored") == 2 and "dead_lettered" not in c

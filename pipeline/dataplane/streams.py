@@ -593,15 +593,17 @@ def run_stage(
             if not entries:
                 continue
             good, bad = decode_entries(entries, max_bytes)
+            # The claim is kept until the batch is acknowledged: through the write too, which waits out a
+            # full Redis (XCLAIM still goes through one) for as long as it lasts.
             with keeper([i for i, _p in entries]):
                 outputs = handle([msg for _id, msg in good]) if good else []
-            try:
-                write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop, dedup,
-                              raw=dict(entries))
-            except UNAVAILABLE:
-                if not stop():
-                    raise
-                break   # stopping without Redis (our run is gone with it): the batch stays pending, replayed
+                try:
+                    write_and_ack(r, keys, source, group, sink, good, outputs, bad, counter, log, stop, dedup,
+                                  raw=dict(entries))
+                except UNAVAILABLE:
+                    if not stop():
+                        raise
+                    break   # stopping without Redis (our run is gone with it): the batch stays pending, replayed
     finally:
         keeper.close()
 
