@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 import structlog
 import torch
 
@@ -42,7 +43,7 @@ from pipeline.dataplane.cadence import write_cadence
 from pipeline.observe.audit import audit
 from pipeline.dataplane.keys import GROUP_LEARNER, JOBS, LEARNER, JobKeys
 from pipeline.dataplane.lineage import Lineage, load_segments
-from pipeline.dataplane.redisconn import ENV_URL
+from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect
 from pipeline.run import policy_spec
 from pipeline.dataplane.streams import ensure_groups, group_pending, learner_backlog
 from pipeline.dataplane.worker import WorkerContext, load_run_config
@@ -479,10 +480,10 @@ def killed_after_checkpoint(monkeypatch, step: int) -> None:
     monkeypatch.setattr(learner_mod, "write_checkpoint", write_then_die)
 
 
-def in_process_learner(run_dir: Path, r) -> "learner_mod.Learner":
+def in_process_learner(run_dir: Path, r, world: int = 1) -> "learner_mod.Learner":
     ctx = WorkerContext(cfg=load_run_config(run_dir), run_dir=run_dir, keys=JobKeys("rec"), r=r,
                         worker_id=LEARNER, role="learner", log=structlog.get_logger(), node="h")
-    return learner_mod.Learner(ctx)
+    return learner_mod.Learner(ctx, world=world)
 
 
 @pytest.mark.slow
@@ -606,3 +607,103 @@ def test_a_suspect_acknowledged_since_is_forgotten_and_does_not_hold_prefetch_of
     learner = in_process_learner(run_dir, r)
     assert learner.suspects == {} and not r.exists(keys.learner_suspects)
     assert learner.start_prefetch() is not None
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    with EmbeddedRedis(tmp_path / "private-redis") as server:
+        yield server.url
+
+
+@pytest.mark.slow
+def test_a_drain_while_redis_is_full_still_checkpoints_the_steps_trained(tmp_path, private_redis, policy_dir):
+    """A drain (SIGTERM) between checkpoints checkpoints the steps trained even while Redis is full (XACK goes
+    through a full Redis): clearing the learner's training marks on the way out does not wait on a write a
+    full Redis refuses while the learner stops (a mark left costs the restart a probe, nothing more)."""
+    r = connect(private_redis)
+    run_dir, _cfg = setup_run(tmp_path, r, private_redis, policy_dir, dedup=True,
+                              extra=("learner.checkpoint_every=2", "learner.prefetch=false"))
+    keys = JobKeys("rec")
+    feed(r, scored_groups(policy_dir, 4), issued=4, at_once=True)   # one step, then the learner waits
+    learner = in_process_learner(run_dir, r)
+    read_waiting = learner.read_waiting
+
+    def drained_while_full(count, block_ms, held):
+        if learner.step == 1:   # step 1 trained (not checkpointed: every 2); waiting for step 2's data
+            r.config_set("maxmemory", str(int(r.info("memory")["used_memory"]) // 2))
+            learner.ctx.stop_event.set()   # SIGTERM
+            return []
+        return read_waiting(count, block_ms, held)
+
+    learner.read_waiting = drained_while_full
+    try:
+        learner.run()   # the checkpoint's cost-meter write, after its files and acks, may meet the full Redis
+    except redis.ResponseError:
+        pass
+    finally:
+        r.config_set("maxmemory", "2gb")
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-000001"]
+    assert group_pending(r, keys.scored, GROUP_LEARNER) == 0
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_idle_does_not_dead_letter_the_good_batch_after_it(tmp_path, r, redis_url, policy_dir):
+    """world = 2. Rank 1 is SIGKILLed (the kernel's OOM killer, a chaos kill) while rank 0 waits for data: no
+    group is at fault. The step that finds it gone is a death, as rank 0's own would be: no training attempt
+    is counted against the batch (counted, two such kills dead-lettered all four good groups as "training
+    raised 2 times"); the restart probes them alone and trains them."""
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True,
+                              extra=("job.steps=1", "learner.checkpoint_every=1", "learner.max_train_attempts=2"))
+    keys = JobKeys("rec")
+    gs = scored_groups(policy_dir, 4)
+    feed(r, gs, issued=4, at_once=True)
+    for _life in range(2):
+        learner = in_process_learner(run_dir, r, world=2)
+        try:
+            rank1 = learner.ranks.procs[0]
+            os.kill(rank1.pid, signal.SIGKILL)   # a healthy rank dies; no data was sent to it
+            rank1.wait()
+            with pytest.raises(RuntimeError, match="rank 1 exited"):
+                learner.run()
+        finally:
+            learner.close()
+    learner = in_process_learner(run_dir, r, world=2)
+    try:
+        learner.run()
+    finally:
+        learner.close()
+    dead = [f[b"reason"].decode() for _i, f in r.xrange(keys.dead_letters)]
+    assert dead == [], dead
+    assert sorted(records(run_dir, "consumed.txt")) == sorted(ids_of(gs))
+
+
+@pytest.mark.slow
+def test_with_two_ranks_a_group_that_makes_training_raise_is_found_alone_and_the_rest_trained(
+        tmp_path, r, redis_url, policy_dir):
+    """world = 2: a step that raises cannot try its groups alone (the ranks' collectives are mid-step), so
+    the batch's training marks stay and the restart tries each group alone on rank 0. The poison (a token
+    outside the vocabulary: IndexError on the CPU, whichever rank it lands on) is dead-lettered with that
+    error; the other three groups are trained (counted against the whole batch, all four were
+    dead-lettered)."""
+    from tests.test_containment import poisoned
+
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True,
+                              extra=("job.steps=1", "learner.checkpoint_every=1", "learner.max_train_attempts=2"))
+    keys = JobKeys("rec")
+    gs = scored_groups(policy_dir, 4)
+    batch = [gs[0], poisoned(gs[1], 10 ** 6), gs[3], gs[2]]
+    feed(r, batch, issued=4, at_once=True)
+    for _life in range(6):
+        learner = in_process_learner(run_dir, r, world=2)
+        try:
+            learner.run()
+            break
+        except Exception:  # noqa: BLE001 - the step raised (IndexError, or the rank's death): a restart
+            pass
+        finally:
+            learner.close()
+    assert learner_step(r) == 1
+    dead = [(messages.decode(f[b"payload"], 1 << 20).prompt_id, f[b"reason"].decode())
+            for _i, f in r.xrange(keys.dead_letters)]
+    assert [pid for pid, _why in dead] == [batch[1].prompt_id] and "IndexError" in dead[0][1], dead
+    assert sorted(records(run_dir, "consumed.txt")) == sorted(ids_of([gs[0], gs[3], gs[2]]))   # the step, less it

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import redis
 import torch
 
 from pipeline.dataplane import messages
@@ -56,7 +57,7 @@ from pipeline.dataplane.worker import CostMeter, WorkerContext, finish_worker, s
 from workers.checkpoint import (announcement, latest_checkpoint, newest_published, prune_published, read_optimizer,
                                 read_state, recorded_ids_after, write_checkpoint, write_published)
 from workers.oom import is_oom, oom_reported, record_oom
-from workers.ranks import RankGroup, pick_device, world_size
+from workers.ranks import RankDied, RankGroup, pick_device, world_size
 # The step's compute lives in workers.update (shared by every rank); these names stay importable from here.
 from workers.update import accumulate_gradients as accumulate_gradients
 from workers.update import autocast as autocast
@@ -528,9 +529,11 @@ class Learner:
         every one does: a broken device, not the data), or with several
         ranks, the attempts of the whole batch are counted and the error
         re-raised: the learner exits, and its restart replays the batch.
-        A learner process that dies in training (an OOM kill, a native crash)
-        raises nothing; its restart probes the entries it held, one at a time
-        (``probe_suspects``).
+        A learner process that dies in training (an OOM kill, a native crash),
+        or one of its ranks, raises nothing that counts; its restart probes the
+        entries it held, one at a time (``probe_suspects``). So does the
+        restart after a step that raised with several ranks, whose groups could
+        not be tried alone mid-step.
         """
         if self.device.type == "cuda":
             self.dead_letter_entries(batch, self.outside_vocabulary(batch))
@@ -542,14 +545,20 @@ class Learner:
         while True:
             try:
                 return self.train(batch)
+            except RankDied:
+                raise   # a death, as if this process had died: learner:training stays, the restart probes it
             except Exception as exc:  # noqa: BLE001 - anything the data can make torch raise; bounded below
+                if self.ranks is not None and (why := self.ranks.gone()):   # a collective that lost its peer
+                    raise RankDied(why) from exc
                 error = f"{type(exc).__name__}: {exc}"
                 if is_oom(exc):   # reported whether one group turns out too big or the exit follows
                     record_oom(self.ctx, exc, fatal=False)
                 culprits = self.failing_groups(batch) if self.ranks is None and len(batch.groups) else {}
                 if not culprits or len(culprits) == len(batch.groups) > 1:
                     self.count_attempts(batch.entry_ids, error)
-                    self.write(lambda pipe: pipe.delete(self.ctx.keys.learner_training))   # an error, no death
+                    if self.ranks is None:   # each group was tried alone just now
+                        self.forget_training()   # an error, counted: no death to charge
+                    # with ranks none was (their collectives are mid-step): the restart tries each alone
                     raise
                 self.ctx.log.warning("train_raised", error=error, failing_groups=len(culprits))
                 self.dead_letter_entries(batch, culprits)
@@ -622,6 +631,15 @@ class Learner:
             self.write(lambda pipe: pipe.hset(self.ctx.keys.learner_training, mapping=dict.fromkeys(new, "step")))
             batch.marked.update(new)
 
+    def forget_training(self) -> None:
+        """Clear ``learner_training`` on the way out without a death, if Redis takes it now: the drain's
+        checkpoint must not wait on it (a full Redis refuses a write while we stop), and a mark left
+        behind costs the restart one probe of each of those groups, nothing more."""
+        try:
+            self.ctx.r.delete(self.ctx.keys.learner_training)
+        except redis.RedisError as exc:
+            self.ctx.log.warning("training_marks_left", error=str(exc))
+
     def take_suspects(self) -> dict[bytes, int]:
         """The suspects on record, with what a dead predecessor left in training added (at start).
 
@@ -658,8 +676,9 @@ class Learner:
         Each probe (``probe``: a forward and backward pass of the group alone)
         is recorded in ``learner_training`` first, so that a death during it
         is charged to that group alone. A probe that passes clears the
-        suspect; one that raises leaves the group to the error path of
-        ``train_contained``, as any group that raises.
+        suspect; one that raises counts a training attempt against the group
+        (a rank it killed raises here, on rank 0), and at
+        ``max_train_attempts`` it is dead-lettered with that error.
         """
         entry_of = self.entry_ids_of(batch)
         limit = self.cfg.max_train_attempts
@@ -667,16 +686,25 @@ class Learner:
                 if (n := self.suspects.get(i, 0)) >= limit}
         self.dead_letter_entries(batch, over)
         keys = self.ctx.keys
+        raised: dict[bytes, str] = {}
+        probed = 0
         for g, stale in zip(batch.groups, batch.staleness, strict=True):
             entry_id = entry_of.get(g.prompt_id)
             if entry_id not in self.suspects:
                 continue
+            probed += 1
             self.write(lambda pipe: pipe.hset(keys.learner_training, entry_id, "probe"))
             error = self.probe(g, stale)
             self.ctx.log.info("probed_suspect", entry=entry_id.decode(), deaths=self.suspects[entry_id],
                               error=error)
             del self.suspects[entry_id]
             self.write(lambda pipe: (pipe.hdel(keys.learner_suspects, entry_id), pipe.delete(keys.learner_training)))
+            if error is not None:
+                raised[entry_id] = error
+        if len(raised) > 1 and len(raised) == probed:
+            return   # every group raises alone: the device, not the data (train_contained's rule)
+        self.dead_letter_entries(batch, {i: e for i, e in raised.items()
+                                         if self.count_attempts([i], e)[i] >= limit})
 
     def entry_ids_of(self, batch: Batch) -> dict[str, bytes]:
         """prompt_id -> entry id of the batch's admitted groups (a group's prompt id is unique in a batch)."""
@@ -829,7 +857,7 @@ class Learner:
             with span(self.ctx.log, "learner_wait"):
                 batch = self.collect()
             if self.ctx.stopping():   # a batch not trained: its entries stay pending, and the next learner-0
-                self.write(lambda pipe: pipe.delete(self.ctx.keys.learner_training))   # replays them
+                self.forget_training()   # replays them
                 break
             self.ctx.state = "running"
             t0 = time.monotonic()

@@ -132,6 +132,10 @@ def read_frame(stream, max_group_bytes: int) -> Share | None:
 # --- rank 0's side ----------------------------------------------------------------------------------
 
 
+class RankDied(RuntimeError):
+    """A rank process is gone (killed, or crashed): the process's fate, not the data's."""
+
+
 class RankGroup:
     """Rank 0's handle on ranks 1..N-1: starts them, forms the process group, feeds them, stops them."""
 
@@ -186,9 +190,21 @@ class RankGroup:
         """Write ranks 1..N-1 their shares of the step; a rank that is gone fails the step (exit, restart)."""
         for rank, (p, share) in enumerate(zip(self.procs, shares), start=1):
             if p.poll() is not None:
-                raise RuntimeError(f"learner rank {rank} exited with code {p.returncode}")
+                raise RankDied(f"learner rank {rank} exited with code {p.returncode}")
             p.stdin.write(encode_share(share))
             p.stdin.flush()
+
+    def gone(self, wait_s: float = 1.0) -> str | None:
+        """Which rank has exited, waiting up to ``wait_s`` for one (a collective fails as its peer's socket
+        closes, a moment before the exit shows); None if all still run."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, p in enumerate(self.procs, start=1):
+                if p.poll() is not None:
+                    return f"learner rank {rank} exited with code {p.returncode}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def close(self) -> None:
         """Tell every rank to stop, wait for them, kill those that do not exit; leave the process group."""
