@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from workers.chat import ChatFormat
 from workers.envs import load_env
-from workers.envs.base import CallTimeout, Environment, HungCalls, Task, env_call
+from workers.envs.base import CallTimeout, Environment, HungCalls, Task, check_reward, env_call
 
 DEFAULT_ENV = "calc"   # the environment when none is given (config's env.entry default)
 # The longest ``env.start`` may take (at least a step's timeout): a start may build a sandbox, which is
@@ -141,21 +141,26 @@ class Loop:
             _count_call(ep, reply)
             if reply.text is not None:
                 ids = self.fmt.reply_ids(self.tokenizer, reply.text, out.finish_reason == "eos")
+                if not self.has_room(ep, len(ids)):   # no room for it and a turn after: not inserted
+                    ep.finish = "length"
+                    continue
                 _append(ep, ids, [], reply.text, sampled=False)
             going.append(k)
         return going
 
+    def has_room(self, ep: Episode, more: int = 0) -> bool:
+        """Whether ``more`` tokens and one more turn fit in ``max_total_tokens`` (the engine's context)."""
+        return (self.max_total_tokens is None or len(ep.prompt_tokens) + len(ep.completion_tokens) + more
+                + self.max_tokens_per_turn <= self.max_total_tokens)
+
     def fit_context(self, episodes: list[Episode], active: list[int]) -> list[int]:
         """The active sequences with room for another turn; the rest end with "length"."""
-        if self.max_total_tokens is None:
-            return active
         keep = []
         for i in active:
-            ep = episodes[i]
-            if len(ep.prompt_tokens) + len(ep.completion_tokens) + self.max_tokens_per_turn > self.max_total_tokens:
-                ep.finish = "length"
-            else:
+            if self.has_room(episodes[i]):
                 keep.append(i)
+            else:
+                episodes[i].finish = "length"
         return keep
 
 
@@ -247,13 +252,27 @@ def evaluate(
     env: Environment | None = None,
     max_total_tokens: int | None = None,
     chat_template: bool | None = None,
+    reward_timeout_s: float = 60.0,
 ) -> tuple[float, list[Episode]]:
-    """Greedy success rate on ``tasks`` (mean reward, clipped to [0, 1]) and the episodes behind it."""
+    """Greedy success rate on ``tasks`` (mean reward, clipped to [0, 1]) and the episodes behind it.
+
+    Each reward is bounded by ``reward_timeout_s``. An episode the reward
+    cannot judge (it raises, runs late or returns no number) has its
+    ``error`` set and is left out of the rate, never counted as a 0.
+    """
     env = env if env is not None else load_env(DEFAULT_ENV)
     episodes = run_episodes(generator, tokenizer, [(t, 0) for t in tasks], greedy=True, max_turns=max_turns,
                             max_tokens_per_turn=max_tokens_per_turn, tool_timeout_s=tool_timeout_s, seed=0,
                             env=env, max_total_tokens=max_total_tokens, chat_template=chat_template)
-    rewards = [min(1.0, max(0.0, env.reward(t, ep.text))) for t, ep in zip(tasks, episodes)]
+    rewards = []
+    for t, ep in zip(tasks, episodes):
+        try:
+            rewards.append(min(1.0, max(0.0, check_reward(env_call(env.reward, t, ep.text,
+                                                                   timeout_s=reward_timeout_s)))))
+        except HungCalls:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the reward is user code: its failure leaves this episode out
+            ep.error = f"reward: {type(exc).__name__}: {exc}"
     return (sum(rewards) / len(rewards) if rewards else 0.0), episodes
 
 

@@ -24,7 +24,7 @@ from pipeline.dataplane.streams import Reject, ensure_groups, run_stage
 from pipeline.dataplane.worker import CostMeter, WorkerContext, claim_policy, dedup_for, finish_worker, start_worker
 from pipeline.observe.trace import span
 from workers.envs import env_from_config
-from workers.envs.base import CallTimeout, DeadlinePool, HungCalls, Task, check_reward
+from workers.envs.base import CallTimeout, DeadlinePool, HungCalls, RewardError, Task, check_reward
 from workers.oom import is_oom, oom_reported
 
 RewardFn = Callable[[Task, str], float]
@@ -73,7 +73,7 @@ def score_group(group: messages.Group, retries: int, reward: RewardFn,
             # The reward is user code: whatever it raises is its failure to judge, never a zero.
             # It is retried, then the group goes to the dead-letter stream with the error.
             except Exception as exc:  # noqa: BLE001
-                if is_oom(exc):
+                if is_oom(exc) and not isinstance(exc, RewardError):   # a RewardError is the sample's, whatever it says
                     raise   # the worker's memory, not the sample: reported as oom (workers.oom), not dead-lettered
                 if attempt == retries:
                     return Reject(f"reward error after {retries + 1} attempts on sample "

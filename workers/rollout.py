@@ -155,16 +155,18 @@ class Rollout:
             rate, episodes = evaluate(self.engine, self.tokenizer, self.eval_tasks, env=self.env,
                                       chat_template=self.chat_template, max_turns=self.cfg.max_turns,
                                       max_tokens_per_turn=self.cfg.max_tokens_per_turn,
-                                      tool_timeout_s=self.cfg.tool_timeout_s)
+                                      tool_timeout_s=self.cfg.tool_timeout_s,
+                                      reward_timeout_s=self.ctx.cfg.reward.timeout_s)
+        unjudged = sum(e.error.startswith("reward: ") for e in episodes)
         samples = [{"prompt_id": e.prompt_id, "completion": list(map(int, e.completion_tokens)),
                     "text": e.text} for e in episodes[:16]]
         record = {
             "tag": tag, "version": self.ctx.policy_version, "success_rate": rate,
-            "n": len(episodes), "worker": self.ctx.worker_id, "at": time.time(),
+            "n": len(episodes) - unjudged, "unjudged": unjudged, "worker": self.ctx.worker_id, "at": time.time(),
             "samples": msgpack.packb(samples)}
         self.write(lambda pipe: pipe.xadd(self.ctx.keys.eval_results, record))
-        self.ctx.log.info("evaluated", tag=tag, success_rate=round(rate, 4), n=len(episodes),
-                          eval_s=round(time.monotonic() - t0, 2))
+        self.ctx.log.info("evaluated", tag=tag, success_rate=round(rate, 4), n=len(episodes) - unjudged,
+                          unjudged=unjudged, eval_s=round(time.monotonic() - t0, 2))
 
     def write(self, queue) -> None:
         """A transaction of small writes, waiting while Redis is full (backpressure, never a crash)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import queue
 import random
 import threading
@@ -57,7 +58,8 @@ class DeadlinePool:
     code that cannot be interrupted: the thread is a daemon, so it never
     holds the process up; it exits by itself if the call ever returns; and a
     fresh thread takes its place, so the pool keeps ``size`` live threads.
-    After ``max_abandoned`` such calls ``abandon`` raises HungCalls.
+    Once more than ``max_abandoned`` such calls are still running (one that
+    returns late no longer counts), ``abandon`` raises HungCalls.
     """
 
     def __init__(self, size: int, name: str, max_abandoned: int = MAX_ABANDONED):
@@ -114,6 +116,7 @@ class DeadlinePool:
             with self._lock:   # abandon() marks a call lost only while it is not done, under this lock
                 if id(fut) in self._lost:   # abandoned while it ran: a replacement serves the queue now
                     self._lost.discard(id(fut))
+                    self.abandoned -= 1   # it returned after all: not a stuck thread
                     return
 
 
@@ -291,7 +294,7 @@ class Environment:
                 reply = fut.result(timeout=remaining)
             except FutureTimeout:
                 _POOL.abandon(fut)
-                timed = (self.timeout_reply(state, task) if on_timeout == "reply" else
+                timed = (_checked_timeout_reply(self, state, task) if on_timeout == "reply" else
                          Reply(done=True, finish="error", tool_call=True, timed_out=True,
                                error=f"tool call timed out after {timeout_s:g}s ({type(self).__name__}.step)"))
                 out.append(_with_latency(timed, time.monotonic() - start))
@@ -325,7 +328,7 @@ def write_prompt_file(path: str | Path, tasks: Iterable[Task]) -> None:
 def _timed_step(env: Environment, call: tuple[Any, Task, str, str], done_at: list[float], retries: int) -> Reply:
     for attempt in range(retries + 1):
         try:
-            reply = env.step(*call)
+            reply = check_reply(env.step(*call), f"{type(env).__name__}.step")
             break
         # The step is user code: whatever it raises is the tool's failure, retried and then reported with
         # its type and message (the group is dead-lettered), never turned into a reply the model trains on.
@@ -337,6 +340,33 @@ def _timed_step(env: Environment, call: tuple[Any, Task, str, str], done_at: lis
             time.sleep(min(0.05 * 2 ** attempt, 1.0))
     done_at.append(time.monotonic())
     return reply
+
+
+def check_reply(reply: Any, where: str) -> Reply:
+    """``reply`` if it is a Reply whose text (if any) is a str that UTF-8 can carry; else TypeError or ValueError.
+
+    Checked where the environment's code runs, so that a wrong return is the
+    tool's failure (its group dead-lettered with this message), not an error
+    further on, in the worker's loop or when the group is encoded.
+    """
+    if not isinstance(reply, Reply):
+        raise TypeError(f"{where} returned a {type(reply).__name__}, not a Reply")
+    if reply.text is not None:
+        if not isinstance(reply.text, str):
+            raise TypeError(f"{where} returned a Reply whose text is a {type(reply.text).__name__}, not a str")
+        try:
+            reply.text.encode("utf-8")
+        except UnicodeEncodeError as exc:   # a lone surrogate (json.loads makes them from "\ud800")
+            raise ValueError(f"{where} returned text UTF-8 cannot carry: {exc}") from None
+    return reply
+
+
+def _checked_timeout_reply(env: Environment, state: Any, task: Task) -> Reply:
+    try:
+        return check_reply(env.timeout_reply(state, task), f"{type(env).__name__}.timeout_reply")
+    except Exception as exc:  # noqa: BLE001 - user code: its failure ends the episode, the group dead-lettered
+        return Reply(done=True, finish="error", tool_call=True, timed_out=True,
+                     error=f"a step ran late and timeout_reply failed: {type(exc).__name__}: {exc}")
 
 
 def _with_latency(reply: Reply, latency_s: float) -> Reply:
@@ -356,8 +386,8 @@ def cut_at_stop(text: str, stops: Iterable[str]) -> tuple[str, str | None]:
 
 
 def check_reward(value: Any) -> float:
-    """A reward as a finite float; RewardError otherwise (a None or a NaN is not a zero)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A reward as a finite float (numpy's numbers too); RewardError otherwise (a None or a NaN is not a zero)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RewardError(f"reward is a {type(value).__name__}, not a number")
     if not math.isfinite(value):
         raise RewardError(f"reward is {value}")

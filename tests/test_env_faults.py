@@ -1,0 +1,219 @@
+"""What an environment, a tool or a reward does wrong ends with its group, never the worker.
+
+A step that returns something other than a Reply, or text that is not a
+str UTF-8 can carry, dead-letters its group with that said; a call that ran
+late but returned no longer counts as a hung thread; a tool reply with no
+room left in the engine's context is not inserted; a RewardError whose
+words mention memory is the sample's failure, not the worker's OOM; numpy
+numbers are rewards; the rollout worker's evaluation bounds and contains
+its reward calls.
+
+Episodes are driven without vLLM: a generator that plays one fixed turn, the
+char tokenizer of tests/test_envs.py, and, where the stage matters, the real
+``Rollout.generate`` inside ``run_stage`` on the suite's Redis.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import structlog
+
+from pipeline import config as config_mod
+from pipeline.dataplane import messages as m
+from pipeline.dataplane.keys import GROUP_ROLLOUT, JobKeys
+from pipeline.dataplane.streams import ClaimPolicy, Reject, ensure_groups, group_pending, run_stage
+from tests.test_envs import CharTokenizer, _group
+from workers.envs import base
+from workers.envs.base import DeadlinePool, Environment, HungCalls, Reply, RewardError, Task
+from workers.episode import TurnOutput, run_episodes
+from workers.reward import score_group
+from workers.rollout import Rollout
+
+JOB = "revep"
+
+
+class OneTurn:
+    """A generator whose every turn is ``text`` ending at a stop string; ``max_model_len`` like VLLMEngine's."""
+
+    def __init__(self, text: str = "call!", max_model_len: int | None = None):
+        self.text, self.max_model_len = text, max_model_len
+
+    def generate(self, requests, *, greedy, seeds, max_tokens, stops):
+        return [TurnOutput([ord(c) for c in self.text], [-0.5] * len(self.text), self.text, "stop")
+                for _ in requests]
+
+
+class Replies(Environment):
+    """Every step answers ``make()`` (whatever it returns); the reward is 1."""
+
+    stop_strings = ("!",)
+
+    def __init__(self, make):
+        self.make = make
+
+    def step(self, state, task, turn, finish):
+        return self.make()
+
+    def reward(self, task, transcript):
+        return 1.0
+
+
+class _Meter:
+    def got_input(self) -> None:
+        pass
+
+    def add(self, **_kw) -> None:
+        pass
+
+
+def _stage(r, env, *sets: str) -> Rollout:
+    cfg = config_mod.load(None, [f"job.name={JOB}", "rollout.group_size=2", "rollout.max_turns=2",
+                                 "rollout.max_tokens_per_turn=8", "rollout.tool_timeout_s=2", *sets])
+    ctx = SimpleNamespace(r=r, keys=JobKeys(JOB), cfg=cfg, log=structlog.get_logger(), policy_version=0,
+                          worker_id="rollout-n-0", stopping=lambda: False, count=lambda n: None)
+    ctx.set_version = lambda v: setattr(ctx, "policy_version", v)
+    s = object.__new__(Rollout)
+    s.ctx, s.cfg, s.meter = ctx, cfg.rollout, _Meter()
+    s.engine, s.tokenizer, s.env, s.chat_template = OneTurn(), CharTokenizer(), env, None
+    s.eval_tasks = [Task("e0", "q:", 1)]
+    return s
+
+
+def _run_rollout_stage(r, s: Rollout) -> list:
+    """One prompt through the real rollout stage; the dead letters (reason) it wrote. Fails on a crash."""
+    keys = JobKeys(JOB)
+    ensure_groups(r, keys)
+    r.hset(keys.feeder, "group_size", 2)
+    r.hset(keys.policy, mapping={"version": 0, "path": "/weights/v0"})
+    r.xadd(keys.prompts, {m.FIELD: m.encode(m.Prompt("p@0", "q:", 3, 1.0))})
+    rounds = []
+    try:
+        run_stage(r, keys, source=keys.prompts, group=GROUP_ROLLOUT, consumer="rollout-n-0", sink=keys.rollouts,
+                  handle=s.generate, count=8, block_ms=50, max_bytes=1 << 20, counter="generated",
+                  stop=lambda: rounds.append(1) or len(rounds) > 2,
+                  claims=ClaimPolicy(min_idle_ms=60_000, max_deliveries=3))
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"the rollout stage crashed instead of dead-lettering the group: {type(exc).__name__}: {exc}")
+    assert group_pending(r, keys.prompts, GROUP_ROLLOUT) == 0
+    return [f[b"reason"].decode() for _i, f in r.xrange(keys.dead_letters)]
+
+
+# --- 1. a step that returns something other than a Reply / a reply whose text is not a str -------------------
+
+
+@pytest.mark.parametrize("make, what", [
+    (lambda: "42", "str"),                      # a string instead of Reply(text=...)
+    (lambda: None, "NoneType"),                 # forgot the return
+    (lambda: Reply(text=42, tool_call=True), "int"),
+    (lambda: Reply(text=b"42", tool_call=True), "bytes"),
+], ids=["str", "None", "int-text", "bytes-text"])
+def test_a_step_returning_a_non_reply_or_non_str_text_dead_letters_its_group_not_the_worker(r, make, what):
+    reasons = _run_rollout_stage(r, _stage(r, Replies(make)))
+    assert len(reasons) == 1 and what in reasons[0] and "Replies.step returned" in reasons[0], reasons
+
+
+# --- 2. a reply text that is a str but not encodable (a lone surrogate, e.g. from json.loads) -------------------
+
+
+def test_a_reply_with_a_lone_surrogate_dead_letters_its_group_not_the_worker(r):
+    reasons = _run_rollout_stage(r, _stage(r, Replies(lambda: Reply(text="x\ud800y", tool_call=True))))
+    assert len(reasons) == 1 and "UTF-8 cannot carry" in reasons[0], reasons
+
+
+# --- 3. a late step that did return is still counted as hung, forever ----------------------------------------
+
+
+class LateThenReturns(Environment):
+    def step(self, state, task, turn, finish):
+        time.sleep(0.15)   # late for a 0.02 s deadline, but it returns: its thread is not stuck
+        return Reply(text="late", tool_call=True)
+
+
+def test_steps_that_ran_late_but_returned_do_not_count_as_hung_threads(monkeypatch):
+    monkeypatch.setattr(base, "_POOL", DeadlinePool(4, "env-step", max_abandoned=3))
+    env, task = LateThenReturns(), Task("t", "p")
+    for k in range(6):
+        try:
+            [reply] = env.respond([(None, task, "x", "stop")], 0.02, on_timeout="reply")
+        except HungCalls as exc:
+            pytest.fail(f"late call {k + 1}: {exc} although no call is running now (each returned)")
+        assert reply.timed_out
+        time.sleep(0.4)   # the late call returns and its thread exits
+
+
+# --- 4. a reply that overflows max_model_len is inserted whole -----------------------------------------------
+
+
+def test_a_long_tool_reply_never_makes_a_trajectory_longer_than_max_model_len():
+    env = Replies(lambda: Reply(text="r" * 500, tool_call=True))
+    [ep] = run_episodes(OneTurn(max_model_len=40), CharTokenizer(), [(Task("q", "q:"), 0)], greedy=True,
+                        max_turns=3, max_tokens_per_turn=8, tool_timeout_s=2.0, seed=0, env=env)
+    assert len(ep.completion_tokens) == len(ep.completion_mask) == len(ep.logprobs)
+    assert len(ep.prompt_tokens) + len(ep.completion_tokens) <= 40, \
+        f"prompt + completion = {len(ep.prompt_tokens) + len(ep.completion_tokens)} tokens > max_model_len 40"
+
+
+# --- 5. a RewardError whose message says "out of memory" kills the reward worker --------------------------------
+
+
+def test_a_reward_error_that_mentions_memory_is_dead_lettered_not_taken_for_the_worker_s_oom():
+    def judge(task, transcript):
+        raise RewardError("the candidate program ran out of memory")   # the sample's failure, not ours
+
+    try:
+        out = score_group(_group(7), retries=1, reward=judge, timeout_s=5.0)
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"score_group raised (the reward worker exits as oom): {type(exc).__name__}: {exc}")
+    assert isinstance(out, Reject) and "ran out of memory" in out.reason
+
+
+# --- 6. a numpy number is a finite number -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [np.float32(0.5), np.int64(1)], ids=["float32", "int64"])
+def test_a_reward_returned_as_a_numpy_scalar_is_scored_not_dead_lettered(value):
+    out = score_group(_group(7), retries=0, reward=lambda task, text: value, timeout_s=5.0)
+    assert not isinstance(out, Reject), out.reason
+    assert out.rewards == [float(value)] * 2
+
+
+# --- 7. the rollout worker's evaluation calls env.reward unguarded and unbounded -------------------------------
+
+
+class JudgeFails(Replies):
+    def __init__(self, judge):
+        super().__init__(lambda: Reply(done=True, finish="answer"))
+        self.judge = judge
+
+    def reward(self, task, transcript):
+        return self.judge()
+
+
+def test_an_eval_whose_reward_cannot_judge_does_not_crash_the_rollout_worker(r):
+    def cannot():
+        raise RewardError("cannot judge this transcript")
+
+    s = _stage(r, JudgeFails(cannot))
+    try:
+        s.run_eval("periodic", claim="v1")
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"run_eval raised out of the rollout worker's between(): {type(exc).__name__}: {exc}")
+    [(_id, rec)] = r.xrange(JobKeys(JOB).eval_results)
+    assert rec[b"n"] == b"0" and rec[b"unjudged"] == b"1"   # left out of the rate, not counted as a 0
+
+
+def test_an_eval_whose_reward_hangs_is_bounded_by_reward_timeout_s(r):
+    release = threading.Event()
+    s = _stage(r, JudgeFails(lambda: release.wait() and 1.0), "reward.timeout_s=0.5", "reward.verifier_retries=0")
+    t = threading.Thread(target=lambda: s.run_eval("periodic", claim="v2"), daemon=True)
+    t.start()
+    t.join(timeout=5.0)
+    hung = t.is_alive()
+    release.set()
+    t.join(timeout=5.0)
+    assert not hung, "run_eval still waiting on a hung env.reward 5 s in (reward.timeout_s = 0.5)"
