@@ -355,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import redis
+
+    from pipeline.dataplane.redisconn import RedisUnavailable
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
@@ -364,6 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     except BadName as exc:   # a job name, worker id or path that cannot become a key or a file name
         print(f"libra-ctl: {exc}", file=sys.stderr)
         return 2
+    except config_mod.BadInput as exc:   # the message names the command
+        print(exc, file=sys.stderr)
+        return 2
+    except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as exc:
+        where = f" at {redact(args.redis)}" if getattr(args, "redis", None) else ""
+        print(f"libra-ctl: Redis{where} unreachable: {redact(str(exc))}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

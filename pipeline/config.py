@@ -36,6 +36,10 @@ class BadName(ValueError):
     """A name (job, worker id, run id, ...) that cannot safely become a Redis key or a file name."""
 
 
+class BadInput(ValueError):
+    """An operator's argument that cannot be acted on (an unknown job, a count that is not role=N): exit 2."""
+
+
 def check_name(kind: str, name, max_len: int = MAX_NAME_LEN) -> str:
     """``name`` if it is safe in a key, a key pattern and a file name; BadName saying what is wrong."""
     if not isinstance(name, str):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -426,6 +427,7 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
     signal.signal(signal.SIGINT, signal.default_int_handler)
     own_runs()   # every process started below this one ends with it, also after a SIGKILL of ours
     os.environ[ENV_OUTAGE] = str(cfg.redis.outage_s)   # for the controller and the agent
+    run_dir = None
     try:
         bad_lines = check_prompt_files(cfg, out)
         if not resume_dir and _refused(cfg, out):
@@ -434,8 +436,13 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
         print(f"run {run_dir.name}: {'resuming' if resume_dir else 'preparing the policy'}", file=out, flush=True)
         policy_dir = prepare_policy(cfg, out)
     except RunFailed as exc:   # bad input (prompt files, environment, policy directory): nothing started
+        _forget_unstarted(run_dir, resume_dir)
         print(f"libra-ctl run: {exc}", file=out)
         return 2
+    except KeyboardInterrupt:   # nothing started yet
+        _forget_unstarted(run_dir, resume_dir)
+        print("\ninterrupted before the run started", file=out)
+        return 130
     orch, embedded = None, None
     try:
         url, embedded = _choose_redis(cfg, run_dir, resume_dir)
@@ -456,7 +463,12 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
         _run_and_summarise(orch)
         return 0
     except RunFailed as exc:
-        print(f"\nrun failed: {exc}\nrun directory: {run_dir}", file=out)
+        _forget_unstarted(run_dir, resume_dir)
+        print(f"\nrun failed: {exc}" + (f"\nrun directory: {run_dir}" if run_dir.exists() else ""), file=out)
+        return 1
+    except UNAVAILABLE as exc:   # a redis.url that does not answer (checked once already, before the policy)
+        _forget_unstarted(run_dir, resume_dir)
+        print(f"\nrun failed: Redis unreachable: {redact(str(exc))}", file=out)
         return 1
     except KeyboardInterrupt:
         print(f"\ninterrupted; stopping workers. resume with: libra-ctl resume {run_dir}", file=out)
@@ -506,10 +518,19 @@ def _choose_redis(cfg: Config, run_dir: Path, resume_dir: Path | None) -> tuple[
     return url, embedded
 
 
+def _forget_unstarted(run_dir: Path | None, resume_dir: Path | None) -> None:
+    """Remove a new run's directory that never got its manifest: there is nothing in it to resume."""
+    if run_dir is not None and resume_dir is None and not (run_dir / "manifest.json").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def _start_redis(embedded: EmbeddedRedis | None, url: str | None, run_dir: Path, out) -> str:
     """Start the embedded server if there is one; record the URL (its password redacted) in the run directory."""
     if embedded:
-        embedded.start()
+        try:
+            embedded.start()
+        except RuntimeError as exc:   # its lock is held: the run that owns it still runs
+            raise RunFailed(str(exc)) from None
         url = embedded.url
         print(f"redis: embedded server at {url}", file=out, flush=True)
     write_private(run_dir / "redis.url", redact(url) + "\n")
@@ -592,6 +613,9 @@ def resume_job(run_dir: Path, argv: list[str], out=sys.stderr) -> int:
     manifest = run_dir / "manifest.json"
     if not manifest.exists():
         raise RunFailed(f"{run_dir} is not a run directory (no manifest.json)")
-    cfg = from_dict(json.loads(manifest.read_text())["config"])
+    try:
+        cfg = from_dict(json.loads(manifest.read_text())["config"])
+    except (ValueError, KeyError, TypeError) as exc:   # JSONDecodeError is a ValueError
+        raise RunFailed(f"{manifest} is damaged ({type(exc).__name__}: {exc}); it cannot be resumed") from None
     validate(cfg)
     return run_job(cfg, argv, out, resume_dir=run_dir)

@@ -343,8 +343,7 @@ def test_scale_and_events_commands(r, redis_url, tmp_path, capsys):
     assert cli.main(["scale", "rollout=2", "learner=1", "--redis", redis_url]) == 0
     assert get_allocation(r, JOB)["pinned"]["rollout"] == 2
     for bad in ("bogus=2", "rollout=two"):
-        with pytest.raises(SystemExit):
-            cli.main(["scale", bad, "--redis", redis_url])
+        assert cli.main(["scale", bad, "--redis", redis_url]) == 2
     assert cli.main(["scale", "rollout=0", "--redis", redis_url]) == 2
     ctl.tick()
     jobs.run_pending()

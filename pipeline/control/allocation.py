@@ -32,7 +32,7 @@ def pin(r: redis.Redis, job: str, roles: dict[str, int]) -> None:
     bad = {k: v for k, v in roles.items() if k not in ROLES or not isinstance(v, int) or v < 0}
     if bad:
         raise ValueError(f"bad counts {bad}: give role=N with role in {', '.join(ROLES)} and N >= 0")
-    for role in ("rollout", "learner"):
+    for role in ROLES:
         if roles.get(role, 1) < 1:
             raise ValueError(f"{role}={roles[role]}: the pipeline needs at least one {role} worker")
     cur = get_allocation(r, job)

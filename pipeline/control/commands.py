@@ -20,6 +20,7 @@ import time
 
 import redis
 
+from pipeline.config import BadInput
 from pipeline.control import actions
 from pipeline.control.allocation import (allocation_status, external_workers, get_allocation, pin, read_placement,
                                          unpin)
@@ -37,7 +38,7 @@ def known_job(r: redis.Redis, job: str) -> str:
     """``job`` if it has run on this Redis; else exit naming the jobs that have (a typo pins nothing)."""
     if not r.sismember(JOBS, job):
         names = all_jobs(r)
-        raise SystemExit(f"libra-ctl: no job {job!r} on this Redis"
+        raise BadInput(f"libra-ctl: no job {job!r} on this Redis"
                          + (f"; its jobs: {', '.join(names)}" if names else " (it has no jobs)"))
     return job
 
@@ -57,7 +58,7 @@ def pick_job(r: redis.Redis, job: str | None) -> str:
         return known_job(r, job)
     running = running_jobs(r)
     if len(running) != 1:
-        raise SystemExit(f"libra-ctl: {'no job runs' if not running else 'several jobs run: ' + ', '.join(running)}"
+        raise BadInput(f"libra-ctl: {'no job runs' if not running else 'several jobs run: ' + ', '.join(running)}"
                          "; name one with --job J")
     return running[0]
 
@@ -67,7 +68,7 @@ def parse_counts(items: list[str]) -> dict[str, int]:
     for item in items:
         role, sep, n = item.partition("=")
         if not sep or role not in ROLES or not n.isdigit():
-            raise SystemExit(f"libra-ctl scale: {item!r}: write role=N with role in {', '.join(ROLES)}, "
+            raise BadInput(f"libra-ctl scale: {item!r}: write role=N with role in {', '.join(ROLES)}, "
                              "e.g. rollout=2 learner=1")
         out[role] = int(n)
     return out

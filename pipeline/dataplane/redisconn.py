@@ -327,6 +327,17 @@ class EmbeddedRedis:
         self.stop()
 
 
+def _answers(socket_path: str) -> bool:
+    """Whether a Redis answers on this Unix socket now (within half a second)."""
+    if not Path(socket_path).exists():
+        return False
+    try:
+        return bool(redis.Redis(unix_socket_path=socket_path, socket_connect_timeout=0.5,
+                                socket_timeout=0.5).ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
 def find_redis_url(explicit: str | None) -> str:
     """--redis, else $LIBRA_REDIS_URL, else the embedded server of the newest live local run.
 
@@ -340,8 +351,8 @@ def find_redis_url(explicit: str | None) -> str:
     runs = sorted(Path("runs").glob("*/redis.url"), key=lambda p: p.stat().st_mtime, reverse=True)
     for p in runs:
         url = p.read_text().strip()
-        if url.startswith("unix://") and not Path(url[len("unix://"):]).exists():
-            continue
+        if url.startswith("unix://") and not _answers(url[len("unix://"):]):
+            continue   # gone, or the file a killed server left (the kernel does not unlink a socket)
         if is_redacted(url):
             raise SystemExit(f"the newest run ({p.parent}) uses {redact(url)}, whose password is not stored: "
                              f"pass --redis URL or set {ENV_URL}")
