@@ -171,8 +171,9 @@ def test_ctrl_c_while_the_policy_is_prepared_stops_cleanly(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
-    assert "Traceback" not in out, out[-3000:]
-    assert p.returncode == 130, (p.returncode, out[-3000:])
+    assert "Traceback" not in out and "interrupted before the run started" in out, out[-3000:]
+    # 130, or (seen once under a loaded CI, with the message printed) death by SIGINT: $? = 130 either way
+    assert p.returncode in (130, -signal.SIGINT), (p.returncode, out[-3000:])
     assert not list((tmp_path / "runs").glob("*")), "a run directory without a manifest was left behind"
 
 
