@@ -45,7 +45,7 @@ from pipeline.control.allocation import live_agents
 from pipeline.control.allocator import AdmissionError
 from pipeline.control.job import check_admission
 from pipeline.control.local import own_slots, start_local_control
-from pipeline.dataplane.keys import CONTROLLER_LEASE, JOBS, JobKeys
+from pipeline.dataplane.keys import AGENTS, CONTROLLER_LEASE, JOBS, JobKeys, agent_backoff
 from pipeline.observe.metrics import start_sampler
 from pipeline.observe.report import write_report
 from pipeline.observe.tracking import start_tracker
@@ -58,6 +58,7 @@ from pipeline.redaction import is_redacted, open_private, redact, write_private
 
 STOP_GRACE_S = 20.0
 CHILD_RESTARTS = 20       # restarts of the feeder before the run gives up on it
+CRASH_LOOP = 5            # exits in a row with an error code (none after a stable run) that fail the run
 JOINED_GONE_S = 30.0      # a joined controller or agents gone this long (no lease, no heartbeat): the run fails
 RATE_WINDOW_S = 30.0
 EVAL_TIMEOUT_S = 300.0
@@ -141,6 +142,7 @@ class Orchestrator:
         self.control = None
         self.joined: tuple[bool, bool] = (False, False)   # (a controller, agents) this run found and did not start
         self.joined_gone_at: float | None = None
+        self.crash_base: dict[str, int] | None = None   # failures in a row per worker when this run first looked
         self.rate_samples: collections.deque = collections.deque()
         self.t0 = time.monotonic()
         self.started_at = time.time()   # wall clock of t0: summary.json puts learner steps and evals on it
@@ -196,6 +198,7 @@ class Orchestrator:
             except RuntimeError as exc:
                 raise RunFailed(str(exc)) from None
         self.check_joined()
+        self.check_crash_loops()
         for c in self.children:
             code = c.proc.poll()
             if code == 0:
@@ -206,6 +209,27 @@ class Orchestrator:
             if code is not None:   # the feeder's cursor and counters are in Redis: a new one goes on from there
                 self.say(f"{c.worker_id} exited with code {code}; restarting it")
                 c.proc, c.restarts = self._popen(c.module, c.worker_id), c.restarts + 1
+
+    def check_crash_loops(self) -> None:
+        """Fail the run on a worker whose every start fails: its agent would restart it forever (with
+        back-off), and the run would wait for its steps forever. ``CRASH_LOOP`` exits in a row with an
+        error code, never a stable run between them; more where the learner may exit on a poison group
+        until ``learner.max_train_attempts`` dead-letters it."""
+        limit = max(CRASH_LOOP, self.cfg.learner.max_train_attempts + 2)
+        records = self.redis_call(crash_records, self.r, self.keys.job, self.run_dir)
+        if records is None:
+            return
+        first = self.crash_base is None
+        self.crash_base = self.crash_base or {}
+        for worker, b in sorted(records.items()):
+            # counted from what this run found: a resume after a crash loop (its cause fixed) starts afresh
+            base = self.crash_base[worker] = min(self.crash_base.get(worker, b["failures"] if first else 0),
+                                                 b["failures"])
+            if b["failures"] - base >= limit:
+                tail = _tail(self.run_dir / "logs" / f"{worker}.out")
+                raise RunFailed(f"{worker} failed {b['failures'] - base} times in a row (exit code {b['code']}; "
+                                f"its agent restarts it with back-off). Fix the cause and resume with: "
+                                f"libra-ctl resume {self.run_dir}\nits last output:\n{tail}")
 
     def check_joined(self) -> None:
         """Fail the run once a controller or the agents it joined have been gone for ``JOINED_GONE_S``.
@@ -387,6 +411,19 @@ class _Say:
         print(f"\n{event}: {fields}", file=self.out, flush=True)
 
     info = warning
+
+
+def crash_records(r: redis.Redis, job: str, run_dir: Path) -> dict[str, dict]:
+    """Worker -> the back-off record its agent keeps (``agent_backoff``: restarts, and ``failures``, the
+    exits in a row with an error code), for this run's workers that crashed lately."""
+    out = {}
+    for node in r.hkeys(AGENTS):
+        for key, raw in r.hgetall(agent_backoff(node.decode())).items():
+            owner, _sep, worker = key.decode().partition("/")
+            b = json.loads(raw)
+            if owner == job and os.path.realpath(b.get("run_dir", "")) == os.path.realpath(run_dir):
+                out[worker] = {"failures": b.get("failures", 0), "code": b.get("code")}
+    return out
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -311,6 +312,37 @@ def test_a_restarted_agent_keeps_the_back_off_of_a_crash_looping_worker(r, redis
     step_until(b, lambda: key not in b.procs, what="the second crash to be seen")
     assert b.backoff[key].restarts == 2
     assert json.loads(r.hget(agent_backoff(NODE), key))["restarts"] == 2
+
+
+@pytest.mark.slow
+def test_a_worker_whose_every_start_fails_fails_its_run_and_a_kill_does_not_count(r, redis_url, tmp_path,
+                                                                                    stop_agents):
+    """The agent counts the exits in a row with an error code; ``libra-ctl run`` fails on a worker that has
+    made ``CRASH_LOOP`` of them (its agent would restart it forever, and the run wait forever), with the
+    worker's last output. A SIGKILL (chaos, the OOM killer) is not such an exit: it resets the count."""
+    from pipeline import config as config_mod
+    from pipeline.run import CRASH_LOOP, Orchestrator, RunFailed, crash_records
+
+    run_dir = sim_job(r, redis_url, tmp_path)
+    a = make_agent(r, redis_url, backoff_s=(0.05, 0.1))
+    stop_agents.append(a)
+    actions.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    key = worker_key(JOB, "rollout-n1-0")
+    os.kill(step_until(a, lambda: live(a, "rollout-n1-0"), what="the worker").pid, signal.SIGKILL)
+    step_until(a, lambda: key in a.backoff and key not in a.procs, what="the kill to be seen")
+    assert a.backoff[key].restarts == 1 and a.backoff[key].failures == 0 and a.backoff[key].code == -9
+    manifest = Path(run_dir) / "manifest.json"
+    manifest.write_text(manifest.read_text()[:20])   # every start now fails reading it: exit 1
+    orch = Orchestrator(config_mod.load(None, [f"job.name={JOB}"]), Path(run_dir), r, redis_url)
+    orch.check_crash_loops()   # what it finds first is its base: a resume starts counting afresh
+    step_until(a, lambda: a.backoff[key].failures >= CRASH_LOOP, timeout_s=120, what="five failed starts")
+    assert a.backoff[key].code == 1
+    assert crash_records(r, JOB, Path(run_dir))["rollout-n1-0"]["failures"] >= CRASH_LOOP
+    with pytest.raises(RunFailed, match=r"rollout-n1-0 failed \d+ times in a row \(exit code 1"):
+        orch.check_crash_loops()
+    resumed = Orchestrator(config_mod.load(None, [f"job.name={JOB}"]), Path(run_dir), r, redis_url)
+    resumed.check_crash_loops()   # the same records: nothing failed since it started
+    assert crash_records(r, JOB, tmp_path / "another-run") == {}   # another run's record: not ours
 
 
 def test_an_exit_seen_while_redis_fails_is_booked_on_the_next_pass(r, redis_url, tmp_path, stop_agents,

@@ -212,6 +212,8 @@ class Backoff:
     restarts: int = 0
     next_at: float = 0.0  # time.time() of the earliest restart (wall clock: it outlives the agent's process)
     run_dir: str = ""     # the run whose worker crashed: a later run's worker of the same id starts afresh
+    failures: int = 0     # of those restarts, the exits in a row with an error code (a signal resets it)
+    code: int | None = None   # the last exit code (None: an adopted process's, unknown)
 
 
 class ControlJobRunner:
@@ -464,7 +466,7 @@ class Agent:
             if done:
                 self.completed[key] = d["seq"]     # finished its work (the learner's last step)
             elif ended:
-                self.book_restart(key, ran, d["run_dir"])
+                self.book_restart(key, ran, d["run_dir"], code)
             if p.spec["role"] in ("rollout", "reward"):
                 try:
                     hand_over_pending(self.r, p.spec["job"], p.spec["role"], p.spec["worker"], self.log)
@@ -483,11 +485,14 @@ class Agent:
             return False
         return self.job_run(p.spec["job"], {})[0] in ("trained", "stopping", "done")
 
-    def book_restart(self, key: str, ran_s: float, run_dir: str) -> None:
+    def book_restart(self, key: str, ran_s: float, run_dir: str, code: int | None = None) -> None:
+        """Wait before the next start, longer after each crash; count the exits in a row with an error code
+        (what ``libra-ctl run`` fails on: a worker whose every start fails; a kill, a signal, is not one)."""
         b = self.backoff.setdefault(key, Backoff())
         if ran_s > STABLE_S or b.run_dir != run_dir:
-            b.restarts = 0
-        b.run_dir = run_dir
+            b.restarts = b.failures = 0
+        b.run_dir, b.code = run_dir, code
+        b.failures = b.failures + 1 if code is not None and code > 0 else 0
         first, longest = self.backoff_s
         wait = min(first * 2 ** b.restarts, longest)
         b.restarts += 1
