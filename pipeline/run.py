@@ -490,6 +490,7 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
             check_prompts_unchanged(r, cfg)
         else:
             if _refused(cfg, out, r):    # again: the pool may have changed while the policy was prepared
+                _forget_unstarted(run_dir, resume_dir)
                 return 2
             _start_new_job(r, cfg, run_dir, argv=argv, redis_url=url, embedded=bool(embedded),
                            policy_dir=policy_dir, bad_prompt_lines=bad_lines)

@@ -856,8 +856,9 @@ class Learner:
             self.ctx.state = "waiting"
             with span(self.ctx.log, "learner_wait"):
                 batch = self.collect()
-            if self.ctx.stopping():   # a batch not trained: its entries stay pending, and the next learner-0
-                self.forget_training()   # replays them
+            if self.ctx.stopping():
+                # a batch not trained: its entries stay pending, and the next learner-0 replays them
+                self.forget_training()
                 break
             self.ctx.state = "running"
             t0 = time.monotonic()
