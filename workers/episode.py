@@ -241,6 +241,9 @@ def run_episodes(
     return episodes
 
 
+UNJUDGED = "reward: "   # the start of the error of an episode evaluate's reward could not judge
+
+
 def evaluate(
     generator: Generator,
     tokenizer,
@@ -272,8 +275,13 @@ def evaluate(
         except HungCalls:
             raise
         except Exception as exc:  # noqa: BLE001 - the reward is user code: its failure leaves this episode out
-            ep.error = f"reward: {type(exc).__name__}: {exc}"
+            ep.error = f"{UNJUDGED}{type(exc).__name__}: {exc}"
     return (sum(rewards) / len(rewards) if rewards else 0.0), episodes
+
+
+def unjudged(episodes: list[Episode]) -> int:
+    """How many of ``evaluate``'s episodes its reward could not judge (left out of its rate)."""
+    return sum(ep.error.startswith(UNJUDGED) for ep in episodes)
 
 
 def demonstration_episode(env: Environment, fmt: ChatFormat, tokenizer, task: Task, rng: random.Random,

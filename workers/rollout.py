@@ -26,7 +26,7 @@ from pipeline.dataplane.worker import (CostMeter, WorkerContext, claim_policy, d
                                        room_downstream, start_worker)
 from workers.envs import chat_template_setting, env_from_config
 from workers.envs.base import Task
-from workers.episode import evaluate, run_episodes
+from workers.episode import evaluate, run_episodes, unjudged
 from workers.oom import oom_reported
 from workers.tiny_policy import load_tokenizer
 
@@ -157,16 +157,16 @@ class Rollout:
                                       max_tokens_per_turn=self.cfg.max_tokens_per_turn,
                                       tool_timeout_s=self.cfg.tool_timeout_s,
                                       reward_timeout_s=self.ctx.cfg.reward.timeout_s)
-        unjudged = sum(e.error.startswith("reward: ") for e in episodes)
+        left_out = unjudged(episodes)
         samples = [{"prompt_id": e.prompt_id, "completion": list(map(int, e.completion_tokens)),
                     "text": e.text} for e in episodes[:16]]
         record = {
             "tag": tag, "version": self.ctx.policy_version, "success_rate": rate,
-            "n": len(episodes) - unjudged, "unjudged": unjudged, "worker": self.ctx.worker_id, "at": time.time(),
+            "n": len(episodes) - left_out, "unjudged": left_out, "worker": self.ctx.worker_id, "at": time.time(),
             "samples": msgpack.packb(samples)}
         self.write(lambda pipe: pipe.xadd(self.ctx.keys.eval_results, record))
-        self.ctx.log.info("evaluated", tag=tag, success_rate=round(rate, 4), n=len(episodes) - unjudged,
-                          unjudged=unjudged, eval_s=round(time.monotonic() - t0, 2))
+        self.ctx.log.info("evaluated", tag=tag, success_rate=round(rate, 4), n=len(episodes) - left_out,
+                          unjudged=left_out, eval_s=round(time.monotonic() - t0, 2))
 
     def write(self, queue) -> None:
         """A transaction of small writes, waiting while Redis is full (backpressure, never a crash)."""
