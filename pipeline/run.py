@@ -375,7 +375,7 @@ class Orchestrator:
             self.request_eval("start", 0)
         self.start_workers()
         start = self.wait_eval("start")
-        print(f"held-out greedy success at start: {start['success_rate']:.1%} "
+        print(f"held-out greedy success at start: {success_text(start['success_rate'], start['n'])} "
               f"(version {start['version']}, {start['n']} prompts)", file=self.out, flush=True)
         self.wait_trained()
         final_version = int(self.r.hget(self.keys.policy, "version"))
@@ -392,7 +392,7 @@ class Orchestrator:
         return {
             "run_id": self.run_dir.name, "job": self.cfg.job.name, "started_at": self.started_at,
             "success_rate_start": start["success_rate"], "success_rate_end": end["success_rate"],
-            "eval_prompts": end["n"], "evals": evals,
+            "eval_prompts": end["n"], "eval_prompts_start": start["n"], "evals": evals,
             "trajectories_trained": c.get("trained", 0), "trajectories_generated": c.get("generated", 0),
             "policy_version": end["version"], "steps": s.get("step", 0),
             "dropped_stale": c.get("dropped_stale", 0), "dead_lettered": c.get("dead_lettered", 0),
@@ -433,10 +433,17 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no output)"
 
 
+def success_text(rate: float, judged: int | None) -> str:
+    """A held-out success rate, or what it is when the reward judged none of the episodes (not a 0%)."""
+    if judged == 0:
+        return "none judged (the reward could not judge an episode: see the rollout workers' logs)"
+    return f"{rate:.1%}"
+
+
 def format_summary(summary: dict, run_dir: Path) -> str:
     rows = [
-        ("held-out success (start)", f"{summary['success_rate_start']:.1%}"),
-        ("held-out success (end)", f"{summary['success_rate_end']:.1%}"),
+        ("held-out success (start)", success_text(summary["success_rate_start"], summary.get("eval_prompts_start"))),
+        ("held-out success (end)", success_text(summary["success_rate_end"], summary.get("eval_prompts"))),
         ("policy version", str(summary["policy_version"])),
         ("trajectories trained", str(summary["trajectories_trained"])),
         ("dropped as stale", str(summary["dropped_stale"])),

@@ -31,7 +31,7 @@ from tests.test_envs import CharTokenizer, _group
 from workers.envs import base
 from workers.envs.base import DeadlinePool, Environment, HungCalls, Reply, RewardError, Task
 from workers.episode import TurnOutput, run_episodes
-from workers.reward import score_group
+from workers.reward import judge_function, score_group
 from workers.rollout import Rollout
 
 JOB = "revep"
@@ -81,6 +81,7 @@ def _stage(r, env, *sets: str) -> Rollout:
     s.ctx, s.cfg, s.meter = ctx, cfg.rollout, _Meter()
     s.engine, s.tokenizer, s.env, s.chat_template = OneTurn(), CharTokenizer(), env, None
     s.eval_tasks = [Task("e0", "q:", 1)]
+    s.judge = judge_function(cfg, env)
     return s
 
 
@@ -217,3 +218,35 @@ def test_an_eval_whose_reward_hangs_is_bounded_by_reward_timeout_s(r):
     release.set()
     t.join(timeout=5.0)
     assert not hung, "run_eval still waiting on a hung env.reward 5 s in (reward.timeout_s = 0.5)"
+
+
+class NoReward(Replies):
+    """An environment that leaves judging to ``[reward] entry``: its own ``reward`` is not implemented."""
+
+    def __init__(self):
+        super().__init__(lambda: Reply(done=True, finish="answer"))
+
+    reward = Environment.reward
+
+
+def judge_three_quarters(task, transcript) -> float:
+    """A ``[reward] entry`` of the tests below."""
+    return 0.75
+
+
+def test_an_eval_scores_with_the_reward_entry_the_run_trains_on(r):
+    """With ``[reward] entry`` set, the held-out evaluation judges with it too: an environment
+    without a reward of its own has every episode judged (n = 1, rate 0.75), not every episode
+    left out as unjudged and the rate reported as 0."""
+    s = _stage(r, NoReward(), "reward.entry=tests.test_env_faults:judge_three_quarters")
+    s.run_eval("periodic", claim="v3")
+    [(_id, rec)] = r.xrange(JobKeys(JOB).eval_results)
+    assert (rec[b"n"], rec[b"unjudged"], float(rec[b"success_rate"])) == (b"1", b"0", 0.75)
+
+
+def test_a_held_out_rate_the_reward_judged_nothing_of_reads_none_judged_not_zero():
+    """The run's start line and summary give a rate over no judged episode as such, not as 0.0%."""
+    from pipeline.run import success_text
+
+    assert success_text(0.0, 0).startswith("none judged")
+    assert success_text(0.0, 200) == "0.0%" and success_text(0.425, None) == "42.5%"

@@ -25,7 +25,7 @@ import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from workers.chat import ChatFormat
 from workers.envs import load_env
@@ -256,10 +256,11 @@ def evaluate(
     max_total_tokens: int | None = None,
     chat_template: bool | None = None,
     reward_timeout_s: float = 60.0,
+    reward: Callable[[Task, str], float] | None = None,
 ) -> tuple[float, list[Episode]]:
     """Greedy success rate on ``tasks`` (mean reward, clipped to [0, 1]) and the episodes behind it.
 
-    Each reward is bounded by ``reward_timeout_s``. An episode the reward
+    ``reward`` scores them (default: ``env.reward``), each call bounded by ``reward_timeout_s``. An episode the reward
     cannot judge (it raises, runs late or returns no number) has its
     ``error`` set and is left out of the rate, never counted as a 0.
     """
@@ -267,10 +268,11 @@ def evaluate(
     episodes = run_episodes(generator, tokenizer, [(t, 0) for t in tasks], greedy=True, max_turns=max_turns,
                             max_tokens_per_turn=max_tokens_per_turn, tool_timeout_s=tool_timeout_s, seed=0,
                             env=env, max_total_tokens=max_total_tokens, chat_template=chat_template)
+    reward = reward if reward is not None else env.reward
     rewards = []
     for t, ep in zip(tasks, episodes):
         try:
-            rewards.append(min(1.0, max(0.0, check_reward(env_call(env.reward, t, ep.text,
+            rewards.append(min(1.0, max(0.0, check_reward(env_call(reward, t, ep.text,
                                                                    timeout_s=reward_timeout_s)))))
         except HungCalls:
             raise

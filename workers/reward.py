@@ -42,8 +42,18 @@ def reward_function(cfg) -> RewardFn:
         from workers.reward_model import RewardModel   # loads transformers: only when asked for
 
         return RewardModel(cfg.reward.model)
+    return judge_function(cfg, env_from_config(cfg))
+
+
+def judge_function(cfg, env) -> RewardFn:
+    """What held-out evaluations score with: ``[reward] entry`` imported, else ``env``'s ``reward``.
+
+    A reward model is not loaded beside the rollout engine (its score is no success rate):
+    under ``[reward] model`` evaluations use the environment's reward, and an environment
+    without one leaves every evaluated episode unjudged. SystemExit names a bad entry.
+    """
     if not cfg.reward.entry:
-        return env_from_config(cfg).reward
+        return env.reward
     module_name, _, attr = cfg.reward.entry.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)

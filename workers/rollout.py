@@ -28,6 +28,7 @@ from workers.envs import chat_template_setting, env_from_config
 from workers.envs.base import Task
 from workers.episode import evaluate, run_episodes, unjudged
 from workers.oom import oom_reported
+from workers.reward import judge_function
 from workers.tiny_policy import load_tokenizer
 
 
@@ -78,6 +79,7 @@ class Rollout:
         self.meter.add(pause_s=time.monotonic() - t0)
         ctx.log.info("engine_loaded", path=path, load_s=round(time.monotonic() - t0, 1))
         self.env = env_from_config(ctx.cfg)
+        self.judge = judge_function(ctx.cfg, self.env)   # the training reward, where it is a function
         self.chat_template = chat_template_setting(ctx.cfg)
         self.eval_cursor = "0"
         self.evaluated_bucket = -1
@@ -156,7 +158,7 @@ class Rollout:
                                       chat_template=self.chat_template, max_turns=self.cfg.max_turns,
                                       max_tokens_per_turn=self.cfg.max_tokens_per_turn,
                                       tool_timeout_s=self.cfg.tool_timeout_s,
-                                      reward_timeout_s=self.ctx.cfg.reward.timeout_s)
+                                      reward_timeout_s=self.ctx.cfg.reward.timeout_s, reward=self.judge)
         left_out = unjudged(episodes)
         samples = [{"prompt_id": e.prompt_id, "completion": list(map(int, e.completion_tokens)),
                     "text": e.text} for e in episodes[:16]]
