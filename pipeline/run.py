@@ -547,9 +547,12 @@ def _refused(cfg: Config, out, r: redis.Redis | None = None) -> bool:
 def _choose_redis(cfg: Config, run_dir: Path, resume_dir: Path | None) -> tuple[str | None, EmbeddedRedis | None]:
     """The Redis URL to use, or an embedded server (not yet started) when there is none."""
     url = resolve_url(cfg.redis.url)
-    if resume_dir and url is None:
+    if resume_dir:
         recorded = json.loads((run_dir / "manifest.json").read_text())["redis"]
-        url = None if recorded["embedded"] else recorded["url"]
+        if recorded["embedded"] and not cfg.redis.url:
+            url = None   # the run's state is in its own server's AOF, whatever $LIBRA_REDIS_URL names now
+        elif url is None:
+            url = None if recorded["embedded"] else recorded["url"]
     if url and is_redacted(url):
         # the manifest keeps no password: the full URL comes from the environment
         if not os.environ.get(ENV_URL):

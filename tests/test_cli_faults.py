@@ -144,6 +144,18 @@ def test_resume_of_a_run_whose_embedded_redis_still_runs_says_so_without_a_trace
     assert p.returncode == 1   # as check_resumable's "still running (pid ...)" does
 
 
+def test_resume_of_an_embedded_run_uses_its_own_server_whatever_libra_redis_url_names(tmp_path, monkeypatch):
+    """A run that kept its state in its embedded server resumes on that server (restarted from the run's
+    AOF), not on the Redis ``$LIBRA_REDIS_URL`` names in the resuming shell, which holds none of it."""
+    from pipeline.run import _choose_redis
+
+    run_dir = _run_dir_with_manifest(tmp_path)
+    cfg = config.load(None, [])
+    monkeypatch.setenv("LIBRA_REDIS_URL", "redis://127.0.0.1:6379/9")
+    url, embedded = _choose_redis(cfg, run_dir, run_dir)
+    assert url is None and embedded is not None and embedded.data_dir == (run_dir / "redis").resolve()
+
+
 def test_resume_of_a_directory_with_a_damaged_manifest_is_bad_input(tmp_path, capsys):
     """A manifest.json that is not the run's JSON (cut short, edited): exit 2 with a message, as for a
     directory without one."""
