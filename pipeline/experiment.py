@@ -46,7 +46,7 @@ from pipeline.config import Config, check_path
 from pipeline.dataplane.lifeline import spawn
 from pipeline.dataplane.redisconn import resolve_url
 from pipeline.observe import compare
-from pipeline.observe.measures import read_jsonl
+from pipeline.observe.measures import read_jsonl, write_json
 
 CORES_PER_RUN = 2       # cores one CPU run keeps busy (engine, learner, reward, feeder, Redis)
 STOP_WAIT_S = 120.0     # a run stopped with SIGINT has this long to stop its workers, then SIGKILL
@@ -492,12 +492,6 @@ def print_unfinished(records: list[dict], out) -> None:
         print(f"{how}: {r['group']} seed {r['seed']}: {last} (log: {r['log']})", file=out)
 
 
-def _write_json(path: Path, doc: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2))
-    os.replace(tmp, path)
-
-
 def _exit_code(records: list[dict], interrupted: bool) -> int:
     return 130 if interrupted else 0 if all(r["ok"] for r in records) else 1
 
@@ -527,7 +521,7 @@ def baseline(config: str, sets: list[str], *, repeat: int = 3, out: str | None =
            "resolved_config": cfg.to_dict(), "created_at": time.time(), "interrupted": interrupted,
            "runs": records, "spread": agg, "target": agg["success_final"]["mean"],
            "noisy": noisy, "noise": level, "effect": effect}
-    _write_json(exp_dir / "baseline.json", doc)
+    write_json(exp_dir / "baseline.json", doc)
     (exp_dir / "table.md").write_text(compare.render_markdown(header, rows))
     print(f"\nbaseline {exp_id}: {agg['ok']}/{agg['runs']} runs finished"
           f"{' (interrupted)' if interrupted else ''}; spread over seeds\n", file=stdout)
@@ -646,7 +640,7 @@ def write_experiment(doc: dict, exp_dir: Path, stdout) -> None:
     group), and the table and verdicts printed."""
     groups, target = doc["groups"], doc["target"]
     base = groups[0]
-    _write_json(exp_dir / "experiment.json", doc)
+    write_json(exp_dir / "experiment.json", doc)
     header, rows = compare.comparison_table(groups, target)
     note = (f"\nmean ± sd over seeds {', '.join(map(str, doc['seeds']))}; target {target:.1%} held-out success "
             f"({doc['target_source']}); baseline: {base['label']} ({doc['baseline']['source']}).\n")

@@ -46,6 +46,7 @@ from pipeline.control.allocator import AdmissionError
 from pipeline.control.job import check_admission
 from pipeline.control.local import own_slots, start_local_control
 from pipeline.dataplane.keys import AGENTS, CONTROLLER_LEASE, JOBS, JobKeys, agent_backoff
+from pipeline.observe.measures import write_json
 from pipeline.observe.metrics import start_sampler
 from pipeline.observe.report import write_report
 from pipeline.observe.tracking import start_tracker
@@ -505,7 +506,7 @@ def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | Non
         # in it is a killed run's (restored from the AOF, not yet expired), never one to join.
         orch = Orchestrator(cfg, run_dir, r, url, out, join_wait_s=0.0 if embedded else join_wait_s,
                             join=not embedded)
-        _run_and_summarise(orch)
+        _run_and_summarise(orch, resumed=resume_dir is not None)
         return 0
     except RunFailed as exc:
         _forget_unstarted(run_dir, resume_dir)
@@ -597,9 +598,11 @@ def _start_new_job(r: redis.Redis, cfg: Config, run_dir: Path, **manifest_fields
                                  "published_at": time.time()})
 
 
-def _run_and_summarise(orch: Orchestrator) -> None:
+def _run_and_summarise(orch: Orchestrator, resumed: bool) -> None:
     """Run the job with the metrics sampler and the tracker beside it, then write summary.json and the report."""
-    sampler = start_sampler(orch.r, orch.cfg.job.name, orch.run_dir, orch.cfg.metrics.interval_s)
+    # A resumed job's counters and steps hold its history: the sampler measures what comes after.
+    sampler = start_sampler(orch.r, orch.cfg.job.name, orch.run_dir, orch.cfg.metrics.interval_s,
+                            from_start=not resumed)
     tracker = start_tracker(orch.cfg, orch.run_dir, orch.r, say=orch.say)
     summary = None
     try:
@@ -608,7 +611,7 @@ def _run_and_summarise(orch: Orchestrator) -> None:
         sampler.stop()
         if tracker:   # after the sampler's last sample, so TensorBoard and W&B get the whole run
             tracker.stop(summary)
-    (orch.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(orch.run_dir / "summary.json", summary)
     print(format_summary(summary, orch.run_dir), file=orch.out)
     print(f"report: {write_report(orch.run_dir)}", file=orch.out)
 

@@ -48,15 +48,21 @@ STEP_FALLBACK_S = 60.0  # a learner step's length when none has been measured ye
 
 
 def job_run_dir(r: redis.Redis, keys: JobKeys, run_dir: str | None) -> Path:
+    """The run directory to audit (``run_dir``, else the one Redis records); SystemExit when it cannot be read."""
     path = run_dir or (r.hget(keys.state, "run_dir") or b"").decode()
     if not path:
         raise SystemExit(f"job {keys.job!r} has no run directory in this Redis; pass --run RUN_DIR")
+    if not (Path(path) / "manifest.json").is_file():
+        raise SystemExit(f"job {keys.job!r}: no manifest.json in its run directory {path} (not mounted on this "
+                         "machine?); pass --run RUN_DIR")
     return Path(path)
 
 
 def _checkpoints(run_dir: Path) -> list[Path]:
-    return [c for c in sorted((run_dir / "checkpoints").glob("step-*"))
-            if not c.name.endswith(".tmp") and (c / "state.json").exists()]
+    """The finished checkpoints by step (a seventh digit would sort ``step-1000000`` first by name)."""
+    done = [c for c in (run_dir / "checkpoints").glob("step-*")
+            if c.name[len("step-"):].isdigit() and (c / "state.json").exists()]
+    return sorted(done, key=lambda c: int(c.name[len("step-"):]))
 
 
 def checkpoint_records(run_dir: Path, name: str) -> Counter:

@@ -118,11 +118,10 @@ def sample_now(r, jobs: list[str], sample_s: float) -> dict[str, list[dict]]:
     samplers = {job: MetricsSampler(r, job, None, from_start=False) for job in jobs}
     out: dict[str, list[dict]] = {job: [] for job in jobs}
     n = max(Thresholds.min_samples, int(sample_s))
-    for i in range(n):
+    for _ in range(n):   # each sample measures from the one before, the first from the samplers' start
+        time.sleep(sample_s / n)
         for job, sampler in samplers.items():
             out[job].append(sampler.collect())
-        if i < n - 1:
-            time.sleep(sample_s / (n - 1))
     return out
 
 

@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
+from pipeline.observe.measures import rise
 
 STEPS = ("logs", "inputs", "resources", "balance", "quality")  # the troubleshooting order
 SEVERITY = {"critical": 0, "warning": 1}
@@ -122,8 +123,9 @@ def _slope_per_min(ts: list[float], ys: list[float]) -> float:
 
 
 def _delta(samples: list[dict], *path) -> float | None:
+    """How much a count rose over the samples (``measures.rise``); None under two readings."""
     vals = [v for v in (get_in(s, *path) for s in samples) if v is not None]
-    return vals[-1] - vals[0] if len(vals) >= 2 else None
+    return rise(vals) if len(vals) >= 2 else None
 
 
 def _n(count: int, noun: str) -> str:

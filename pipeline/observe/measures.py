@@ -15,6 +15,17 @@ from pathlib import Path
 from typing import Iterable
 
 
+def rise(values: Iterable[float]) -> float:
+    """How much a count rose over successive readings: its falls are not subtracted.
+
+    A learner that restores its checkpoint sets ``trained`` and the drops back to the
+    checkpoint's, and a replay takes entries off the dead-letter stream; what was done
+    between the readings is what rose.
+    """
+    values = list(values)
+    return sum(max(0, b - a) for a, b in zip(values, values[1:]))
+
+
 def rates(prev: dict, now: dict, dt_s: float) -> dict:
     """Throughput from two counter snapshots ``dt_s`` apart.
 
@@ -177,6 +188,13 @@ def append_line(path: Path, line: str) -> None:
         os.write(fd, (line + "\n").encode())
     finally:
         os.close(fd)
+
+
+def write_json(path: Path, doc) -> None:
+    """Write ``doc`` as ``path`` whole or not at all: a crash leaves the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2))
+    os.replace(tmp, path)
 
 
 def read_jsonl(path: Path | str, kind: str | None = None) -> list[dict]:

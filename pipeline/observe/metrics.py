@@ -52,9 +52,14 @@ class MetricsSampler:
         self.prev_counters: dict | None = None
         self.prev_at: float | None = None
         self.prev_costs: dict = {}   # the workers' CostMeter records at the previous sample
-        # Learner steps are read from their stream since this id: all of them for a run we
-        # start with, only new ones when we attach to a running job.
+        # Learner steps are read from their stream since this id, and counters measured from a
+        # baseline: all of them, from zeros at the job's start, for a run we start with; only
+        # what comes after now when we attach to a running job or resume one (its counters
+        # carry the job's history).
         self.step_cursor = "0-0" if from_start else self._last_id(self.keys.metrics)
+        if not from_start:
+            self.prev_counters = {k.decode(): int(v) for k, v in r.hgetall(self.keys.counters).items()}
+            self.prev_at = time.time()
 
     def _last_id(self, stream: str) -> str:
         last = self.r.xrevrange(stream, count=1)
@@ -71,7 +76,7 @@ class MetricsSampler:
         return steps
 
     def _baseline(self, now: float) -> tuple[dict, float]:
-        """Counters and time of the previous sample; zeros at the job's start for the first one."""
+        """Counters and time of the previous sample (or the baseline); zeros at the job's start for the first one."""
         if self.prev_counters is not None:
             return self.prev_counters, self.prev_at
         started = self.r.hget(self.keys.state, "started_at")

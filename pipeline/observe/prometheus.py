@@ -14,7 +14,8 @@ Two figures need history that Redis does not keep as a total: the staleness
 histogram and the tool-call totals. The collector folds the learner's
 per-step lines (the ``metrics`` stream, kind ``learner_step``) incrementally
 into per-job totals; a new run of a job (a new ``started_at``) starts the fold
-again, which Prometheus reads as a counter reset. Resources come from the
+again, which Prometheus reads as a counter reset. Within a run the counters
+exported never go down: what a learner's restore sets back is added back. Resources come from the
 sampler's newest sample (``pipeline.observe.metrics``), since only the node that runs
 a worker can measure it.
 """
@@ -88,6 +89,19 @@ class _Fold:
     recent: deque = field(default_factory=lambda: deque(maxlen=WAIT_WINDOW_STEPS))
     diversity: dict = field(default_factory=dict)
     has_tools: bool = False  # any step carried tool figures (the learner's tool_stats)
+    counters: dict[str, tuple[int, int]] = field(default_factory=dict)   # key -> (last read, added back)
+
+    def total(self, key: str, value: int) -> int:
+        """``value`` of a Redis counter as a total that never goes down within the run.
+
+        A learner that restores its checkpoint sets ``trained`` and the drops back to the
+        checkpoint's (the steps after it are trained again); Prometheus would read the fall as
+        a reset to zero and count everything again. The fall is added back instead.
+        """
+        last, added = self.counters.get(key, (value, 0))
+        added += max(0, last - value)
+        self.counters[key] = (value, added)
+        return value + added
 
     def add(self, step: dict) -> None:
         for k, v in (step.get("staleness_hist") or {}).items():
@@ -173,18 +187,17 @@ class LibraCollector:
             states[(w["role"], w["state"])] = states.get((w["role"], w["state"]), 0) + 1
         for (role, state), n in sorted(states.items()):
             f["workers"].add_metric([job, role, state], n)
-        counters = st["counters"]
+        counters, fold = st["counters"], self._fold(job)
         for key, name, _help in COUNTERS:
             # An absent counter is a zero, except tokens: absent means nobody counts them (yet).
             if key in counters or key != "rollout_tokens":
-                f[name].add_metric([job], counters.get(key, 0))
+                f[name].add_metric([job], fold.total(key, counters.get(key, 0)))
         dlq = counters.get("dead_letter_messages")
         f["dlq"].add_metric([job], dlq if dlq is not None else self.r.xlen(keys.dead_letters))
         stats = {k.decode(): json.loads(v) for k, v in self.r.hgetall(keys.learner_stats).items()}
         for key, name, _help in STAT_GAUGES:
             if isinstance(stats.get(key), (int, float)):
                 f[name].add_metric([job], stats[key])
-        fold = self._fold(job)
         for key, name, _help in DIVERSITY_GAUGES:
             if fold.diversity.get(key) is not None:
                 f[name].add_metric([job], fold.diversity[key])

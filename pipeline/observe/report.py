@@ -82,7 +82,16 @@ def load_run(run_dir: Path | str) -> RunData:
     from pipeline.observe.trace import read_log_records, unix_time
 
     run_dir = Path(run_dir)
-    read = lambda name: json.loads((run_dir / name).read_text()) if (run_dir / name).exists() else {}
+    notes = []
+
+    def read(name: str) -> dict:
+        try:
+            doc = json.loads((run_dir / name).read_text()) if (run_dir / name).exists() else {}
+        except (ValueError, OSError) as exc:   # cut short by a kill, or unreadable: the rest still reports
+            notes.append(f"{name} could not be read ({type(exc).__name__}: {exc}); left out")
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
     lines = read_jsonl(run_dir / "metrics.jsonl")
     logs = read_log_records(run_dir) if (run_dir / "logs").is_dir() else []
     for rec in logs:
@@ -90,7 +99,7 @@ def load_run(run_dir: Path | str) -> RunData:
     data = RunData(run_dir, read("manifest.json"), read("summary.json"),
                    [x for x in lines if x.get("kind") == "learner_step" and "at" in x],
                    [x for x in lines if x.get("kind") == "sample" and "at" in x],
-                   read_jsonl(run_dir / "events.jsonl"), [r for r in logs if r["_at"] is not None])
+                   read_jsonl(run_dir / "events.jsonl"), [r for r in logs if r["_at"] is not None], notes=notes)
     times = ([data.manifest.get("created_at")] + [s["at"] for s in data.steps + data.samples] +
              [e["at"] for e in data.events if isinstance(e.get("at"), (int, float))])
     times = [t for t in times if isinstance(t, (int, float))]
@@ -418,6 +427,7 @@ def render(d: RunData) -> str:
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1">
 <title>Libra report: {esc(d.run_dir.name)}</title><style>{CSS}</style></head>
 <body><header><h1>Libra run report</h1><dl>{head}</dl></header><main>
+{"".join(f'<p class="note">{esc(n)}</p>' for n in d.notes)}
 <h2>Throughput, reward and diversity</h2><div class="grid3">{one_page}</div>
 <h2>Pipeline</h2><div class="grid2">{pipeline_row}</div>
 <h2>Resources</h2><div class="grid2">{res_row}</div>

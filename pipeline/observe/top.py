@@ -19,6 +19,7 @@ import redis
 
 from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
 from pipeline.dataplane.keys import JOBS, JobKeys
+from pipeline.observe.measures import rise
 from pipeline.observe.status import format_pool, format_slots, job_status
 
 RATE_WINDOW = 10  # snapshots (seconds at the default refresh) the rates average over
@@ -42,9 +43,8 @@ class Rates:
 
     def add(self, snap: dict) -> dict:
         self.hist.append((snap["t"], snap["status"]["counters"]))
-        (t0, c0), (t1, c1) = self.hist[0], self.hist[-1]
-        dt = t1 - t0
-        return {k: (c1.get(k, 0) - c0.get(k, 0)) / dt if dt > 0 else None
+        dt = self.hist[-1][0] - self.hist[0][0]
+        return {k: rise(c.get(k, 0) for _t, c in self.hist) / dt if dt > 0 else None
                 for k in ("generated", "scored", "trained", "dropped_stale", "rollout_tokens")}
 
 
