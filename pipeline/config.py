@@ -534,8 +534,12 @@ def validate_control(ctl: ControlConfig) -> None:
     need(ctl.interval_s > 0, "control.interval_s", "must be > 0")
     need(ctl.window_s > 0, "control.window_s", "must be > 0")
     for role in ("rollout", "learner", "reward"):
+        need(getattr(ctl, f"min_{role}") >= 1, f"control.min_{role}", "must be >= 1: every stage needs a worker")
         need(getattr(ctl, f"min_{role}") <= getattr(ctl, f"max_{role}"), f"control.min_{role}",
              f"exceeds control.max_{role}")
+    need(0 < ctl.learner_scaling_exponent <= 1.5, "control.learner_scaling_exponent",
+         "must be in (0, 1.5]: n learner slots train at n**e times one (1: linear); a learner that must not "
+         "grow is control.max_learner = 1")
     need(ctl.min_slots >= 0, "control.min_slots", "must be >= 0")
     need(ctl.max_slots >= 0, "control.max_slots", "must be >= 0 (0: the whole pool)")
     need(not ctl.max_slots or ctl.min_slots <= ctl.max_slots, "control.min_slots", "exceeds control.max_slots")

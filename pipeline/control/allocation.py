@@ -36,7 +36,8 @@ def pin(r: redis.Redis, job: str, roles: dict[str, int]) -> None:
         if roles.get(role, 1) < 1:
             raise ValueError(f"{role}={roles[role]}: the pipeline needs at least one {role} worker")
     cur = get_allocation(r, job)
-    pinned = {**cur["target"], **cur["pinned"], **roles}
+    # an earlier pin handed back (--auto) no longer counts: the roles not named keep the current target
+    pinned = {**cur["target"], **(cur["pinned"] if cur["mode"] == "pinned" else {}), **roles}
     r.hset(JobKeys(job).allocation, mapping={"mode": "pinned", "pinned": json.dumps(pinned)})
     r.lpush(CONTROLLER_WAKE, f"scale:{job}")
 

@@ -88,6 +88,13 @@ class JobView:
     metrics: allocator.Metrics | None = None   # auto mode only: what the allocator sees
 
 
+def _pin_slots(view: JobView) -> int:
+    """Agent slots a pinned job's pin asks for (its external workers hold their own)."""
+    ctl = view.jc.info.control
+    pinned = {**view.jc.info.initial, **view.alloc["target"], **view.alloc["pinned"]}
+    return sum(counts_of(agents_share(pinned, view.ext_n), ctl.reward_on_slots).values())
+
+
 def _growth(view: JobView, pool: allocator.PoolDecision | None) -> int:
     """How many slots the job gains this tick (negative: gives up); pinned jobs count as 0."""
     if pool is None or view.metrics is None:
@@ -204,21 +211,24 @@ class Controller:
                   placements: dict[str, dict]) -> allocator.PoolDecision | None:
         """Shares of the agents' slots for the auto jobs, and each one's split (``allocator.plan``).
 
-        The pool is every live agent slot, less what pinned jobs hold, plus the
-        auto jobs' external workers of slot roles (each stands for a slot
-        beside the agents'). None when no auto job runs.
+        The pool is every live agent slot, less what pinned jobs hold or their
+        pins ask for (an operator's scale-up comes out of the auto jobs'
+        share, down to their minimums), plus the auto jobs' external workers
+        of slot roles (each stands for a slot beside the agents'). None when
+        no auto job runs.
         """
         auto = [v for v in views if v.metrics is not None]
         if not auto:
             return None
-        pinned = {v.jc.info.name for v in views if v.metrics is None}
-        held = sum(len(rec["slots"]) for j in pinned for rec in placements.get(j, {}).values())
+        held = sum(max(sum(len(rec["slots"]) for rec in placements.get(v.jc.info.name, {}).values()),
+                       _pin_slots(v)) for v in views if v.metrics is None)
         ext = sum(sum(counts_of(v.ext_n, v.jc.info.control.reward_on_slots).values()) for v in auto)
-        gpus = sum(len(rec["slots"]) for rec in nodes.values()) - held + ext
-        switch = max(v.jc.info.control.switch_cost_s for v in auto)
         specs = [replace(v.jc.info.spec(), bounds=v.bounds) for v in auto]
+        gpus = max(sum(len(rec["slots"]) for rec in nodes.values()) - held + ext,
+                   sum(allocator.min_share(s) for s in specs))
+        switch = max(v.jc.info.control.switch_cost_s for v in auto)
         return allocator.plan({v.jc.info.name: v.metrics for v in auto},
-                              allocator.Inventory(gpus=max(gpus, 0), switch_cost_s=switch), specs,
+                              allocator.Inventory(gpus=gpus, switch_cost_s=switch), specs,
                               plan_config(auto[0].jc.info.control))
 
     def reconcile(self, view: "JobView", nodes: dict[str, dict], placements: dict[str, dict],
@@ -227,7 +237,8 @@ class Controller:
         slot_map = {n: [s["index"] for s in rec["slots"]] for n, rec in nodes.items()}
         taken = {(rec["node"], s) for j, p in placements.items() if j != name for rec in p.values()
                  for s in rec["slots"]}
-        free = sum(1 for n, ss in slot_map.items() for s in ss if (n, s) not in taken)
+        room = {n: sum(1 for s in ss if (n, s) not in taken) for n, ss in slot_map.items()}
+        free = sum(room.values())
         # an external worker of a slot role stands for one slot beside the agents' (it holds none of theirs)
         slots = free + sum(counts_of(view.ext_n, jc.info.control.reward_on_slots).values())
         cur = placements.get(name, {})
@@ -235,7 +246,7 @@ class Controller:
         # a drained worker leaves its slot empty for this tick, so a replacement goes elsewhere if it can
         taken |= {(cur[w]["node"], s) for w in drained if w in cur for s in cur[w]["slots"]}
         cur = {w: rec for w, rec in cur.items() if w not in drained}
-        target, event = self.decide(view, slots, pool)
+        target, event = self.decide(view, slots, pool, learner_room=max(room.values(), default=0))
         new = place(agents_share(target, view.ext_n), cur, slot_map, taken, jc.info.control.reward_on_slots)
         orders = self.act(jc, new, nodes) + self.drain_external(jc, view.ext, target)
         placements[name] = new
@@ -278,9 +289,12 @@ class Controller:
             alloc = get_allocation(self.r, jc.info.name)
         return alloc
 
-    def decide(self, view: "JobView", slots: int,
-               pool: allocator.PoolDecision | None) -> tuple[dict, dict | None]:
+    def decide(self, view: "JobView", slots: int, pool: allocator.PoolDecision | None,
+               learner_room: int | None = None) -> tuple[dict, dict | None]:
         """The target counts (external workers included), and the event to record (None when nothing new).
+
+        ``learner_room``: the most slots one node has for the job (the learner is cut to it; in
+        auto mode what it could not hold goes to rollout).
 
         ``view.ext_n``: counted external workers per role. A pinned count is the
         total, so it may leave external workers over (``drain_external``); the
@@ -290,14 +304,17 @@ class Controller:
         info, ctl = jc.info, jc.info.control
         base = {**info.initial, **alloc["target"]}
         if alloc["mode"] == "pinned":   # else the job is an auto one, in the pool plan
-            target = fit({**base, **alloc["pinned"]}, slots, view.bounds, ctl.reward_on_slots)
+            target = fit({**base, **alloc["pinned"]}, slots, view.bounds, ctl.reward_on_slots, learner_room)
             reason = "pinned"
             event = {"kind": "pinned", "mode": "pinned", "reason": reason, "from": alloc["target"], "to": target}
         else:
             d = pool.decisions[info.name]
             planned = {**base, **{r: d.allocation.get(r) for r in ROLES if r != "reward" or ctl.reward_on_slots}}
+            over = planned["learner"] - max(learner_room or 0, 1) if learner_room is not None else 0
+            if over > 0 and not ext.get("learner"):   # the allocator counts slots, not nodes
+                planned["rollout"] = min(planned["rollout"] + over, view.bounds["rollout"].max)
             target = fit({r: max(n, ext.get(r, 0)) for r, n in planned.items()}, slots, view.bounds,
-                         ctl.reward_on_slots)
+                         ctl.reward_on_slots, learner_room)
             reason = d.reason
             event = {"kind": "decision", "mode": "auto", **d.event(view.metrics), "from": base, "to": target,
                      "costs": jc.observer.costs, "summary": allocator.explain(d),

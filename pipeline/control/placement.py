@@ -20,7 +20,7 @@ def place(target: dict[str, int], current: dict[str, dict], nodes: dict[str, lis
     that cannot get all its slots gets what is free.
     """
     slot_roles = ["rollout"] + (["reward"] if reward_on_slots else [])
-    cur = {w: rec for w, rec in current.items() if rec["node"] in nodes}
+    cur = _still_there(current, nodes)
     learner = cur.get(LEARNER)
     want_l = target.get("learner", 0)
     grow_on = learner["node"] if learner and want_l > len(learner["slots"]) else None
@@ -48,6 +48,25 @@ def place(target: dict[str, int], current: dict[str, dict], nodes: dict[str, lis
             out[f"{role}-{node}-{slot}"] = {"role": role, "node": node, "slots": [slot]}
     if not reward_on_slots:
         out.update(_cpu_workers("reward", target.get("reward", 0), cur, sorted(nodes)))
+    return out
+
+
+def _still_there(current: dict[str, dict], nodes: dict[str, list[int]]) -> dict[str, dict]:
+    """The current workers whose node and slots are still offered; the learner keeps the slots that are.
+
+    An agent back under its node's name with fewer slots (a GPU gone) no longer offers the rest.
+    """
+    out = {}
+    for w, rec in current.items():
+        have = set(nodes.get(rec["node"], ()))
+        if rec["node"] not in nodes:
+            continue
+        if rec["role"] == "learner":
+            kept = [s for s in rec["slots"] if s in have]
+            if kept:
+                out[w] = {**rec, "slots": kept}
+        elif all(s in have for s in rec["slots"]):
+            out[w] = rec
     return out
 
 
@@ -123,9 +142,15 @@ def external_floor(bounds: dict[str, RoleBounds], external: dict[str, int]) -> d
 
 
 def fit(target: dict[str, int], slots: int, bounds: dict[str, RoleBounds],
-        reward_on_slots: bool) -> dict[str, int]:
-    """Trim a target that needs more slots than there are: the role most above its minimum gives first."""
+        reward_on_slots: bool, learner_room: int | None = None) -> dict[str, int]:
+    """Trim a target that needs more slots than there are: the role most above its minimum gives first.
+
+    ``learner_room``: the most slots one node has for the job; the learner, one process on one
+    node, is cut to it.
+    """
     out = dict(target)
+    if learner_room is not None and out.get("learner", 0) > max(learner_room, 1):
+        out["learner"] = max(learner_room, 1)
     slot_roles = [r for r in ROLES if r != "reward" or reward_on_slots]
     while sum(out[r] for r in slot_roles) > slots:
         role = max(slot_roles, key=lambda r: (out[r] - bounds[r].min, out[r]))
