@@ -9,6 +9,7 @@ into exit code 2. ``--set dotted.key=value`` overrides any field.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -353,17 +354,30 @@ def _apply_override(raw: dict, item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {item!r}: expected dotted.key=value, e.g. --set learner.lr=1e-4")
+    *parents, leaf = key.strip().split(".")
     try:
         value = tomllib.loads(f"x = {text}")["x"]
     except tomllib.TOMLDecodeError:
         value = text  # a bare word is a string: --set job.name=demo
-    *parents, leaf = key.strip().split(".")
+    if _field_type(parents, leaf) is str and not isinstance(value, str):
+        value = text.strip()   # a word of a string setting that TOML reads otherwise: job.name=42, a date
     node = raw
     for p in parents:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {key}: {p!r} is not a section")
     node[leaf] = value
+
+
+def _field_type(parents: list[str], leaf: str):
+    """The type of the setting ``parents.leaf`` (None where there is no such setting)."""
+    cls = Config
+    for p in parents:
+        typ = get_type_hints(cls).get(p) if dataclasses.is_dataclass(cls) else None
+        if not dataclasses.is_dataclass(typ):
+            return None
+        cls = typ
+    return get_type_hints(cls).get(leaf)
 
 
 def from_dict(raw: dict, cls=Config, where: str = "") -> Any:
@@ -391,6 +405,12 @@ def from_dict(raw: dict, cls=Config, where: str = "") -> Any:
 def _coerce(value, typ, dotted: str, default):
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if typ is dict and isinstance(value, dict):
+        try:   # the manifest carries it to every worker as JSON
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{dotted} = {value!r}: {exc}; give strings, numbers, booleans, arrays and "
+                              "tables (a date as a quoted string)") from None
     if isinstance(value, typ) and not (typ in (int, float) and isinstance(value, bool)):
         return value
     raise ConfigError(
@@ -484,6 +504,8 @@ def validate(cfg: Config) -> None:
     need(lr.logprob_chunk >= 1, "learner.logprob_chunk", "must be >= 1, e.g. 1024")
     need(ro.workers >= 1 and cfg.reward.workers >= 1, "rollout.workers/reward.workers", "each stage needs >= 1 worker")
     need(ro.max_turns >= 1 and ro.max_tokens_per_turn >= 1, "rollout.max_turns", "must be >= 1")
+    need(ro.groups_per_call >= 1, "rollout.groups_per_call", "must be >= 1 (groups read and decoded per call)")
+    need(lr.threads >= 1, "learner.threads", "must be >= 1 (torch CPU threads)")
     need(0 < ro.gpu_memory_utilization <= 0.95, "rollout.gpu_memory_utilization", "must be in (0, 0.95]")
     need(cfg.streams.max_queue_size >= lr.batch_size, "streams.max_queue_size",
          f"{cfg.streams.max_queue_size} is below learner.batch_size ({lr.batch_size}); the learner could never fill a batch")

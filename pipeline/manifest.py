@@ -68,7 +68,7 @@ def package_versions() -> dict[str, str]:
 
 def write_manifest(run_dir: Path, cfg: Config, *, argv: list[str], redis_url: str, embedded: bool,
                    policy_dir: str, bad_prompt_lines: list[dict]) -> dict:
-    """Write ``manifest.json`` (0600, secrets redacted); returns what was written."""
+    """Write ``manifest.json`` (0600, secrets but the environment's options redacted); returns what was written."""
     manifest = {
         "run_id": run_dir.name, "created_at": time.time(), "argv": argv,
         "config": cfg.to_dict(),
@@ -79,5 +79,9 @@ def write_manifest(run_dir: Path, cfg: Config, *, argv: list[str], redis_url: st
         "bad_prompt_lines": bad_prompt_lines,
     }
     manifest = redact_tree(manifest)
+    # Every worker builds its environment from this file: the options stay as given (a tool service's
+    # token in a URL is the job's, as in its TOML; the file is 0600, and the report, the logs and
+    # tracking redact what they show). The Redis password alone comes from the environment.
+    manifest["config"]["env"]["options"] = cfg.to_dict()["env"]["options"]
     write_private(run_dir / "manifest.json", json.dumps(manifest, indent=2))
     return manifest

@@ -39,6 +39,7 @@ from pathlib import Path
 from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
 from pipeline.observe.charts import SELF_CHECK, Series, bar_chart, esc, line_chart
 from pipeline.observe.status import format_pool
+from pipeline.redaction import redact_tree
 
 COLORS = {"rollout": "#2563eb", "reward": "#d97706", "learner": "#059669", "feeder": "#6b7280",
           "controller": "#7c3aed"}
@@ -421,7 +422,7 @@ def render(d: RunData) -> str:
     pipeline_row = _pipeline_row(d, timeline, markers)
     res_row = _resource_row(d, timeline, tok)
     head = "".join(f"<div><dt>{esc(k)}</dt><dd>{esc(v)}</dd></div>" for k, v in headline(d))
-    manifest = json.dumps(d.manifest, indent=2)
+    manifest = json.dumps(redact_tree(d.manifest), indent=2)
     summary = json.dumps(d.summary, indent=2) if d.summary else ""
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1">

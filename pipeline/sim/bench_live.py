@@ -129,6 +129,10 @@ class LiveSettings:
         if wl.cluster.gpus > MAX_SLOTS:
             raise ValueError(f"the live engine runs up to {MAX_SLOTS} slots on one machine and {wl.name} has "
                              f"{wl.cluster.gpus} GPUs: use --engine des")
+        for job in wl.jobs:   # the live job's config (rollout.group_size) takes GRPO's groups of 2 or more
+            if job.group_size < 2:
+                raise ValueError(f"{wl.name}: group_size = {job.group_size}: the live engine's jobs need at least "
+                                 "2 samples per prompt; use --engine des")
 
 
 def control_settings(wl: Workload, scale: float) -> dict:

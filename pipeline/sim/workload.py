@@ -265,7 +265,7 @@ def _learner(r: "_Reader", t: dict) -> Learner:
     exp = r.num(t, "learner", "scaling_exponent", positive=True)
     if exp > 1.5:
         raise WorkloadError(f"{r.source}: [learner] scaling_exponent = {exp}: n GPUs train at n**exponent "
-                            "x one GPU, so use a value in (0, 1] (1 = linear scaling)")
+                            "x one GPU, so use a value in (0, 1.5] (1 = linear scaling)")
     return Learner(train_tokens_per_s=r.num(t, "learner", "train_tokens_per_s", positive=True),
                    scaling_exponent=exp,
                    weight_publish_s=r.num(t, "learner", "weight_publish_s", lo=0.0))
@@ -319,7 +319,7 @@ def _job(r: "_Reader", t: dict, where: str, phases: Any, multi: bool) -> Job:
                                 f"{extra['min_gpus']}: raise max_gpus or lower min_gpus")
     return Job(batch_size=batch, group_size=group,
                max_staleness=r.int_(t, where, "max_staleness", lo=0),
-               steps=steps, seed=r.int_(t, where, "seed", lo=None, default=0),
+               steps=steps, seed=r.int_(t, where, "seed", lo=0, default=0),
                phases=_phases(r, phases, where, steps), **extra)
 
 
@@ -350,6 +350,8 @@ def _lognormal(r: "_Reader", v: Any, at: str, names: tuple[str, str, str | None]
     if not isinstance(v, dict):
         raise WorkloadError(f"{r.source}: {at} is missing: write {at.rsplit('.', 1)[-1]} = "
                             f"{{ {names[0]} = ..., {names[1]} = ... }}")
+    if names[2]:   # a table of its own (tool_calls checks its keys beside per_trajectory)
+        r.no_unknown(v, set(names), at)
     med = r.num(v, at, names[0], positive=True)
     p99 = r.num(v, at, names[1], positive=True)
     if p99 < med:
@@ -378,6 +380,14 @@ def _tools(r: "_Reader", t: Any, where: str) -> ToolCalls:
 
 
 _MISSING = object()
+
+
+def _finite(v: int | float) -> bool:
+    """A finite number a float can hold (TOML integers have no bound)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 class _Reader:
@@ -409,7 +419,7 @@ class _Reader:
             if default is not _MISSING:
                 return default
             raise WorkloadError(f"{self.source}: [{where}] {key} is missing: add {key} = <number>")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
             raise WorkloadError(f"{self.source}: [{where}] {key} = {v!r}: write a finite number")
         if positive and v <= 0:
             raise WorkloadError(f"{self.source}: [{where}] {key} = {v}: must be greater than 0")
