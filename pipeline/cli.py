@@ -19,7 +19,7 @@ from pathlib import Path
 from pipeline import config as config_mod
 from pipeline.dataplane.keys import BadName, check_path
 from pipeline.dataplane.redisconn import ENV_URL, connect, find_redis_url
-from pipeline.redaction import redact, write_private
+from pipeline.redaction import redact, redact_tree, write_private
 
 SHARED_REDIS_DIR = "runs/redis"   # where ``libra-ctl redis`` keeps the embedded server of a Procfile
 REDIS_WAIT_S = 120.0
@@ -188,7 +188,11 @@ def _serve_redis(data_dir: Path, stop: threading.Event) -> int:
         print(f"libra-ctl redis: a server already runs in {data_dir} ({(data_dir / 'redis.url').read_text().strip()})",
               file=sys.stderr)
         return 1
-    server = EmbeddedRedis(data_dir).start()
+    try:
+        server = EmbeddedRedis(data_dir).start()
+    except RuntimeError as exc:   # another libra-ctl redis starting on this directory holds its lock
+        print(f"libra-ctl redis: {exc}", file=sys.stderr)
+        return 1
     url_file = data_dir / "redis.url"
     write_private(url_file, server.url + "\n")   # a unix socket: no secret, but the socket's place is ours
     print(f"redis: serving at {server.url} (data in {data_dir}); export {ENV_URL}={server.url}", flush=True)
@@ -280,7 +284,7 @@ def cmd_config(args) -> int:
         print(config_mod.reference())
         return 0
     cfg = config_mod.load(args.config, args.set or [])
-    print(json.dumps(cfg.to_dict(), indent=2))
+    print(json.dumps(redact_tree(cfg.to_dict()), indent=2))
     return 0
 
 
@@ -357,13 +361,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import redis
 
-    from pipeline.dataplane.redisconn import RedisUnavailable
+    from pipeline.dataplane.redisconn import BadRedisUrl, RedisUnavailable
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except config_mod.ConfigError as exc:
-        print(f"libra-ctl: config error: {exc}", file=sys.stderr)
+        print(f"libra-ctl: config error: {redact(str(exc))}", file=sys.stderr)
+        return 2
+    except BadRedisUrl as exc:
+        print(f"libra-ctl: {exc}", file=sys.stderr)
         return 2
     except BadName as exc:   # a job name, worker id or path that cannot become a key or a file name
         print(f"libra-ctl: {exc}", file=sys.stderr)

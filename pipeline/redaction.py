@@ -22,8 +22,9 @@ from typing import Any
 
 MASK = "***"
 
-# scheme://[user]:password@ : the password runs to the last '@' before the host part
-_USERINFO = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.-]*://[^:/?#@\s]*:)(?P<secret>[^/?#\s]*)(?P<at>@)")
+# scheme://[user]:password@ : the password runs to the last '@' before the host part, whatever it holds
+# ('/', '?', '#' and '@' too: a password pasted unencoded, which redis-py parses apart and may echo)
+_USERINFO = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.-]*://[^:/?#@\s]*:)(?P<secret>[^\s\"'<>]*)(?P<at>@)")
 # ?password=...&ssl_password=... (redis-py passes unknown query parameters on to the connection)
 _QUERY = re.compile(r"(?P<head>[?&](?:password|ssl_password)=)(?P<secret>[^&#\s\"']*)", re.IGNORECASE)
 

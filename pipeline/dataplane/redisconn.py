@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -111,6 +112,10 @@ def resolve_url(configured: str) -> str | None:
     return configured or os.environ.get(ENV_URL) or None
 
 
+class BadRedisUrl(ValueError):
+    """A Redis URL redis-py cannot parse (the message holds no password)."""
+
+
 def connect(url: str, **kwargs) -> redis.Redis:
     """A client for ``url``; bytes in and out (stream payloads are msgpack).
 
@@ -126,7 +131,11 @@ def connect(url: str, **kwargs) -> redis.Redis:
                                      supported_errors=(redis.ConnectionError,)))
     if not url.startswith("unix://"):
         kwargs.setdefault("socket_keepalive", True)
-    return Client.from_url(url, **kwargs)
+    try:
+        return Client.from_url(url, **kwargs)
+    except ValueError:   # redis-py's parse error may quote part of the password: not passed on
+        raise BadRedisUrl(f"the Redis URL {redact(url)} cannot be parsed: percent-encode a password's "
+                          "'/', ':', '@', '?' or '#' (%2F, %3A, %40, %3F, %23)") from None
 
 
 def outage_limit_s() -> float:
@@ -210,6 +219,11 @@ def redis_server_binary() -> str:
     return found
 
 
+def _conf_str(path) -> str:
+    """A path as a quoted redis.conf argument (a space in it would split it in two)."""
+    return '"' + str(path).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 class EmbeddedRedis:
     """A private redis-server on a unix socket under ``data_dir``; stopped on exit (also on Ctrl-C).
 
@@ -227,10 +241,10 @@ class EmbeddedRedis:
         self.maxmemory = maxmemory
         self.appendfsync = appendfsync
         # A unix socket path is limited to ~100 bytes; fall back to a short one. So too for a path with
-        # '=': CLIENT INFO shows it as laddr=PATH among key=value pairs, which redis-py cannot parse, and
-        # the agent's rq worker reads its CLIENT INFO when it starts.
+        # '=' or a space: CLIENT INFO shows it as laddr=PATH among space-separated key=value pairs, which
+        # redis-py cannot parse, and the agent's rq worker reads its CLIENT INFO when it starts.
         self.socket = self.data_dir / "redis.sock"
-        if len(str(self.socket)) > 100 or "=" in str(self.socket):
+        if len(str(self.socket)) > 100 or any(c in str(self.socket) for c in "= \t"):
             self.socket = Path(f"/tmp/libra-redis-{os.getpid()}-{id(self)}.sock")
         self.proc: subprocess.Popen | None = None
 
@@ -243,13 +257,13 @@ class EmbeddedRedis:
         lock = self._lock(timeout_s)
         conf = self.data_dir / "redis.conf"
         write_private(conf, "\n".join([
-            "port 0", "bind 127.0.0.1", "protected-mode yes", f"unixsocket {self.socket}", "unixsocketperm 700",
-            f"dir {self.data_dir}", "appendonly yes", f"appendfsync {self.appendfsync}",
+            "port 0", "bind 127.0.0.1", "protected-mode yes", f"unixsocket {_conf_str(self.socket)}",
+            "unixsocketperm 700", f"dir {_conf_str(self.data_dir)}", "appendonly yes", f"appendfsync {self.appendfsync}",
             # Trajectories pass through at tens of MB/s while trimming keeps the data set small:
             # the default 64 MB threshold would rewrite the AOF every few seconds.
             "auto-aof-rewrite-min-size 1gb",
             "save \"\"", f"maxmemory {self.maxmemory}", "maxmemory-policy noeviction",
-            f"logfile {self.data_dir / 'redis.log'}", "daemonize no",
+            f"logfile {_conf_str(self.data_dir / 'redis.log')}", "daemonize no",
         ]) + "\n")
         # start_new_session: a Ctrl-C in the terminal reaches us, not the server, so we can stop it in
         # order after the workers. Under the lifeline watchdog (and PDEATHSIG) it still ends, AOF
@@ -351,7 +365,7 @@ def find_redis_url(explicit: str | None) -> str:
     runs = sorted(Path("runs").glob("*/redis.url"), key=lambda p: p.stat().st_mtime, reverse=True)
     for p in runs:
         url = p.read_text().strip()
-        if url.startswith("unix://") and not _answers(url[len("unix://"):]):
+        if url.startswith("unix://") and not _answers(urlsplit(url).path):
             continue   # gone, or the file a killed server left (the kernel does not unlink a socket)
         if is_redacted(url):
             raise SystemExit(f"the newest run ({p.parent}) uses {redact(url)}, whose password is not stored: "
