@@ -149,6 +149,8 @@ def wait_for_redis(explicit: str | None, data_dir: str | Path, timeout_s: float,
             try:
                 if connect(url, socket_connect_timeout=2, socket_timeout=2).ping():
                     return url
+            except (redis.AuthenticationError, redis.exceptions.AuthorizationError):
+                raise   # it is up and refuses the URL's credentials: waiting changes nothing
             except redis.RedisError:
                 pass    # not up yet (the Procfile's redis line starts beside us)
         if time.monotonic() >= deadline:
@@ -378,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     except config_mod.BadInput as exc:   # the message names the command
         print(exc, file=sys.stderr)
         return 2
+    except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+        where = f" at {redact(args.redis)}" if getattr(args, "redis", None) else ""
+        print(f"libra-ctl: Redis{where} refused the credentials of its URL: {redact(str(exc))}", file=sys.stderr)
+        return 1
     except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as exc:
         where = f" at {redact(args.redis)}" if getattr(args, "redis", None) else ""
         print(f"libra-ctl: Redis{where} unreachable: {redact(str(exc))}", file=sys.stderr)

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,27 @@ def test_find_redis_url_finds_a_live_unix_socket_with_a_query(redis_url, tmp_pat
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(ENV_URL, raising=False)
     assert find_redis_url(None) == url
+
+
+def test_redis_wait_on_a_server_that_refuses_the_password_says_so_at_once(tmp_path):
+    """``libra-ctl redis --wait`` against a server that is up and refuses the URL's password exits 1 saying
+    the credentials were refused, without a traceback, instead of waiting out ``--timeout`` as if the
+    server were not up yet ("no Redis answered")."""
+    from pipeline.dataplane.redisconn import redis_server_binary
+
+    sock = tmp_path / "r.sock"
+    server = subprocess.Popen([redis_server_binary(), "--port", "0", "--unixsocket", str(sock), "--save", "",
+                               "--appendonly", "no", "--requirepass", "right"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            if sock.exists():
+                break
+            time.sleep(0.05)
+        res = _libra_ctl(["redis", "--wait", "--timeout", "60"], timeout=120,
+                         **{ENV_URL: f"unix://:wrong@{sock}"})
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert res.returncode == 1 and "refused the credentials" in res.stderr, res.stderr[-600:]
+    assert "Traceback" not in res.stderr and "wrong" not in res.stderr, res.stderr[-600:]
