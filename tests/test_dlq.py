@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pipeline.dataplane import messages as m
 from pipeline.dataplane.keys import GROUP_REWARD, JobKeys
 from pipeline.dataplane.streams import ClaimPolicy, ensure_groups, run_stage
@@ -51,3 +53,22 @@ def test_dlq_list_show_replay_purge(r, redis_url):
     assert refused.returncode == 2 and "--yes" in refused.stderr
     assert ctl(redis_url, "dlq", "purge", "--all", "--yes").returncode == 0
     assert r.xlen(keys.dead_letters) == 0
+
+
+def test_a_dead_letter_id_given_in_part_is_refused_not_replayed_twice(r):
+    """``dlq show|replay|purge <ms>`` (the id without its sequence): Redis reads it as every entry of that
+    millisecond. Show used to die on StopIteration, and replay copied the entry it found (``<ms>-1``) then
+    deleted ``<ms>-0``, leaving the copied one to be replayed again. Each now asks for the whole id and
+    changes nothing; a text that is no id at all is refused the same way."""
+    from pipeline.observe.audit import dlq_purge, dlq_replay, dlq_show
+
+    keys = JobKeys("part")
+    payload = m.encode(unscored_group("g"))
+    r.xadd(keys.dead_letters, {"stream": keys.rollouts, "payload": payload, "trajectories": 2}, id="5000-1")
+    for call in (lambda i: dlq_show(r, keys, i), lambda i: dlq_replay(r, keys, [i]),
+                 lambda i: dlq_purge(r, keys, [i])):
+        for given in ("5000", "not-an-id"):
+            with pytest.raises(SystemExit, match="5000-1|not a stream id"):
+                call(given)
+    assert r.xlen(keys.dead_letters) == 1 and r.xlen(keys.rollouts) == 0
+    assert dlq_replay(r, keys, ["5000-1"]) == 1 and r.xlen(keys.dead_letters) == 0
