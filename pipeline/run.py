@@ -46,6 +46,7 @@ from pipeline.control.allocator import AdmissionError
 from pipeline.control.job import check_admission
 from pipeline.control.local import own_slots, start_local_control
 from pipeline.dataplane.keys import AGENTS, CONTROLLER_LEASE, JOBS, JobKeys, agent_backoff
+from pipeline.observe.audit import last_checkpoint_state
 from pipeline.observe.measures import write_json
 from pipeline.observe.metrics import start_sampler
 from pipeline.observe.report import write_report
@@ -139,6 +140,8 @@ class Orchestrator:
         self.cfg, self.run_dir, self.r, self.url, self.out = cfg, run_dir, r, url, out
         self.join_wait_s, self.join = join_wait_s, join
         self.keys = JobKeys(cfg.job.name)
+        # trained when this process started: a resumed learner restores the newest checkpoint's count
+        self.trained_before = int(last_checkpoint_state(run_dir).get("trained_total", 0))
         self.children: list[Child] = []
         self.control = None
         self.joined: tuple[bool, bool] = (False, False)   # (a controller, agents) this run found and did not start
@@ -397,7 +400,9 @@ class Orchestrator:
             "trajectories_trained": c.get("trained", 0), "trajectories_generated": c.get("generated", 0),
             "policy_version": end["version"], "steps": s.get("step", 0),
             "dropped_stale": c.get("dropped_stale", 0), "dead_lettered": c.get("dead_lettered", 0),
-            "wall_s": round(wall, 1), "trajectories_per_s": round(c.get("trained", 0) / max(wall, 1e-6), 2),
+            # the rate of this process's wall: a resumed run's trajectories trained before it are not counted
+            "wall_s": round(wall, 1),
+            "trajectories_per_s": round(max(c.get("trained", 0) - self.trained_before, 0) / max(wall, 1e-6), 2),
             "restarts": self.control.restarts if self.control else {},
         }
 

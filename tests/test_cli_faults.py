@@ -156,6 +156,24 @@ def test_resume_of_an_embedded_run_uses_its_own_server_whatever_libra_redis_url_
     assert url is None and embedded is not None and embedded.data_dir == (run_dir / "redis").resolve()
 
 
+def test_a_resumed_runs_summary_rate_counts_only_what_it_trained(r, redis_url, tmp_path):
+    """A resume whose newest checkpoint holds 25,600 trained trajectories, and 640 trained since in 64 s:
+    ``summary.json``'s ``trajectories_per_s`` is about 10, not the job's whole count over this process's
+    wall (about 410)."""
+    from pipeline.run import Orchestrator
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step-100").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-100" / "state.json").write_text(json.dumps({"step": 100,
+                                                                                 "trained_total": 25_600}))
+    cfg = config.load(None, ["job.name=resumed"])
+    orch = Orchestrator(cfg, run_dir, r, redis_url)
+    r.hset(orch.keys.counters, "trained", 25_600 + 640)
+    orch.t0 -= 64
+    ev = {"success_rate": 0.5, "n": 10, "version": 110}
+    assert 9.5 < orch.summary(ev, ev)["trajectories_per_s"] < 10.1
+
+
 def test_resume_of_a_directory_with_a_damaged_manifest_is_bad_input(tmp_path, capsys):
     """A manifest.json that is not the run's JSON (cut short, edited): exit 2 with a message, as for a
     directory without one."""

@@ -74,9 +74,14 @@ def checkpoint_records(run_dir: Path, name: str) -> Counter:
     return seen
 
 
-def last_checkpoint_step(run_dir: Path) -> int:
+def last_checkpoint_state(run_dir: Path) -> dict:
+    """The newest finished checkpoint's ``state.json`` ({} before the first): what a restore starts from."""
     done = _checkpoints(run_dir)
-    return json.loads((done[-1] / "state.json").read_text())["step"] if done else 0
+    return json.loads((done[-1] / "state.json").read_text()) if done else {}
+
+
+def last_checkpoint_step(run_dir: Path) -> int:
+    return last_checkpoint_state(run_dir).get("step", 0)
 
 
 # --- reading ids out of entries ------------------------------------------------------------------
@@ -479,8 +484,7 @@ def dlq_purge(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
 
 
 def _client(args):
-    from pipeline.dataplane.redisconn import find_redis_url
-    from pipeline.dataplane.redisconn import connect
+    from pipeline.dataplane.redisconn import connect, find_redis_url
 
     return connect(find_redis_url(args.redis))
 
