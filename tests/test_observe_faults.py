@@ -8,6 +8,7 @@ may show as a spike, a negative rate, a false finding or a traceback.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -45,10 +46,10 @@ def test_prometheus_trained_counter_never_goes_down_when_the_learner_restores(r)
     """``trained`` set back from 640 to 512 by a restore, in the same run: the exported
     ``libra_trajectories_trained_total`` does not go down (Prometheus would read a reset to zero and
     ``rate()`` would count all 512 again); the fall is added back."""
+    from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
     from pipeline.observe.prometheus import registry_for
-    from prometheus_client import generate_latest
 
     def trained(text: str) -> float:
         for fam in text_string_to_metric_families(text):
@@ -98,3 +99,22 @@ def test_audit_from_a_machine_that_cannot_see_the_run_directory(r, redis_url, ca
     with pytest.raises(SystemExit) as exc:
         main(["audit", "--job", "obs", "--redis", redis_url])
     assert "pass --run RUN_DIR" in str(exc.value.code)
+
+
+def test_the_reports_trained_rate_from_learner_steps_is_never_negative_across_a_restore(tmp_path):
+    """Without sampler lines the report's trained rate comes from consecutive learner steps; a restore
+    sets ``trained_total`` back to its checkpoint's, and the pair across it gave a negative rate. A
+    NaN in a plotted series is left out of the page, not drawn at ``cy="nan"``."""
+    from pipeline.observe.charts import Series, line_chart
+    from pipeline.observe.report import load_run, throughput_series
+
+    run = make_run(tmp_path, samples=False, steps=12)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    replay = [dict(x, at=x["at"] + 200) for x in lines if x.get("kind") == "learner_step" and x["step"] > 8]
+    with open(run / "metrics.jsonl", "a") as f:     # the restored learner logs steps 9-12 again
+        f.writelines(json.dumps(x) + "\n" for x in replay)
+    traj, _tok, _src = throughput_series(load_run(run))
+    trained = next(s for s in traj if s.name == "trained /s")
+    assert trained.ys and min(trained.ys) >= 0, trained.ys
+    svg = line_chart("k", "t", [Series("s", [0.0, 1.0, 2.0], [1.0, float("nan"), 2.0], "#000")])
+    assert "nan" not in svg.lower()

@@ -151,7 +151,7 @@ def _band_ys(series: list[Series]) -> list[float]:
 
 
 def _points(f: Frame, s: Series, x_unit: str) -> str:
-    pts = [(x, y) for x, y in zip(s.xs, s.ys) if y is not None]
+    pts = [(x, y) for x, y in zip(s.xs, s.ys) if y is not None and math.isfinite(y)]
     stride = max(1, len(pts) // 60)
     r = 2.4 if len(pts) <= 40 else 0
     out = []

@@ -148,7 +148,8 @@ def throughput_series(d: RunData) -> tuple[list[Series], list[Series], str]:
         xs, ys = [], []
         for a, b in zip(d.steps, d.steps[1:]):
             dt = b["at"] - a["at"]
-            if dt > 0 and "trained_total" in b and "trained_total" in a:
+            # a restore sets trained_total back to its checkpoint's: no rate across it
+            if dt > 0 and "trained_total" in b and "trained_total" in a and b["trained_total"] >= a["trained_total"]:
                 xs.append(d.x(b["at"]))
                 ys.append((b["trained_total"] - a["trained_total"]) / dt)
         traj.append(Series("trained /s", xs, ys, PALETTE[1]))
