@@ -28,6 +28,7 @@ and the SVG are ``pipeline.observe.compare_report``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -134,6 +135,8 @@ def choose_parallel(asked: int | None, per_run: int, devices: list[str], cpus: i
                     shared_redis: bool) -> tuple[int, list[list[str]], list[str]]:
     """(runs at once, the GPUs of each, notes): ``asked`` or the default, within what the machine holds."""
     notes = []
+    if asked is not None and asked < 1:
+        raise ExperimentError(f"--parallel {asked}: run at least 1 at a time")
     if shared_redis:
         if asked and asked > 1:
             notes.append("the runs share the Redis given by URL (and its controller): one at a time")
@@ -172,18 +175,21 @@ def plan_runs(config: str, sets: list[str], groups: list[tuple[str, str | None, 
         raise ExperimentError(f"--repeat {repeat}: run each value at least once")
     specs = []
     port_off = parallel > 1 and not any(s.partition("=")[0].strip() == "control.metrics_port" for s in sets)
-    for label, value, extra in groups:
+    slugs = [slug(label) for label, _value, _extra in groups]
+    for (label, value, extra), name_of in zip(groups, slugs):
+        if slugs.count(name_of) > 1:   # data/a_b and data/a/b: one directory and one log each, not shared
+            name_of += "-" + hashlib.sha1(label.encode()).hexdigest()[:8]
         cfg = config_mod.load(config, sets + extra)
         for seed in range(cfg.job.seed, cfg.job.seed + repeat):
             name = f"{cfg.job.name}-{label}-seed{seed}"
-            home = (exp_dir / "runs" / slug(f"{label}-seed{seed}")).resolve()
+            home = (exp_dir / "runs" / f"{name_of}-seed{seed}").resolve()
             run_sets = sets + extra + [f"job.seed={seed}", f"run.runs_dir={json.dumps(str(home))}",
                                        f"tracking.run_name={json.dumps(name)}",
                                        f"tracking.group={json.dumps(exp_id)}"]
             if port_off:   # every run starts its own controller: one port each would collide
                 run_sets.append("control.metrics_port=0")
             specs.append(RunSpec(label, value, seed, run_sets, name, home,
-                                 exp_dir / "logs" / f"{slug(label)}-seed{seed}.log", cfg.job.steps))
+                                 exp_dir / "logs" / f"{name_of}-seed{seed}.log", cfg.job.steps))
     return specs
 
 
@@ -563,6 +569,10 @@ def flat(tree: dict, prefix: str = "") -> dict:
 def config_differences(base: dict, other: dict, key: str) -> list[str]:
     """Keys (dotted) on which a run's config differs from the baseline's, besides the varied key and per-run keys."""
     a, b = flat(base), flat(other)
+    table, _, entry = key.rpartition(".")
+    for side in (a, b):   # a varied entry of a table-valued setting (env.options.X): the rest of the table counts
+        if isinstance(side.get(table), dict):
+            side[table] = {k: v for k, v in side[table].items() if k != entry}
     return sorted(k for k in set(a) | set(b) if k != key and k not in PER_RUN_KEYS and a.get(k) != b.get(k))
 
 
@@ -576,11 +586,29 @@ def judge(groups: list[dict], base: dict, target: float) -> None:
                         else compare.verdict(base["aggregate"], g["aggregate"]))
 
 
+TARGET_TOO_LOW = "the target ({target:.1%}) is no higher than the baseline's held-out success at the start"
+
+
+def target_warnings(base: dict, target: float) -> list[str]:
+    """What to say of ``target`` against the judged baseline: a target every run reaches at the start."""
+    start = base["aggregate"]["success_start"]["mean"]
+    if start is None or start < target:
+        return []
+    return [TARGET_TOO_LOW.format(target=target) + f" ({start:.1%}): every run reaches it at once; give a "
+            "higher --target"]
+
+
+def check_target(target: float | None) -> None:
+    if target is not None and not 0.0 < target <= 1.0:
+        raise ExperimentError(f"--target {target:g}: a held-out success rate in (0, 1], e.g. 0.5")
+
+
 def experiment(config: str, sets: list[str], vary: str, *, repeat: int = 1, baseline_dir: str | None = None,
                target: float | None = None, out: str | None = None, parallel: int | None = None,
                effect: float = compare.DEFAULT_EFFECT, stdout=None, err=None) -> int:
     """The whole of ``libra-ctl experiment``; returns the exit code."""
     stdout, err = stdout or sys.stdout, err or sys.stderr
+    check_target(target)
     key, values = parse_vary(vary)
     recorded = load_baseline(baseline_dir) if baseline_dir else None
     cfg = config_mod.load(config, sets)
@@ -611,16 +639,15 @@ def experiment(config: str, sets: list[str], vary: str, *, repeat: int = 1, base
     else:
         base, base_source = groups[0], "the first value's runs"
     base_success = [r["success_final"] for r in base["runs"] if r.get("ok") and r.get("success_final") is not None]
-    if target is None:
-        target = sum(base_success) / len(base_success) if base_success else 1.0
+    if target is not None:
+        target_source = "--target"
+    elif base_success:
+        target = sum(base_success) / len(base_success)
         target_source = "the baseline's mean final held-out success"
     else:
-        target_source = "--target"
+        target, target_source = 1.0, "100%: no baseline run finished, so there is no baseline mean"
     judge(groups, base, target)
-    start = base["aggregate"]["success_start"]["mean"]
-    if start is not None and start >= target:
-        warnings.append(f"the target ({target:.1%}) is no higher than the baseline's held-out success at the start "
-                        f"({start:.1%}): every run reaches it at once; give a higher --target")
+    warnings += target_warnings(base, target)
     noisy, level, lines = noise_lines(base_success, effect)
     if noisy:
         warnings.append(" ".join(lines[1:]))
@@ -665,11 +692,13 @@ def rejudge(exp_dir: str, target: float | None = None, stdout=None) -> int:
     doc = json.loads(path.read_text())
     if doc.get("kind") != "experiment" or not doc.get("groups"):
         raise ExperimentError(f"{path} is not an experiment's record")
+    check_target(target)
     if target is not None:
-        if not 0.0 < target <= 1.0:
-            raise ExperimentError(f"--target {target:g}: a held-out success rate in (0, 1]")
         doc["target"], doc["target_source"] = target, "--target"
     judge(doc["groups"], doc["groups"][0], doc["target"])
+    too_low = TARGET_TOO_LOW.split("(")[0]   # the warning of the target judged before is replaced
+    doc["warnings"] = ([w for w in doc.get("warnings", []) if not w.startswith(too_low)]
+                       + target_warnings(doc["groups"][0], doc["target"]))
     write_experiment(doc, home, stdout)
     return 0
 

@@ -90,9 +90,15 @@ def eval_curve(evals: list[dict], steps: list[dict], t0: float) -> list[dict]:
     return points
 
 
+def standing_steps(steps: list[dict]) -> list[dict]:
+    """Each learner step's record that stands, by step: a step a restored learner trained again is logged
+    twice, and its later record (the resumed learner's) replaces the dead one's."""
+    return sorted({s["step"]: s for s in steps}.values(), key=lambda s: s["step"])
+
+
 def reward_curve(steps: list[dict], t0: float) -> list[dict]:
     return [{"step": s["step"], "t_s": round(s["at"] - t0, 3), "trajectories": _consumed(s),
-             "reward": s.get("reward_mean")} for s in sorted(steps, key=lambda s: s["step"]) if "at" in s]
+             "reward": s.get("reward_mean")} for s in standing_steps(steps) if "at" in s]
 
 
 def training_window(samples: list[dict]) -> list[dict]:
@@ -126,7 +132,7 @@ def run_figures(summary: dict, steps: list[dict], samples: list[dict]) -> dict:
     is None.
     """
     t0 = summary.get("started_at") or min((s["at"] for s in steps + samples if "at" in s), default=0.0)
-    steps = sorted(steps, key=lambda s: s["step"])
+    steps = standing_steps(steps)
     running = [s for s in samples if s.get("phase") == "running"] or samples
     busy = [_slot_busy(s) for s in training_window(samples)]
     fracs = [b["frac"] for b in map(_slot_busy, running) if b.get("frac") is not None]
