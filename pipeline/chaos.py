@@ -31,7 +31,9 @@ with ``--json OUT``, written as JSON.
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import random
 import shlex
@@ -787,7 +789,7 @@ def parse_kills(items: list[str] | None, defaults: dict) -> dict:
     kills = dict(defaults)
     for item in items or []:
         role, _, n = item.partition("=")
-        if role not in WORKER_ROLES or not n.isdigit():
+        if role not in WORKER_ROLES or not (n.isascii() and n.isdigit()):
             raise SystemExit(f"libra-ctl chaos: --kills {item!r}: give ROLE=N with ROLE one of {', '.join(WORKER_ROLES)}")
         kills[role] = int(n)
     return kills
@@ -860,13 +862,27 @@ def cmd_chaos(args) -> int:
     return 0 if summary["ok"] else 1
 
 
+def _number(kind, low: float, strict: bool = False):
+    """An argparse type: a ``kind`` number of at least ``low`` (above it when ``strict``), else a usage error."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
+        if not math.isfinite(value) or value < low or strict and value == low:
+            raise argparse.ArgumentTypeError(f"{text}: must be {'above' if strict else 'at least'} {low:g}")
+        return value
+    return parse
+
+
 def add_arguments(p) -> None:
+    count, positive = _number(int, 1), _number(float, 0, strict=True)
     sub = p.add_subparsers(dest="backend", required=True)
     sim = sub.add_parser("sim", help="a sim job (cost-model workers on the real control plane); many kills")
-    sim.add_argument("--steps", type=int, default=160, help="learner steps of the job (it must outlast --span)")
-    sim.add_argument("--time-scale", type=float, default=10.0, help="simulated seconds per wall second")
-    sim.add_argument("--rollout", type=int, default=3, help="rollout slots (workers)")
-    sim.add_argument("--reward", type=int, default=2, help="reward worker processes")
+    sim.add_argument("--steps", type=count, default=160, help="learner steps of the job (it must outlast --span)")
+    sim.add_argument("--time-scale", type=positive, default=10.0, help="simulated seconds per wall second")
+    sim.add_argument("--rollout", type=count, default=3, help="rollout slots (workers)")
+    sim.add_argument("--reward", type=count, default=2, help="reward worker processes")
     real = sub.add_parser("real", help="libra-ctl run CONFIG (vLLM rollout, torch learner); fewer kills")
     real.add_argument("config", help="job TOML, e.g. examples/quickstart.toml")
     real.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
@@ -874,12 +890,12 @@ def add_arguments(p) -> None:
         q.add_argument("--seed", type=int, help="seed of the schedule (default: a random one, printed)")
         q.add_argument("--kills", action="append", metavar="ROLE=N",
                        help=f"worker kills of a role (default {SIM_KILLS if q is sim else REAL_KILLS})")
-        q.add_argument("--controller-kills", type=int, default=1)
-        q.add_argument("--agent-kills", type=int, default=1)
-        q.add_argument("--redis-restarts", type=int, default=2 if q is sim else 1)
-        q.add_argument("--span", type=float, default=span, help="seconds after the first learner step over "
+        q.add_argument("--controller-kills", type=_number(int, 0), default=1)
+        q.add_argument("--agent-kills", type=_number(int, 0), default=1)
+        q.add_argument("--redis-restarts", type=_number(int, 0), default=2 if q is sim else 1)
+        q.add_argument("--span", type=positive, default=span, help="seconds after the first learner step over "
                                                                    "which the events are spread")
-        q.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+        q.add_argument("--timeout", type=positive, default=1800.0, help="give up after this many seconds")
         q.add_argument("--dir", help="where Redis, the run and the logs go (default runs/chaos-<stamp>)")
         q.add_argument("--json", metavar="OUT", help="write the summary as JSON")
         q.add_argument("--dry-run", action="store_true", help="print the schedule and stop")
@@ -892,8 +908,6 @@ def add_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="scripts/chaos", description=__doc__.splitlines()[0])
     add_arguments(p)
     args = p.parse_args(argv)

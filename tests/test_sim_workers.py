@@ -130,7 +130,7 @@ def test_learner_and_reward_costs():
     m = CostModel(wl, seed=0)
     assert m.train_s(3000.0, 1) == pytest.approx(1.0)
     assert m.train_s(3000.0, 4) == pytest.approx(1 / 4 ** 0.9)
-    assert m.reward_lanes(1) == 4 and m.reward_lanes(3) == 2
+    assert m.reward_lanes(1) == 4 and m.reward_lanes(3) == pytest.approx(4 / 3)   # 3 processes: 4 scorers together
     assert m.reward_s(8, lanes=4) == pytest.approx(0.02)
     assert m.groups_per_call(4) == 2
 

@@ -103,6 +103,8 @@ class Meter:
         while n < len(ticks) and n < MAX_WINDOW_FACTOR * window \
                 and sum(len(tk["steps"]) for tk in ticks[-n:]) < MIN_STEPS:
             n += 1
+        # the backlog as the window began: the tick before it closed then (none before: the job's start, empty)
+        backlog_at_start = ticks[-n - 1]["backlog"] if len(ticks) > n else 0
         ticks = ticks[-n:]
         span = max(t - ticks[0]["t0"], 1e-9)
         total = {k: sum(tk[k] for tk in ticks) for k in _COUNTERS}
@@ -133,7 +135,7 @@ class Meter:
             learner_publish_s=sum(s.publish_s for s in steps) / len(steps) if steps else 0.0,
             learner_wait_frac=self._wait_in(ticks[0]["t0"], t, now.learner_idle_since) / span,
             backlog=ticks[-1]["backlog"],
-            backlog_trend_per_s=(ticks[-1]["backlog"] - ticks[0]["backlog"]) / span,
+            backlog_trend_per_s=(ticks[-1]["backlog"] - backlog_at_start) / span,
             trained=trained,
             staleness_p50=median_of_counts(dict(zip(*np.unique(stale, return_counts=True)))),
             dropped_stale=total["dropped"], remaining=now.remaining,

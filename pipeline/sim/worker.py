@@ -113,11 +113,12 @@ class CostModel:
         """Whole groups that fill a rollout GPU's decode slots (at least one)."""
         return max(1, self.wl.rollout.concurrency // group_size)
 
-    def reward_lanes(self, reward_workers: int) -> int:
-        """Scorers one reward process stands for."""
+    def reward_lanes(self, reward_workers: int) -> float:
+        """Scorers one reward process stands for: together the processes are the workload's ``cpu_workers``
+        (a share of one where they do not divide evenly: 4 over 3 processes is 4/3 each, not 2)."""
         if self.wl.reward.gpu:
             return 1
-        return max(1, math.ceil(self.wl.reward.cpu_workers / max(reward_workers, 1)))
+        return self.wl.reward.cpu_workers / max(reward_workers, 1)
 
 
 def reward_of(prompt_id: str, sample_idx: int, seed: int) -> float:
@@ -226,11 +227,13 @@ class SimReward:
     def score(self, groups: list) -> list:
         from pipeline.dataplane.streams import Reject
 
-        n = sum(len(g.trajectories) for g in groups if isinstance(g, messages.Group))
+        unscored = [isinstance(g, messages.Group) and all(t.reward is None for t in g.trajectories) for g in groups]
+        # only what it scores is charged and counted, as the real reward worker does
+        n = sum(len(g.trajectories) for g, ok in zip(groups, unscored) if ok)
         wall = self.clock.sleep(self.model.reward_s(n, self.lanes))
         out = []
-        for g in groups:
-            if not isinstance(g, messages.Group) or any(t.reward is not None for t in g.trajectories):
+        for g, ok in zip(groups, unscored):
+            if not ok:
                 out.append(Reject("reward stage expects an unscored group"))
                 continue
             rewards = [reward_of(g.prompt_id, t.sample_idx, self.ctx.cfg.job.seed) for t in g.trajectories]
