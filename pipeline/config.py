@@ -107,7 +107,7 @@ class PolicyConfig:
     cache_dir: str = _f(".cache/policies", "where built and warm-started policies are cached, keyed by this section "
                         "(the warm start's calibrated settings are workers.tiny_policy.DEFAULT_SPEC)")
     seed: int = _f(0, "seed of the initial weights and of the warm start")
-    hidden_size: int = _f(128, "model width")
+    hidden_size: int = _f(128, "model width: a multiple of 64 (attention heads of 32)")
     num_layers: int = _f(2, "transformer layers")
 
 
@@ -506,6 +506,9 @@ def validate(cfg: Config) -> None:
     need(ro.max_turns >= 1 and ro.max_tokens_per_turn >= 1, "rollout.max_turns", "must be >= 1")
     need(ro.groups_per_call >= 1, "rollout.groups_per_call", "must be >= 1 (groups read and decoded per call)")
     need(lr.threads >= 1, "learner.threads", "must be >= 1 (torch CPU threads)")
+    need(cfg.policy.hidden_size >= 64 and cfg.policy.hidden_size % 64 == 0, "policy.hidden_size",
+         f"{cfg.policy.hidden_size}: the tiny policy's width is a multiple of 64 (attention heads of 32), e.g. 128")
+    need(cfg.policy.num_layers >= 1, "policy.num_layers", "must be >= 1")
     need(0 < ro.gpu_memory_utilization <= 0.95, "rollout.gpu_memory_utilization", "must be in (0, 0.95]")
     need(cfg.streams.max_queue_size >= lr.batch_size, "streams.max_queue_size",
          f"{cfg.streams.max_queue_size} is below learner.batch_size ({lr.batch_size}); the learner could never fill a batch")

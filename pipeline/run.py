@@ -79,9 +79,16 @@ class RunFailed(RuntimeError):
     pass
 
 
+HEAD_DIM = 32   # the tiny policy's attention head size
+
+
 def policy_spec(cfg: Config) -> dict:
+    """The tiny policy's spec: heads of 32 dimensions (every attention backend runs them, vLLM's CPU one
+    included, which refuses 16), half as many key/value heads."""
     p = cfg.policy
-    return {"seed": p.seed, "hidden_size": p.hidden_size, "num_layers": p.num_layers}
+    heads = p.hidden_size // HEAD_DIM
+    return {"seed": p.seed, "hidden_size": p.hidden_size, "num_layers": p.num_layers,
+            "num_heads": heads, "num_kv_heads": max(1, heads // 2)}
 
 
 def prepare_policy(cfg: Config, out=sys.stderr) -> str:
@@ -106,6 +113,12 @@ def check_policy_dir(path: Path) -> str:
         missing.append("weights (*.safetensors)")
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         missing.append("tokenizer (tokenizer.json or tokenizer_config.json)")
+    for index in sorted(path.glob("*.index.json")):   # sharded weights: every shard it names (a copy cut short)
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (ValueError, AttributeError, OSError) as exc:
+            raise RunFailed(f"policy.path = {str(path)!r}: {index.name} cannot be read: {exc}") from None
+        missing += [f"{shard} (named by {index.name})" for shard in sorted(shards) if not (path / shard).exists()]
     if missing:
         raise RunFailed(f"policy.path = {str(path)!r} is not a Hugging Face model directory: missing "
                         f"{', '.join(missing)} (save one with save_pretrained for the model and the tokenizer)")

@@ -8,11 +8,14 @@ through the chat template, which could change earlier tokens and leave the
 sequence disagreeing with its log-probs (design.md, "Environments and tokens").
 
 With a chat template (``ChatFormat.for_tokenizer`` finds one), the prompt is
-a user message with the generation prompt, and a reply is the text that
-closes the assistant's message, the reply as a message of the environment's
-role, and the next generation prompt, all found by rendering a probe
-conversation once. Without one (the tiny char-level policy), the prompt and
-the replies are plain text, as the calculator's format expects.
+the template's rendering of a user message with the generation prompt, and a
+reply is the text that closes the assistant's message (found by rendering a
+probe conversation once) followed by what the template appends for the reply
+as a message of the environment's role and the next generation prompt. Both
+are rendered by the template with their own text, since a template may change
+a message's content (Llama 3's trims it). Without a template (the tiny
+char-level policy), the prompt and the replies are plain text, as the
+calculator's format expects.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class ChatFormat:
     reply_before: str = ""        # before a reply: the start of the environment's message
     reply_after: str = ""         # after it: its end and the next generation prompt
     eos_text: str = ""            # the end-of-turn token's text, which close_assistant starts with
+    reply_role: str = ""          # the role of the environment's messages
+    closed_probe: str = ""        # the probe conversation up to its closed assistant message
 
     @property
     def chat(self) -> bool:
@@ -69,16 +74,31 @@ class ChatFormat:
         close = closed.split(_ASSISTANT, 1)[1]
         return cls(prompt_before=before, prompt_after=after, close_assistant=close,
                    reply_before=reply.split(_REPLY)[0], reply_after=reply.split(_REPLY)[1],
-                   eos_text=eos if close.startswith(eos) else "")
+                   eos_text=eos if close.startswith(eos) else "", reply_role=reply_role, closed_probe=closed)
 
     # --- token ids -----------------------------------------------------------------------------
 
     def prompt_ids(self, tokenizer, prompt: str) -> list[int]:
-        return tokenizer.encode(self.prompt_before + prompt + self.prompt_after, add_special_tokens=False)
+        if not self.chat:
+            return tokenizer.encode(prompt, add_special_tokens=False)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
 
     def reply_ids(self, tokenizer, reply: str, turn_ended_by_eos: bool) -> list[int]:
         """The tokens inserted after a model turn: close its message (unless its EOS did), the reply."""
         close = self.close_assistant
         if turn_ended_by_eos and self.eos_text:
             close = close[len(self.eos_text):]
-        return tokenizer.encode(close + self.reply_before + reply + self.reply_after, add_special_tokens=False)
+        return tokenizer.encode(close + self._reply_text(tokenizer, reply), add_special_tokens=False)
+
+    def _reply_text(self, tokenizer, reply: str) -> str:
+        """The reply as the template appends it after an assistant message, with the next generation prompt."""
+        if not self.chat:
+            return reply
+        head = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
+        replied = tokenizer.apply_chat_template(head + [{"role": self.reply_role, "content": reply}],
+                                                tokenize=False, add_generation_prompt=True)
+        closed = self.closed_probe
+        # a template that renders this reply otherwise than by appending: the probe's parts around it
+        return replied[len(closed):] if replied.startswith(closed) else self.reply_before + reply + self.reply_after

@@ -311,18 +311,19 @@ class TorchGenerator:
     """A ``Generator`` on a torch model: left-padded batches and a KV cache.
 
     It is the reference vLLM is checked against, and a sampler for torch-only
-    experiments. Stop strings are matched on the decoded text after each token,
-    so a turn ends on exactly the token that completes a stop string, as in
-    vLLM with ``include_stop_str_in_output``.
+    experiments. A turn's text is the decoding of its tokens (as
+    ``engine_vllm._turn_output`` makes it: a character of several byte-level
+    tokens is whole), and a turn ends on exactly the token whose text first
+    holds a stop string, as in vLLM, even where that token carries more
+    characters after it (``"><"`` completing ``"</calc>"``).
     """
 
     def __init__(self, model, tokenizer, *, batch_size: int = 512):
         self.model = model
+        self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = pad_id(model.config)
-        vocab = model.config.vocab_size
-        self.pieces = [tokenizer.decode([i], skip_special_tokens=True) for i in range(vocab)]
 
     def generate(self, requests, *, greedy, seeds, max_tokens, stops) -> list[TurnOutput]:
         outs: list[TurnOutput] = []
@@ -386,8 +387,8 @@ class TorchGenerator:
         if token == self.eos_id:
             out.finish_reason = "eos"
             return
-        out.text += self.pieces[token]
-        if out.text.endswith(stops):
+        out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        if any(stop in out.text for stop in stops):   # the text before this token held none
             out.finish_reason = "stop"
 
 

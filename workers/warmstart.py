@@ -45,13 +45,16 @@ class WarmStart:
 
 
 def batches(env, fmt, tokenizer, tasks: list[Task], ws: WarmStart) -> Iterator[tuple[list, list, list]]:
-    """Endless shuffled batches of demonstration sequences."""
+    """Endless shuffled batches of demonstration sequences (of every task, where there are fewer than a batch)."""
+    if not tasks:
+        raise ValueError("the warm start has no training tasks")
     rng = random.Random(ws.seed)
+    size = min(ws.batch_size, len(tasks))
     while True:
         order = rng.sample(range(len(tasks)), len(tasks))
-        for start in range(0, len(order) - ws.batch_size + 1, ws.batch_size):
+        for start in range(0, len(order) - size + 1, size):
             seqs = [demonstration_episode(env, fmt, tokenizer, tasks[i], rng, ws.noise)
-                    for i in order[start:start + ws.batch_size]]
+                    for i in order[start:start + size]]
             yield tuple(map(list, zip(*seqs)))
 
 
