@@ -117,3 +117,33 @@ def test_a_control_setting_no_plan_can_use_is_refused_at_load(setting):
     when the job is loaded, naming the key."""
     with pytest.raises(ConfigError, match=setting.split("=")[0].replace(".", r"\.")):
         config.load(None, [setting])
+
+
+def test_a_controller_that_lost_its_lease_mid_tick_does_not_overwrite_the_placement(r, redis_url, tmp_path):
+    """The lease lapses between a controller's actions and its write of the placement (a pause longer than
+    the TTL) and another controller takes it: the old one writes nothing, stops its tick, and forgets its
+    jobs, instead of overwriting its successor's placement and target."""
+    from pipeline.control.allocation import read_placement
+    from pipeline.control.loop import Controller
+    from pipeline.dataplane.keys import CONTROLLER_LEASE
+    from tests.test_controller import fake_agent
+    from tests.test_sim_workers import sim_job
+
+    sim_job(r, redis_url, tmp_path, name="j", control={"mode": "pinned"})
+    agent = fake_agent(r, "n1", 4)
+    ctl = Controller(r, interval_s=1.0)
+    assert ctl.tick()
+    agent.run_pending()
+    before = (read_placement(r, "j"), get_allocation(r, "j")["target"])
+    pin(r, "j", {"rollout": 1, "learner": 1})
+    acted = ctl.act
+
+    def act_then_lose(*args, **kw):
+        orders = acted(*args, **kw)
+        r.set(CONTROLLER_LEASE, "99:another-controller", px=60_000)   # ours lapsed; another took it
+        return orders
+
+    ctl.act = act_then_lose
+    assert ctl.tick() is False
+    assert (read_placement(r, "j"), get_allocation(r, "j")["target"]) == before
+    assert not ctl.jobs

@@ -63,6 +63,28 @@ class Lease:
         self.token, self.epoch = None, 0
         return False
 
+    def write(self, queue) -> bool:
+        """Run ``queue(pipe)``'s commands as one transaction only while the lease is still ours.
+
+        False, with nothing written, when it lapsed or another holder has it (a
+        pause longer than the TTL between a renew and this write): the writes of a
+        controller that no longer acts must not overwrite its successor's.
+        """
+        if self.token is None:
+            return False
+        with self.r.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(self.key)
+                if pipe.get(self.key) != self.token.encode():
+                    self.token, self.epoch = None, 0
+                    return False
+                pipe.multi()
+                queue(pipe)
+                pipe.execute()
+                return True
+            except redis.WatchError:   # taken, renewed or expired meanwhile: not ours to trust
+                return False
+
     def release(self) -> None:
         if self.token is not None:
             self.r.eval(_RELEASE, 1, self.key, self.token)

@@ -65,6 +65,10 @@ MIN_BLOCK_S = 0.01
 RESEND_S = 15.0          # an action not reflected in the agent's desired state after this is sent again
 
 
+class LeaseLost(ValueError):
+    """The lease lapsed or went to another controller during a tick: nothing more is sent or written."""
+
+
 @dataclass
 class JobControl:
     """The controller's memory of one job between ticks."""
@@ -168,6 +172,10 @@ class Controller:
         for view in sorted(views, key=lambda v: _growth(v, pool)):
             try:
                 self.reconcile(view, nodes, placements, pool, now)
+            except LeaseLost as exc:
+                self.log.warning("lease_lost", job=view.jc.info.name, error=str(exc))
+                self.jobs.clear()   # another controller may act now; start afresh if we get it back
+                return False
             except (redis.ResponseError, ValueError, KeyError) as exc:
                 self.log.error("reconcile_failed", job=view.jc.info.name, error=str(exc))
         return True
@@ -380,7 +388,7 @@ class Controller:
 
     def _ask_to_drain(self, job: str, workers: list[str]) -> None:
         if not self.lease.renew():
-            raise ValueError("lost the controller lease while acting")
+            raise LeaseLost("lost the controller lease while acting")
         self.r.sadd(JobKeys(job).external_drain, *workers)
 
     def _send(self, jc: JobControl, node: str, action: str, what, now: float) -> bool:
@@ -389,7 +397,7 @@ class Controller:
         if now - jc.sent.get(digest, -math.inf) < RESEND_S:
             return False
         if not self.lease.renew():
-            raise ValueError("lost the controller lease while acting")
+            raise LeaseLost("lost the controller lease while acting")
         if action == "ensure":
             actions.ensure(self.r, node, what, epoch=self.lease.epoch)
         else:
@@ -402,16 +410,19 @@ class Controller:
         """Write the placement and, if the target moved, when and from what (the allocator's cooldown); the
         drain requests acted on go with it."""
         k = JobKeys(jc.info.name)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.delete(k.placement)
-        if drained:
-            pipe.srem(k.drain_requests, *drained)
-        if new:
-            pipe.hset(k.placement, mapping={w: json.dumps(rec) for w, rec in new.items()})
-        if target != alloc["target"]:
-            pipe.hset(k.allocation, mapping={"target": json.dumps(target), "changed_at": now,
-                                             "changed_from": json.dumps(_slot_counts(alloc["target"], jc))})
-        pipe.execute()
+
+        def queue(pipe) -> None:
+            pipe.delete(k.placement)
+            if drained:
+                pipe.srem(k.drain_requests, *drained)
+            if new:
+                pipe.hset(k.placement, mapping={w: json.dumps(rec) for w, rec in new.items()})
+            if target != alloc["target"]:
+                pipe.hset(k.allocation, mapping={"target": json.dumps(target), "changed_at": now,
+                                                 "changed_from": json.dumps(_slot_counts(alloc["target"], jc))})
+
+        if not self.lease.write(queue):
+            raise LeaseLost(f"lost the controller lease before writing {jc.info.name}'s placement")
 
     def finish(self, jc: JobControl) -> None:
         """A job that is done: drain every worker of it on every agent, feeder included.
