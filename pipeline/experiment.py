@@ -509,6 +509,7 @@ def baseline(config: str, sets: list[str], *, repeat: int = 3, out: str | None =
              effect: float = compare.DEFAULT_EFFECT, stdout=None, err=None) -> int:
     """The whole of ``libra-ctl baseline``; returns the exit code."""
     stdout, err = stdout or sys.stdout, err or sys.stderr
+    check_counts(repeat, parallel)
     cfg = config_mod.load(config, sets)
     exp_dir, exp_id = experiment_dir(out, cfg, "baseline")
     plan = make_plan(config, sets, [("baseline", None, [])], repeat, exp_id, exp_dir, parallel)
@@ -603,12 +604,21 @@ def check_target(target: float | None) -> None:
         raise ExperimentError(f"--target {target:g}: a held-out success rate in (0, 1], e.g. 0.5")
 
 
+def check_counts(repeat: int, parallel: int | None) -> None:
+    """--repeat and --parallel, checked before the experiment's directory is made (none is left behind)."""
+    if repeat < 1:
+        raise ExperimentError(f"--repeat {repeat}: run each value at least once")
+    if parallel is not None and parallel < 1:
+        raise ExperimentError(f"--parallel {parallel}: run at least 1 at a time")
+
+
 def experiment(config: str, sets: list[str], vary: str, *, repeat: int = 1, baseline_dir: str | None = None,
                target: float | None = None, out: str | None = None, parallel: int | None = None,
                effect: float = compare.DEFAULT_EFFECT, stdout=None, err=None) -> int:
     """The whole of ``libra-ctl experiment``; returns the exit code."""
     stdout, err = stdout or sys.stdout, err or sys.stderr
     check_target(target)
+    check_counts(repeat, parallel)
     key, values = parse_vary(vary)
     recorded = load_baseline(baseline_dir) if baseline_dir else None
     cfg = config_mod.load(config, sets)

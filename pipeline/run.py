@@ -94,14 +94,35 @@ def policy_spec(cfg: Config) -> dict:
 def prepare_policy(cfg: Config, out=sys.stderr) -> str:
     """The directory of version 0: ``policy.path``, checked, else the tiny policy, built and cached."""
     if cfg.policy.path:
-        return check_policy_dir(Path(cfg.policy.path))
-    from workers.tiny_policy import ensure_policy
+        path = check_policy_dir(Path(cfg.policy.path))
+    else:
+        from workers.tiny_policy import ensure_policy
 
-    def progress(msg: str) -> None:
-        print(f"  policy: {msg}", file=out, flush=True)
+        def progress(msg: str) -> None:
+            print(f"  policy: {msg}", file=out, flush=True)
 
-    path = ensure_policy(Path(cfg.policy.cache_dir), policy_spec(cfg), progress=progress)
-    return str(Path(path).resolve())
+        path = str(Path(ensure_policy(Path(cfg.policy.cache_dir), policy_spec(cfg), progress=progress)).resolve())
+    check_policy_fits(cfg, Path(path))
+    return path
+
+
+def check_policy_fits(cfg: Config, path: Path) -> None:
+    """RunFailed for settings the policy cannot serve, said before any worker starts (each rollout worker's
+    engine would refuse them one by one, after its start)."""
+    try:
+        positions = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+        tok_cfg = json.loads((path / "tokenizer_config.json").read_text()) \
+            if (path / "tokenizer_config.json").exists() else {}
+    except (ValueError, OSError) as exc:
+        raise RunFailed(f"policy {path}: config.json or tokenizer_config.json cannot be read: {exc}") from None
+    if isinstance(positions, int) and cfg.rollout.max_model_len > positions:
+        raise RunFailed(f"rollout.max_model_len = {cfg.rollout.max_model_len} is more than the policy's "
+                        f"max_position_embeddings ({positions}): lower it to {positions} or less")
+    templated = bool(tok_cfg.get("chat_template")) or any(
+        (path / f).exists() for f in ("chat_template.jinja", "chat_template.json"))
+    if cfg.env.chat_template == "on" and not templated:
+        raise RunFailed(f'env.chat_template = "on" but the policy\'s tokenizer ({path}) has no chat template: '
+                        'use "auto" or "off", or a policy with one')
 
 
 def check_policy_dir(path: Path) -> str:

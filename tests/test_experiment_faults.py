@@ -109,10 +109,12 @@ def test_varying_a_key_inside_env_options_is_not_reported_as_a_second_difference
     assert ex.config_differences(base, other, "env.options.tool_delay_s") == []
 
 
+@pytest.mark.parametrize("counts", [["--repeat", "1", "--parallel", "-1"], ["--repeat", "0"]])
 def test_a_negative_parallel_is_refused_or_clamped_not_a_runner_that_never_starts_a_run(tmp_path, fake_runs,
-                                                                                      monkeypatch, capsys):
+                                                                                      monkeypatch, capsys, counts):
     """``--parallel -1`` exits 2 as bad input; it used to give the Runner no free place and loop forever
-    (the Runner here is guarded so that the old behaviour fails instead of hanging)."""
+    (the Runner here is guarded so that the old behaviour fails instead of hanging). Neither it nor
+    ``--repeat 0`` leaves an experiment directory behind."""
     from pipeline.cli import main
 
     class Guarded(ex.Runner):
@@ -121,9 +123,8 @@ def test_a_negative_parallel_is_refused_or_clamped_not_a_runner_that_never_start
             return super().run()
 
     monkeypatch.setattr(ex, "Runner", Guarded)
-    code = main(["experiment", QUICK, "--vary", "learner.lr=1e-3", "--repeat", "1", "--parallel", "-1",
-                 "--out", str(tmp_path / "e")])
-    assert code == 2 and fake_runs == []
+    code = main(["experiment", QUICK, "--vary", "learner.lr=1e-3", *counts, "--out", str(tmp_path / "e")])
+    assert code == 2 and fake_runs == [] and not (tmp_path / "e").exists()
 
 
 def test_target_is_not_called_the_baselines_mean_when_no_baseline_run_finished(tmp_path, fake_runs, capsys):

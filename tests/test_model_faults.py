@@ -193,3 +193,19 @@ def test_build_policy_script_keeps_the_seed_given_in_spec(tmp_path, monkeypatch,
     except SystemExit:
         return                                           # refused: fine
     assert seen and seen[0]["seed"] == 5, seen
+
+
+@pytest.mark.parametrize("setting, says", [("rollout.max_model_len=512", "max_position_embeddings"),
+                                           ('env.chat_template="on"', "no chat template")])
+def test_settings_the_policy_cannot_serve_are_refused_before_any_worker_starts(tmp_path, setting, says):
+    """A context longer than the policy's positions, or ``env.chat_template = "on"`` for a tokenizer with no
+    template, is refused when the policy is prepared, not by every rollout worker's engine after its start
+    (the crash loop then stopped the run much later)."""
+    from pipeline import config as config_mod
+    from pipeline.run import RunFailed, check_policy_fits
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 256}))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    check_policy_fits(config_mod.load(None, []), tmp_path)     # the defaults fit
+    with pytest.raises(RunFailed, match=says):
+        check_policy_fits(config_mod.load(None, [setting]), tmp_path)
