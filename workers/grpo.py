@@ -25,8 +25,16 @@ from dataclasses import dataclass, fields
 import torch
 
 
-def group_advantages(rewards: list[float], mode: str = "grpo", eps: float = 1e-6) -> list[float]:
-    """Advantages of one group's samples; a group whose rewards are all equal gives zeros.
+SIGNAL_EPS = 1e-6   # rewards whose spread is below this are equal: the group has no signal
+
+
+def no_signal(rewards: list[float]) -> bool:
+    """Whether a group's rewards are all equal (0.1 + 0.2 and 0.3 too): its advantages are zeros."""
+    return float(torch.tensor(rewards, dtype=torch.float64).std(unbiased=False)) < SIGNAL_EPS
+
+
+def group_advantages(rewards: list[float], mode: str = "grpo", eps: float = SIGNAL_EPS) -> list[float]:
+    """Advantages of one group's samples; a group whose rewards are all equal (``no_signal``) gives zeros.
 
     ``grpo``: (r - mean) / std. ``dr_grpo``: r - mean (Dr. GRPO: dividing by
     the std weighs nearly-solved and nearly-failed prompts up).

@@ -56,6 +56,7 @@ from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_grou
 from pipeline.dataplane.worker import CostMeter, WorkerContext, finish_worker, start_worker
 from workers.checkpoint import (announcement, latest_checkpoint, newest_published, prune_published, read_optimizer,
                                 read_state, recorded_ids_after, write_checkpoint, write_published)
+from workers.grpo import no_signal
 from workers.oom import is_oom, oom_reported, record_oom
 from workers.ranks import RankDied, RankGroup, pick_device, world_size
 # The step's compute lives in workers.update (shared by every rank); these names stay importable from here.
@@ -312,7 +313,7 @@ class Learner:
             if updates is not None:
                 batch.groups.append(group)
                 batch.staleness.append(updates)
-                if len(set(group.rewards)) == 1:
+                if no_signal(group.rewards):
                     batch.no_signal += len(group.trajectories)
         self.ahead.take(taken)
 
@@ -510,11 +511,12 @@ class Learner:
             self.ctx.log.warning("ranks_diverged", step=self.step + 1, weight_spread=sums.weight_spread)
         if sums.skipped_nonfinite:
             self.ctx.log.warning("skipped_nonfinite", step=self.step + 1, loss=sums.loss, grad_norm=sums.grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]   # the rate this step trained with
         self.step += 1
         self.version += 1
         self.set_lr()
         return step_metrics(batch, rows, active_rows(rows), sums, step=self.step, version=self.version,
-                            lr=self.optimizer.param_groups[0]["lr"], gpus=self.world)
+                            lr=lr, gpus=self.world)
 
     def train_contained(self, batch: Batch) -> dict:
         """``train``, with the entries that make training raise taken out and dead-lettered.
@@ -639,6 +641,15 @@ class Learner:
             self.ctx.r.delete(self.ctx.keys.learner_training)
         except redis.RedisError as exc:
             self.ctx.log.warning("training_marks_left", error=str(exc))
+
+    def let_go_of_batch(self) -> None:
+        """On a drain before the batch trained, the counters of what it held go back to 0, if Redis takes it now:
+        its drops and groups without signal are judged again by the next learner, and until then the
+        feeder must count them in flight, not over-issue."""
+        try:
+            self.ctx.r.hset(self.ctx.keys.counters, mapping={"dropped_held": 0, "filtered_held": 0, AHEAD_COUNTER: 0})
+        except redis.RedisError as exc:
+            self.ctx.log.warning("held_counters_left", error=str(exc))   # the next learner's start resets them
 
     def take_suspects(self) -> dict[bytes, int]:
         """The suspects on record, with what a dead predecessor left in training added (at start).
@@ -859,6 +870,7 @@ class Learner:
             if self.ctx.stopping():
                 # a batch not trained: its entries stay pending, and the next learner-0 replays them
                 self.forget_training()
+                self.let_go_of_batch()
                 break
             self.ctx.state = "running"
             t0 = time.monotonic()
@@ -919,7 +931,7 @@ def step_metrics(batch: Batch, rows, active, sums: StepSums, *, step: int, versi
     stale = np.array([r[3] for r in rows])
     masks_all = [r[1].mask.astype(bool) for r in rows]
     behaviour = np.concatenate([r[1].logprobs[m] for r, m in zip(rows, masks_all)]) if rows else np.zeros(1)
-    equal_groups = sum(1 for g in batch.groups if len(set(g.rewards)) == 1)
+    equal_groups = sum(1 for g in batch.groups if no_signal(g.rewards))
     rates = sums.counts.rates()
     return {
         "step": step, "policy_version": version, "loss": sums.loss,

@@ -82,10 +82,27 @@ class StepSums:
 
 
 def load_policy(model_dir, device: torch.device, cfg: LearnerConfig):
-    """Float32 weights on ``device``, with gradient checkpointing when the config asks for it."""
-    model = load_model(Path(model_dir)).to(device)
+    """Float32 weights on ``device``, dropout off, with gradient checkpointing when the config asks for it."""
+    model = without_dropout(load_model(Path(model_dir)).to(device))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def without_dropout(model):
+    """``model`` with every dropout at 0, its config untouched (published versions keep the user's).
+
+    The engine samples without dropout; the learner's log-probs must be of the same distribution,
+    or a fresh sample's importance ratio is not 1 (GPT-2, OPT and Phi configs ship with 0.1). HF
+    attention takes its rate from a float attribute (``attention_dropout``), other layers from
+    ``nn.Dropout`` modules.
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
     return model
 
 
