@@ -174,7 +174,7 @@ class JobKeys:
         return self._k("sim:learner")
 
     @property
-    def sim_trained(self) -> str:  # set of group ids the sim learner trained (duplicates are counted)
+    def sim_trained(self) -> str:  # set of group ids the sim learner judged, trained or dropped (copies: duplicates)
         return self._k("sim:trained")
 
 

@@ -83,6 +83,7 @@ class Lineage:
         """Updates between ``version`` and ``head`` (the learner's version), through their newest common ancestor."""
         if self.start_of(version) is None or self.start_of(head) is None:
             return Distance(None, False)
+        version = self.first_holder(version)
         head_line, line = self.line(head), self.line(version)
         common = [min(head_line[s], line[s]) for s in head_line.keys() & line.keys()]
         if not common:
@@ -91,6 +92,17 @@ class Lineage:
         on_line = fork == version
         up_head, up_v, up_fork = self.updates(head), self.updates(version), self.updates(fork)
         return Distance((up_head - up_fork) + (up_v - up_fork), on_line)
+
+    def first_holder(self, version: int) -> int:
+        """The oldest version with ``version``'s weights: a restore's line starts with its parent's weights,
+        0 updates on (a restore that died before training, and the next one from the same checkpoint, leave
+        several such starts), so its groups are as on the line as the parent's."""
+        while version in self.segments:
+            updates, parent = self.segments[version]
+            if parent is None or parent >= version or updates != self.updates(parent):
+                break
+            version = parent
+        return version
 
     # --- growing it ---------------------------------------------------------------------------------
 

@@ -59,7 +59,7 @@ from pipeline.dataplane.lookahead import COUNTER as AHEAD_COUNTER
 from pipeline.dataplane.lookahead import InHand, limit_groups
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
 from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
-                                        run_stage)
+                                        run_stage, trajectories_of)
 from pipeline.dataplane.worker import CostMeter, claim_policy, dedup_for, finish_worker, room_downstream, start_worker
 from pipeline.sim.workload import Workload, load_workload
 
@@ -187,6 +187,10 @@ class SimRollout:
         from pipeline.dataplane.streams import Reject
 
         prompts = [p for p in msgs if isinstance(p, messages.Prompt)]
+        # a read that blocked from before a publication: the weights its prompts were issued at first
+        # (the vLLM worker's catch_up)
+        if max((p.min_version for p in prompts), default=0) > self.ctx.policy_version:
+            self.load_weights(reload=True)
         version, started = self.ctx.policy_version, time.time()
         call = self.model.rollout(version, len(prompts), self.group_size)
         wall = self.clock.sleep(call.gpu_s)
@@ -355,8 +359,8 @@ class SimLearner:
             entries = self.read_entries(count, None if self.ahead else block_ms) if count else []
             batch.wait_s += time.monotonic() - t0
             good, bad = decode_entries(entries, self.ctx.cfg.streams.max_message_bytes)
-            if bad:
-                self.dead_letter(bad)
+            if bad:   # each stood for one group: the feeder's room comes back by its trajectories
+                self.dead_letter([(i, payload, reason, gs) for i, payload, reason in bad])
             known = set(batch.entry_ids) | self.ahead.ids()
             for entry_id, g in good:
                 if entry_id not in known and self.admissible(entry_id, g):
@@ -375,7 +379,8 @@ class SimLearner:
             return
         before = self.outage.call(self.ctx.r.smismember, self.ctx.keys.sim_trained,
                                   [g.prompt_id for _i, g, _p in items])
-        taken = {g.prompt_id for g in batch.groups}
+        # a copy of a group this batch already judged (trained or dropped) is a duplicate, not judged twice
+        taken = {g.prompt_id for g in batch.groups + batch.dropped}
         dists = [self.lineage.distance(g.version, self.version) for _i, g, _p in items]
         dups = [bool(b) or g.prompt_id in taken for b, (_i, g, _p) in zip(before, items)]
         order, must = self.ahead.order([d.updates for d in dists], dups, self.cfg.max_staleness)
@@ -392,6 +397,7 @@ class SimLearner:
             d = dists[i]
             if d.updates is None or d.updates > self.cfg.max_staleness:
                 batch.dropped.append(g)
+                taken.add(g.prompt_id)
                 if not d.on_line:
                     batch.branch.append(g)
             else:
@@ -418,16 +424,18 @@ class SimLearner:
     def admissible(self, entry_id: bytes, g) -> bool:
         if isinstance(g, messages.Group) and all(t.reward is not None for t in g.trajectories):
             return True
-        self.dead_letter([(entry_id, messages.encode(g), "learner expects a scored group")])
+        self.dead_letter([(entry_id, messages.encode(g), "learner expects a scored group",
+                           trajectories_of(g, self.ctx.cfg.rollout.group_size))])
         return False
 
     def dead_letter(self, bad) -> None:
+        """Dead-letter (entry id, payload, reason, trajectories it stood for) records of the scored stream."""
         k = self.ctx.keys
 
         def build():
             pipe = self.ctx.r.pipeline(transaction=True)
-            for entry_id, payload, reason in bad:
-                dead_letter(pipe, k, k.scored, entry_id, reason, payload)
+            for entry_id, payload, reason, trajectories in bad:
+                dead_letter(pipe, k, k.scored, entry_id, reason, payload, trajectories=trajectories)
                 pipe.xack(k.scored, GROUP_LEARNER, entry_id)
             return pipe
 
@@ -476,8 +484,8 @@ class SimLearner:
             pipe = r.pipeline(transaction=True)
             if batch.entry_ids:
                 pipe.xack(k.scored, GROUP_LEARNER, *batch.entry_ids)
-            if batch.groups:
-                pipe.sadd(k.sim_trained, *[g.prompt_id for g in batch.groups])
+            if batch.groups or batch.dropped:   # judged, trained or dropped: a later copy is a duplicate
+                pipe.sadd(k.sim_trained, *[g.prompt_id for g in batch.groups + batch.dropped])
             pipe.hincrby(k.counters, "trained", m["trajectories"])
             pipe.hincrby(k.counters, "dropped_stale", m["dropped_stale"])
             if batch.duplicates:
