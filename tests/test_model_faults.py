@@ -209,3 +209,18 @@ def test_settings_the_policy_cannot_serve_are_refused_before_any_worker_starts(t
     check_policy_fits(config_mod.load(None, []), tmp_path)     # the defaults fit
     with pytest.raises(RunFailed, match=says):
         check_policy_fits(config_mod.load(None, [setting]), tmp_path)
+
+
+def test_torch_generator_ends_a_turn_on_generation_configs_end_ids_as_vllm_does(standins):
+    """A policy whose generation_config lists more end ids than the tokenizer's EOS (Llama 3.1's <|eom_id|>,
+    Qwen2.5's <|endoftext|>): the reference generator ends the turn, finish "eos", on any of them, as vLLM
+    does; it used to stop on the tokenizer's EOS alone and run on past them."""
+    from workers.tiny_policy import TorchGenerator
+
+    first, tok, script = _scripted_generator(standins["qwen2"], "12345")
+    model = first.model
+    model.generation_config = SimpleNamespace(eos_token_id=[tok.eos_token_id, script[2]])
+    gen = TorchGenerator(model, tok)
+    [out] = gen.generate([tok.encode("Q:1+2\n", add_special_tokens=False)], greedy=True, seeds=None,
+                         max_tokens=len(script), stops=calc.TOOL_STOPS)
+    assert (out.finish_reason, out.token_ids) == ("eos", script[:3])

@@ -322,7 +322,11 @@ class TorchGenerator:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
-        self.eos_id = tokenizer.eos_token_id
+        # the end-of-turn ids vLLM stops on: the tokenizer's EOS and generation_config's (a list for
+        # Llama 3.1's <|eom_id|>, Qwen2.5's <|endoftext|>)
+        extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.eos_ids = {i for i in [tokenizer.eos_token_id, *(extra if isinstance(extra, (list, tuple)) else [extra])]
+                        if i is not None}
         self.pad_id = pad_id(model.config)
 
     def generate(self, requests, *, greedy, seeds, max_tokens, stops) -> list[TurnOutput]:
@@ -384,7 +388,7 @@ class TorchGenerator:
     def _extend(self, out: TurnOutput, token: int, logprob: float, stops: tuple[str, ...]) -> None:
         out.token_ids.append(token)
         out.logprobs.append(logprob)
-        if token == self.eos_id:
+        if token in self.eos_ids:
             out.finish_reason = "eos"
             return
         out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
