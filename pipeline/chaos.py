@@ -778,6 +778,9 @@ def format_summary(s: dict) -> str:
     width = max(len(k) for k, _v in rows)
     body = "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
     verdict = "chaos: ok" if s["ok"] else "chaos: FAILED: " + "; ".join(s["problems"])
+    injected = s["worker_kills"] + s["controller_kills"] + s["agent_kills"] + s["redis_restarts"]
+    if s["ok"] and not injected:   # a clean run, not a survived one
+        verdict += " (no fault was injected: every kill and restart count was 0)"
     return f"{body}\n{verdict}"
 
 

@@ -129,3 +129,16 @@ def test_meter_backlog_trend_is_the_change_over_the_time_it_took(tmp_path):
     m = meter.metrics(30.0, window=3, now=now)
     assert m.backlog == 300
     assert m.backlog_trend_per_s == pytest.approx(10.0)
+
+
+def test_a_chaos_run_that_injected_nothing_says_so_beside_its_ok():
+    """A chaos run whose every kill and restart count was 0 passed, but survived nothing: its verdict says
+    no fault was injected instead of a bare "chaos: ok"."""
+    from pipeline.chaos import format_summary
+
+    s = {"kills_by_role": {}, "worker_kills": 0, "controller_kills": 0, "controller_restarts": 0,
+         "controller_processes": 1, "agent_kills": 0, "agent_restarts": 0, "agent_processes": 1,
+         "redis_restarts": 0, "redis_appendfsync": "always", "worker_exits": {}, "steps": 4, "steps_planned": 4,
+         "audit_ok": True, "lost": 0, "duplicated": 0, "wall_s": 10.0, "ok": True, "problems": []}
+    assert format_summary(s).endswith("chaos: ok (no fault was injected: every kill and restart count was 0)")
+    assert format_summary({**s, "worker_kills": 1, "kills_by_role": {"rollout": 1}}).endswith("chaos: ok")
