@@ -344,7 +344,8 @@ def run_pipeline(url: str, cfg: config_mod.Config, run_dir: Path, policy_dir: st
         t_start = time.perf_counter()
         t0 = wait_running(r, keys, proc, worker_log, t_start + timeout_s)
         say(f"{'switch' if switch else 'pipeline'}: engine loaded in {t0 - t_start:.1f} s; generating")
-        wait_done(out, len(tasks), proc, worker_log, t_start + timeout_s, say, switch)
+        wait_done(out, len(tasks), proc, worker_log, t_start + timeout_s, say, switch,
+                  dead=lambda: r.xlen(keys.dead_letters))
     finally:
         stop.set()
         stop_worker(proc)
@@ -428,10 +429,11 @@ def wait_running(r, keys: JobKeys, proc: subprocess.Popen, worker_log: Path, dea
 
 
 def wait_done(out: Sink, want: int, proc: subprocess.Popen, worker_log: Path, deadline: float, say,
-              switch: bool) -> None:
-    """Until the sink has every group; progress about every 10 s."""
+              switch: bool, dead=lambda: 0) -> None:
+    """Until every group is at the sink or dead-lettered (``dead()``: how many are; an environment's error
+    dead-letters its group, which never comes); progress about every 10 s."""
     next_say = time.perf_counter() + 10
-    while len(out.groups) < want:
+    while len(out.groups) + dead() < want:
         if out.error:
             raise out.error
         if proc.poll() is not None:

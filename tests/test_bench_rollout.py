@@ -57,3 +57,21 @@ def test_bench_rollout_reports_both_paths_and_the_switch(tmp_path):
     assert eo["ok"] and eo["dead_lettered"] == 0
     assert eo["issued_groups"] == eo["received_groups"] == 2 * PROMPTS   # the pipeline run and the switch run
     assert eo["distinct_trajectories"] == 2 * PROMPTS * GROUP and eo["duplicate_trajectories"] == 0
+
+
+def test_the_pipeline_run_ends_when_its_groups_are_at_the_sink_or_dead_lettered(tmp_path):
+    """A group the environment's error dead-letters never reaches the sink: the pipeline run counts it and
+    ends, instead of waiting out ``--timeout`` (900 s) for it."""
+    import threading
+    import time as clock
+
+    from pipeline.bench_rollout import Sink, wait_done
+
+    out = Sink()
+    out.groups.update({"p0", "p1", "p2"})          # three of four groups at the sink, the fourth dead-lettered
+    proc = type("Running", (), {"poll": lambda self: None})()
+    done = threading.Event()
+    threading.Thread(target=lambda: (wait_done(out, 4, proc, tmp_path / "w.log", clock.perf_counter() + 60,
+                                               lambda _m: None, False, dead=lambda: 1), done.set()),
+                     daemon=True).start()
+    assert done.wait(10), "still waiting for a dead-lettered group"
