@@ -8,6 +8,7 @@ no secret: the Redis URL, the config and the command line are written through
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -44,15 +45,18 @@ def new_run_dir(cfg: Config) -> Path:
 
 
 def git_commit() -> str | None:
+    """The checkout's commit (``-dirty`` with changes to tracked files); where there is no checkout (an
+    image built without ``.git``), ``$LIBRA_GIT_COMMIT`` as the build recorded it; else None."""
+    built = os.environ.get("LIBRA_GIT_COMMIT") or None
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                text=True, timeout=5, cwd=Path(__file__).resolve().parent)
     except (OSError, subprocess.TimeoutExpired):
-        return None
+        return built
     if out.returncode:
-        return None
+        return built
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 

@@ -163,3 +163,18 @@ def test_redis_wait_on_a_server_that_refuses_the_password_says_so_at_once(tmp_pa
         server.wait(timeout=10)
     assert res.returncode == 1 and "refused the credentials" in res.stderr, res.stderr[-600:]
     assert "Traceback" not in res.stderr and "wrong" not in res.stderr, res.stderr[-600:]
+
+
+def test_a_manifest_outside_a_checkout_records_the_commit_the_build_gave(monkeypatch):
+    """In the image (no ``.git``, no git binary) the manifest's commit is the build's ``LIBRA_GIT_COMMIT``,
+    not None; the Dockerfile passes it on as the build argument it documents."""
+    from pipeline import manifest
+
+    def no_git(*_a, **_k):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(manifest.subprocess, "run", no_git)
+    monkeypatch.setenv("LIBRA_GIT_COMMIT", "0123abc")
+    assert manifest.git_commit() == "0123abc"
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "ARG LIBRA_GIT_COMMIT" in dockerfile and "ENV LIBRA_GIT_COMMIT=$LIBRA_GIT_COMMIT" in dockerfile
