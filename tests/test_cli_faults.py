@@ -11,6 +11,7 @@ the files ``run.check_policy_dir`` looks for), so they stop long before any work
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -167,7 +168,7 @@ def test_a_resumed_runs_summary_rate_counts_only_what_it_trained(r, redis_url, t
     (run_dir / "checkpoints" / "step-100" / "state.json").write_text(json.dumps({"step": 100,
                                                                                  "trained_total": 25_600}))
     cfg = config.load(None, ["job.name=resumed"])
-    orch = Orchestrator(cfg, run_dir, r, redis_url)
+    orch = Orchestrator(cfg, run_dir, r, redis_url, out=io.StringIO())   # not the stderr bound at import
     r.hset(orch.keys.counters, "trained", 25_600 + 640)
     orch.t0 -= 64
     ev = {"success_rate": 0.5, "n": 10, "version": 110}
