@@ -380,13 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     except config_mod.BadInput as exc:   # the message names the command
         print(exc, file=sys.stderr)
         return 2
-    except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
-        where = f" at {redact(args.redis)}" if getattr(args, "redis", None) else ""
-        print(f"libra-ctl: Redis{where} refused the credentials of its URL: {redact(str(exc))}", file=sys.stderr)
-        return 1
     except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as exc:
         where = f" at {redact(args.redis)}" if getattr(args, "redis", None) else ""
-        print(f"libra-ctl: Redis{where} unreachable: {redact(str(exc))}", file=sys.stderr)
+        # up, but refusing the URL's credentials (redis-py's authentication errors are connection errors)
+        refused = isinstance(exc, (redis.AuthenticationError, redis.exceptions.AuthorizationError))
+        what = "refused the credentials of its URL" if refused else "unreachable"
+        print(f"libra-ctl: Redis{where} {what}: {redact(str(exc))}", file=sys.stderr)
         return 1
 
 

@@ -135,8 +135,6 @@ def choose_parallel(asked: int | None, per_run: int, devices: list[str], cpus: i
                     shared_redis: bool) -> tuple[int, list[list[str]], list[str]]:
     """(runs at once, the GPUs of each, notes): ``asked`` or the default, within what the machine holds."""
     notes = []
-    if asked is not None and asked < 1:
-        raise ExperimentError(f"--parallel {asked}: run at least 1 at a time")
     if shared_redis:
         if asked and asked > 1:
             notes.append("the runs share the Redis given by URL (and its controller): one at a time")
@@ -171,8 +169,7 @@ def plan_runs(config: str, sets: list[str], groups: list[tuple[str, str | None, 
     Each config is loaded here, so a bad value stops the experiment (ConfigError,
     exit 2) before anything runs.
     """
-    if repeat < 1:
-        raise ExperimentError(f"--repeat {repeat}: run each value at least once")
+    check_counts(repeat, parallel)
     specs = []
     port_off = parallel > 1 and not any(s.partition("=")[0].strip() == "control.metrics_port" for s in sets)
     slugs = [slug(label) for label, _value, _extra in groups]
@@ -587,7 +584,7 @@ def judge(groups: list[dict], base: dict, target: float) -> None:
                         else compare.verdict(base["aggregate"], g["aggregate"]))
 
 
-TARGET_TOO_LOW = "the target ({target:.1%}) is no higher than the baseline's held-out success at the start"
+TARGET_TOO_LOW = "is no higher than the baseline's held-out success at the start"
 
 
 def target_warnings(base: dict, target: float) -> list[str]:
@@ -595,7 +592,7 @@ def target_warnings(base: dict, target: float) -> list[str]:
     start = base["aggregate"]["success_start"]["mean"]
     if start is None or start < target:
         return []
-    return [TARGET_TOO_LOW.format(target=target) + f" ({start:.1%}): every run reaches it at once; give a "
+    return [f"the target ({target:.1%}) {TARGET_TOO_LOW} ({start:.1%}): every run reaches it at once; give a "
             "higher --target"]
 
 
@@ -706,8 +703,8 @@ def rejudge(exp_dir: str, target: float | None = None, stdout=None) -> int:
     if target is not None:
         doc["target"], doc["target_source"] = target, "--target"
     judge(doc["groups"], doc["groups"][0], doc["target"])
-    too_low = TARGET_TOO_LOW.split("(")[0]   # the warning of the target judged before is replaced
-    doc["warnings"] = ([w for w in doc.get("warnings", []) if not w.startswith(too_low)]
+    # the warning about the target judged before is replaced
+    doc["warnings"] = ([w for w in doc.get("warnings", []) if TARGET_TOO_LOW not in w]
                        + target_warnings(doc["groups"][0], doc["target"]))
     write_experiment(doc, home, stdout)
     return 0

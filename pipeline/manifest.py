@@ -73,9 +73,10 @@ def package_versions() -> dict[str, str]:
 def write_manifest(run_dir: Path, cfg: Config, *, argv: list[str], redis_url: str, embedded: bool,
                    policy_dir: str, bad_prompt_lines: list[dict]) -> dict:
     """Write ``manifest.json`` (0600, secrets but the environment's options redacted); returns what was written."""
+    config = cfg.to_dict()
     manifest = {
         "run_id": run_dir.name, "created_at": time.time(), "argv": argv,
-        "config": cfg.to_dict(),
+        "config": config,
         "seeds": {"job": cfg.job.seed, "policy": cfg.policy.seed},
         "git_commit": git_commit(), "python": sys.version.split()[0], "platform": platform.platform(),
         "packages": package_versions(),
@@ -86,6 +87,6 @@ def write_manifest(run_dir: Path, cfg: Config, *, argv: list[str], redis_url: st
     # Every worker builds its environment from this file: the options stay as given (a tool service's
     # token in a URL is the job's, as in its TOML; the file is 0600, and the report, the logs and
     # tracking redact what they show). The Redis password alone comes from the environment.
-    manifest["config"]["env"]["options"] = cfg.to_dict()["env"]["options"]
+    manifest["config"]["env"]["options"] = config["env"]["options"]
     write_private(run_dir / "manifest.json", json.dumps(manifest, indent=2))
     return manifest

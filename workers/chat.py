@@ -25,14 +25,14 @@ from dataclasses import dataclass
 _USER = "\x00LIBRA-USER\x00"
 _ASSISTANT = "\x00LIBRA-ASSISTANT\x00"
 _REPLY = "\x00LIBRA-REPLY\x00"
+# the probe conversation a reply is appended to: a user message and the assistant's answer
+_HEAD = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
 
 
 @dataclass(frozen=True)
 class ChatFormat:
     """Text around each part of an episode; all empty for plain text."""
 
-    prompt_before: str = ""       # before the user's prompt
-    prompt_after: str = ""        # after it: the end of the user message and the generation prompt
     close_assistant: str = ""     # what ends the assistant's message when the model stopped at a stop string
     reply_before: str = ""        # before a reply: the start of the environment's message
     reply_after: str = ""         # after it: its end and the next generation prompt
@@ -42,7 +42,7 @@ class ChatFormat:
 
     @property
     def chat(self) -> bool:
-        return bool(self.prompt_after or self.reply_before)
+        return bool(self.closed_probe)
 
     @classmethod
     def for_tokenizer(cls, tokenizer, reply_role: str = "tool", use_template: bool | None = None) -> "ChatFormat":
@@ -59,20 +59,15 @@ class ChatFormat:
         def render(messages, gen):
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
 
-        user = [{"role": "user", "content": _USER}]
-        with_assistant = user + [{"role": "assistant", "content": _ASSISTANT}]
-        with_reply = with_assistant + [{"role": reply_role, "content": _REPLY}]
-        prompt = render(user, True)
-        closed = render(with_assistant, False)
-        replied = render(with_reply, True)
+        closed = render(_HEAD, False)
+        replied = render(_HEAD + [{"role": reply_role, "content": _REPLY}], True)
         if not replied.startswith(closed) or _ASSISTANT not in closed or _REPLY not in replied:
             raise ValueError(f"the chat template does not render a {reply_role!r} reply after an assistant "
                              "message by appending; set env.reply_role to a role it supports")
-        before, after = prompt.split(_USER)
         reply = replied[len(closed):]
         eos = tokenizer.eos_token or ""
         close = closed.split(_ASSISTANT, 1)[1]
-        return cls(prompt_before=before, prompt_after=after, close_assistant=close,
+        return cls(close_assistant=close,
                    reply_before=reply.split(_REPLY)[0], reply_after=reply.split(_REPLY)[1],
                    eos_text=eos if close.startswith(eos) else "", reply_role=reply_role, closed_probe=closed)
 
@@ -96,8 +91,7 @@ class ChatFormat:
         """The reply as the template appends it after an assistant message, with the next generation prompt."""
         if not self.chat:
             return reply
-        head = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
-        replied = tokenizer.apply_chat_template(head + [{"role": self.reply_role, "content": reply}],
+        replied = tokenizer.apply_chat_template(_HEAD + [{"role": self.reply_role, "content": reply}],
                                                 tokenize=False, add_generation_prompt=True)
         closed = self.closed_probe
         # a template that renders this reply otherwise than by appending: the probe's parts around it

@@ -33,20 +33,19 @@ def no_signal(rewards: list[float]) -> bool:
     return float(torch.tensor(rewards, dtype=torch.float64).std(unbiased=False)) < SIGNAL_EPS
 
 
-def group_advantages(rewards: list[float], mode: str = "grpo", eps: float = SIGNAL_EPS) -> list[float]:
+def group_advantages(rewards: list[float], mode: str = "grpo") -> list[float]:
     """Advantages of one group's samples; a group whose rewards are all equal (``no_signal``) gives zeros.
 
     ``grpo``: (r - mean) / std. ``dr_grpo``: r - mean (Dr. GRPO: dividing by
     the std weighs nearly-solved and nearly-failed prompts up).
     """
-    t = torch.tensor(rewards, dtype=torch.float64)
-    std = t.std(unbiased=False)
-    if std < eps:
+    if no_signal(rewards):
         return [0.0] * len(rewards)
+    t = torch.tensor(rewards, dtype=torch.float64)
     centred = t - t.mean()
     if mode == "dr_grpo":
         return centred.tolist()
-    return (centred / (std + eps)).tolist()
+    return (centred / (t.std(unbiased=False) + SIGNAL_EPS)).tolist()
 
 
 @dataclass

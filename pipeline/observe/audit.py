@@ -415,8 +415,8 @@ def dlq_entries(r: redis.Redis, keys: JobKeys) -> list[dict]:
     return out
 
 
-def dead_letter(r: redis.Redis, keys: JobKeys, entry_id: str) -> tuple[str, dict]:
-    """(full id, fields) of one dead letter; SystemExit for an id that names none, or several.
+def dead_letter(r: redis.Redis, keys: JobKeys, entry_id: str) -> dict:
+    """The fields of the dead letter ``entry_id``; SystemExit for an id that names none, or several.
 
     Redis reads a bare ``<ms>`` as every entry of that millisecond: the id
     of ``dlq list`` is asked for, so that a replay deletes the entry it copied.
@@ -430,11 +430,11 @@ def dead_letter(r: redis.Redis, keys: JobKeys, entry_id: str) -> tuple[str, dict
     if len(found) > 1 or found[0][0].decode() != entry_id:
         raise SystemExit(f"{entry_id!r} is not the whole id of a dead letter: give one of "
                          f"{', '.join(i.decode() for i, _f in found[:5])}")
-    return entry_id, found[0][1]
+    return found[0][1]
 
 
 def dlq_show(r: redis.Redis, keys: JobKeys, entry_id: str) -> dict:
-    _id, f = dead_letter(r, keys, entry_id)
+    f = dead_letter(r, keys, entry_id)
     rec = next(e for e in dlq_entries(r, keys) if e["id"] == entry_id)
     payload = f.get(b"payload", b"")
     try:
@@ -459,7 +459,7 @@ def dlq_replay(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
     streams = {stream for _stage, stream, _group in keys.stages}
     n = 0
     for entry_id in ids:
-        _id, f = dead_letter(r, keys, entry_id)
+        f = dead_letter(r, keys, entry_id)
         stream, payload = f.get(b"stream", b"").decode(errors="replace"), f.get(b"payload", b"")
         if stream not in streams:
             raise SystemExit(f"dead letter {entry_id} names the stream {stream!r}, not one of job "
@@ -476,7 +476,8 @@ def dlq_replay(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
 
 
 def dlq_purge(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
-    ids = [dead_letter(r, keys, i)[0] for i in ids]   # each checked before any is deleted
+    for entry_id in ids:   # each checked before any is deleted
+        dead_letter(r, keys, entry_id)
     return int(r.xdel(keys.dead_letters, *ids)) if ids else 0
 
 
