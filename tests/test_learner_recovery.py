@@ -709,3 +709,57 @@ def test_with_two_ranks_a_group_that_makes_training_raise_is_found_alone_and_the
             for _i, f in r.xrange(keys.dead_letters)]
     assert [pid for pid, _why in dead] == [batch[1].prompt_id] and "IndexError" in dead[0][1], dead
     assert sorted(records(run_dir, "consumed.txt")) == sorted(ids_of([gs[0], gs[3], gs[2]]))   # the step, less it
+
+
+@pytest.mark.slow
+def test_with_mini_batches_a_group_that_raises_after_an_update_is_dead_lettered_and_the_step_retrained_whole(
+        tmp_path, r, redis_url, policy_dir, monkeypatch):
+    """``learner.mini_batches = 2``, and a group whose gradient raises (as an out-of-memory backward does;
+    its no-grad forward for the proximal log-probs passes) in the second mini-batch: the first has already
+    stepped the optimizer when it raises. The group is dead-lettered, and the weights, which hold half a
+    step, are not trained on again: the learner exits with ``StepPartlyApplied`` and its restart trains the
+    step from the checkpoint. Each group is trained once: the weights are those of one clean step on the
+    other groups (before, the step was retried in the process and the first mini-batch's groups were
+    trained twice)."""
+    from workers import update as update_mod
+    from workers.update import load_policy, make_optimizer, plan_shares, train_share
+
+    run_dir, cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True,
+                             extra=("job.steps=1", "learner.checkpoint_every=1", "learner.max_train_attempts=1",
+                                    "learner.mini_batches=2", "learner.prefetch=false"))
+    keys = JobKeys("rec")
+    gs = scored_groups(policy_dir, 5)
+    [plan] = plan_shares(gs[:4], [0] * 4, 0, 0, 1, cfg.learner)
+    assert plan.actives[0]
+    # a group of the second mini-batch with a gradient to compute
+    [bad, *_] = [g for g, mini in zip(gs, plan.mini) if mini == 1 and len(set(g.rewards)) > 1]
+    accumulate = update_mod.accumulate_gradients
+
+    def raises_on_bad(model, active, *args, **kwargs):
+        if any(row.traj.text == bad.trajectories[0].text for row in active):
+            raise RuntimeError("backward failed")
+        return accumulate(model, active, *args, **kwargs)
+
+    monkeypatch.setattr(update_mod, "accumulate_gradients", raises_on_bad)
+    monkeypatch.setattr(learner_mod, "accumulate_gradients", raises_on_bad)
+    feed(r, gs, issued=5, at_once=True)
+
+    with pytest.raises(learner_mod.StepPartlyApplied):
+        in_process_learner(run_dir, r).run()
+    [(_id, dead)] = r.xrange(keys.dead_letters)
+    assert dead[b"payload"] == messages.encode(bad) and dead[b"reason"] == b"learner: RuntimeError: backward failed"
+    assert learner_step(r) == 0 and not r.exists(keys.learner_training)
+
+    in_process_learner(run_dir, r).run()
+    kept = [g for g in gs if g is not bad]
+    assert learner_step(r) == 1 and sorted(records(run_dir, "consumed.txt")) == sorted(ids_of(kept))
+    monkeypatch.undo()
+    model = load_policy(policy_dir, torch.device("cpu"), cfg.learner)
+    [share] = plan_shares(kept, [0] * 4, 0, 0, 1, cfg.learner)
+    train_share(model, make_optimizer(model, cfg.learner), share, cfg.learner, cfg.rollout.temperature)
+    trained = load_model(run_dir / "policy" / "v000001")
+    for (name, a), b in zip(model.named_parameters(), trained.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    a = audit(r, "rec", str(run_dir))
+    assert a["ok"], a["problems"]
+    assert a["trained"] == 4 * G and a["dead_lettered"] == G and a["duplicates_trained"] == 0

@@ -95,6 +95,14 @@ class Batch:
         return self.trajectories - (self.no_signal if dynamic_sampling else 0)
 
 
+class StepPartlyApplied(RuntimeError):
+    """A step raised after one of its mini-batches had updated the weights: they hold part of the step.
+
+    Its groups that raise alone are dead-lettered first; the learner then
+    exits, and its restart trains the step from the last checkpoint, so that
+    no group is trained twice."""
+
+
 class Learner:
     """The learner process's state (model, optimizer, version, entries held until the next checkpoint) and loop."""
 
@@ -145,6 +153,8 @@ class Learner:
         self.optimizer = make_optimizer(self.model, self.cfg)
         if start is not None:
             self.optimizer.load_state_dict(start)
+        self.updates = 0   # optimizer steps taken by this process: whether a failed step changed the weights
+        self.optimizer.register_step_post_hook(self.count_update)
         self.set_lr()
         self.prefetch: Prefetch | None = None  # the step in hand, trained as its groups arrive (learner.prefetch)
         self.ranks: RankGroup | None = None  # ranks 1..N-1, when there are any
@@ -153,6 +163,9 @@ class Learner:
                                          self.restored_from, ctx.log)
 
     # --- state ------------------------------------------------------------------------------
+
+    def count_update(self, _optimizer, _args, _kwargs) -> None:
+        self.updates += 1
 
     def restore_or_init(self):
         """Load the newest checkpoint if there is one, else the run's initial policy (version 0).
@@ -531,6 +544,10 @@ class Learner:
         every one does: a broken device, not the data), or with several
         ranks, the attempts of the whole batch are counted and the error
         re-raised: the learner exits, and its restart replays the batch.
+        With several mini-batches, an error after the first one updated the
+        weights cannot be retried on them: the groups that raise alone are
+        dead-lettered and ``StepPartlyApplied`` raised, so that the restart
+        trains the step from the last checkpoint.
         A learner process that dies in training (an OOM kill, a native crash),
         or one of its ranks, raises nothing that counts; its restart probes the
         entries it held, one at a time (``probe_suspects``). So does the
@@ -545,6 +562,7 @@ class Learner:
             self.probe_suspects(batch)
         self.mark_training(batch)
         while True:
+            updates = self.updates
             try:
                 return self.train(batch)
             except RankDied:
@@ -564,6 +582,12 @@ class Learner:
                     raise
                 self.ctx.log.warning("train_raised", error=error, failing_groups=len(culprits))
                 self.dead_letter_entries(batch, culprits)
+                if self.updates > updates:   # an earlier mini-batch stepped: the weights hold part of the step
+                    self.forget_training()
+                    raise StepPartlyApplied(
+                        f"step {self.step + 1} raised after {self.updates - updates} of its mini-batches updated "
+                        f"the weights ({error}); {len(culprits)} group(s) dead-lettered, the restart trains the "
+                        "step from the last checkpoint") from exc
 
     def outside_vocabulary(self, batch: Batch) -> dict[bytes, str]:
         """Entry id -> reason of the groups holding a token id the policy does not have.
