@@ -274,7 +274,9 @@ def _claim_id(r, keys, role: str, node: str, want: str | None, stop: threading.E
             print("worker: the job's learner runs under an agent; queued until the controller drains it", flush=True)
             said = True
         if stop.wait(1.0):
-            queued = [w for w, raw in r.hgetall(keys.workers).items() if json.loads(raw).get("pid") == os.getpid()]
+            me = (os.getpid(), node)   # a pid alone is not ours: containers on other nodes are pid 1 too
+            queued = [w for w, raw in r.hgetall(keys.workers).items()
+                      if (json.loads(raw).get("pid"), json.loads(raw).get("node")) == me]
             if queued:
                 r.hdel(keys.workers, *queued)
             return None

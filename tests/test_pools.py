@@ -111,6 +111,27 @@ def test_an_external_learner_queues_behind_the_agents_and_takes_learner_0(r):
         claim_external_id(r, keys, "learner", "other", pid=8)              # one learner process per job
 
 
+def test_a_queued_learner_that_stops_removes_its_own_record_not_one_of_another_node_with_its_pid(r):
+    """A pool learner queued behind an agent's learner-0 and stopped (Ctrl-C) removes its queued record;
+    a worker on another node whose process has the same pid (containers are pid 1) keeps its record. Before,
+    every record with that pid was deleted."""
+    import threading
+
+    from pipeline.cli import _claim_id
+
+    keys = JobKeys(JOB)
+    r.hset(keys.workers, LEARNER, json.dumps({"id": LEARNER, "role": "learner", "pid": 99, "node": "n1",
+                                              "slots": [0], "state": "running", "heartbeat": time.time()}))
+    other = {"id": "rollout-n2-ext0", "role": "rollout", "pid": os.getpid(), "node": "n2", "state": "running",
+             "heartbeat": time.time(), "managed": EXTERNAL}
+    r.hset(keys.workers, other["id"], json.dumps(other))
+    stop = threading.Event()
+    stop.set()
+    assert _claim_id(r, keys, "learner", "pool", None, stop) is None
+    assert not r.hexists(keys.workers, "learner-pool-ext0")   # ours, gone
+    assert json.loads(r.hget(keys.workers, other["id"])) == other
+
+
 def test_a_worker_never_starts_under_an_id_an_external_worker_holds(r, redis_url, tmp_path):
     # the controller placed learner-0 on an agent just before the pool's learner took the id
     run_dir = sim_job(r, redis_url, tmp_path)

@@ -305,6 +305,33 @@ def test_ensure_policy_caches_by_spec(tmp_path):
         tp.ensure_policy(tmp_path, {"hidden": 3})
 
 
+def test_builders_with_the_same_pid_on_a_shared_cache_build_apart(tmp_path, monkeypatch):
+    """Two builders of one spec at once, with the same pid (containers on a shared cache volume are all pid
+    1; here two threads of one process): each builds in its own temp directory, so neither deletes or
+    writes into the other's, and both get the one policy. Before, the temp directory was named by pid
+    alone, and the second builder removed the first one's half-built directory."""
+    import threading
+
+    building, together = [], threading.Barrier(2, timeout=30)
+
+    def build(out_dir, spec, progress):
+        building.append(out_dir)
+        out_dir.mkdir(parents=True)
+        together.wait()   # both builds under way at once
+        (out_dir / "spec.json").write_text("{}")
+
+    monkeypatch.setattr(tp, "_build_into", build)
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(tp.ensure_policy(tmp_path, {"seed": 3}))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(set(building)) == 2, building
+    assert len(got) == 2 and got[0] == got[1] and (got[0] / "spec.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
 @pytest.mark.slow
 def test_warm_start_succeeds_sometimes_but_not_mostly(tmp_path):
     # (how long the build takes is a figure `scripts/build_policy.py` prints, ~50 s on an idle 2-core

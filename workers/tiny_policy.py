@@ -28,6 +28,7 @@ import random
 import shutil
 import string
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -564,8 +565,8 @@ def ensure_policy(cache_dir: str | Path, spec: dict, *, progress: Progress | Non
     if (final / "spec.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # Builders on a shared cache may share a pid (containers are pid 1): each builds in a name of its own.
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     started = time.monotonic()
     try:
         _build_into(tmp, spec, progress)
