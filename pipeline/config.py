@@ -295,7 +295,9 @@ class RunConfig:
     runs_dir: str = _f("runs", "where run directories are created")
     progress_s: float = _f(1.0, "seconds between progress line updates")
     slots: int = _f(0, "CPU slots the run's own node agent offers when it finds no GPU "
-                    "(0: rollout.workers + learner.workers)")
+                    "(0: the slots its workers hold at the start: rollout.workers x "
+                    "rollout.tensor_parallel_size + learner.workers, + reward.workers with "
+                    "control.reward_on_slots)")
 
 
 @dataclass(frozen=True)
@@ -324,6 +326,12 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def slots_at_start(self) -> int:
+        """Slots (GPUs) the run's workers hold at the start: rollout x its tensor parallel size, the learner's,
+        and reward's with ``control.reward_on_slots``."""
+        return (self.rollout.workers * self.rollout.tensor_parallel_size + self.learner.workers
+                + (self.reward.workers if self.control.reward_on_slots else 0))
 
 
 # --- loading ------------------------------------------------------------------------------

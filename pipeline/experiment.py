@@ -118,12 +118,6 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text.replace("=", "-")).strip("_") or "run"
 
 
-def slots_per_run(cfg: Config) -> int:
-    """GPUs (or slots) one run's workers hold at the start."""
-    return (cfg.rollout.workers * cfg.rollout.tensor_parallel_size + cfg.learner.workers
-            + (cfg.reward.workers if cfg.control.reward_on_slots else 0))
-
-
 def default_parallel(per_run: int, devices: list[str], cpus: int) -> int:
     """How many runs fit at once: the GPUs over a run's slots, else the cores over ``CORES_PER_RUN``."""
     if devices:
@@ -195,7 +189,7 @@ def make_plan(config: str, sets: list[str], groups, repeat: int, exp_id: str, ex
     cfgs = [config_mod.load(config, sets + extra) for _label, _value, extra in groups]
     shared = any(resolve_url(c.redis.url) is not None for c in cfgs)
     devices = [] if shared else visible_devices()
-    parallel, groups_of_devices, notes = choose_parallel(asked, max(slots_per_run(c) for c in cfgs), devices,
+    parallel, groups_of_devices, notes = choose_parallel(asked, max(c.slots_at_start() for c in cfgs), devices,
                                                         os.cpu_count() or 1, shared)
     specs = plan_runs(config, sets, groups, repeat, exp_id, exp_dir, parallel)
     return Plan(config, specs, min(parallel, len(specs)), groups_of_devices, notes)

@@ -147,3 +147,20 @@ def test_a_controller_that_lost_its_lease_mid_tick_does_not_overwrite_the_placem
     assert ctl.tick() is False
     assert (read_placement(r, "j"), get_allocation(r, "j")["target"]) == before
     assert not ctl.jobs
+
+
+def test_the_default_cpu_slots_of_a_run_hold_its_workers_with_reward_on_slots():
+    """On a machine without a GPU, the run's own agent offers by default the slots the run's workers hold
+    at the start: with ``control.reward_on_slots`` the reward workers' too, so the run is admitted on the
+    pool its own agent starts. Before, the reward workers were left out and ``libra-ctl run
+    examples/quickstart.toml --set control.reward_on_slots=true`` was refused at admission ("needs at
+    least 3 slots ... a pool of 2")."""
+    from pipeline.control import allocator
+    from pipeline.control.job import config_spec
+    from pipeline.control.local import cpu_slots
+
+    cfg = config.load("examples/quickstart.toml", ["control.reward_on_slots=true"])
+    slots = cpu_slots(cfg)
+    assert slots == cfg.rollout.workers + cfg.learner.workers + cfg.reward.workers
+    allocator.admit(allocator.Inventory(gpus=slots, switch_cost_s=cfg.control.switch_cost_s), [config_spec(cfg)])
+    assert cpu_slots(config.load("examples/quickstart.toml", ["run.slots=5"])) == 5

@@ -119,9 +119,9 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 def cpu_slots(cfg) -> int:
-    """The CPU slots a run's own agent offers when it finds no GPU: ``run.slots``, else one per rollout and
-    learner worker."""
-    return getattr(cfg.run, "slots", 0) or cfg.rollout.workers + cfg.learner.workers
+    """The CPU slots a run's own agent offers when it finds no GPU: ``run.slots``, else the slots its workers
+    hold at the start."""
+    return cfg.run.slots or cfg.slots_at_start()
 
 
 def own_slots(cfg) -> int:
