@@ -10,7 +10,6 @@ import importlib
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -231,10 +230,10 @@ def cmd_worker(args) -> int:
     from pipeline.control.agent import worker_argv
     from pipeline.control.job import load_job
     from pipeline.dataplane.keys import JobKeys
-    from pipeline.dataplane.worker import NODE_ENV, IdTaken, live_run_dir
+    from pipeline.dataplane.worker import NODE_ENV, IdTaken, live_run_dir, this_node
 
     stop = _stop_on_signals()
-    node = args.node or os.environ.get(NODE_ENV) or socket.gethostname().split(".")[0]
+    node = args.node or this_node()
     url = wait_for_redis(args.redis, SHARED_REDIS_DIR, REDIS_WAIT_S, stop)
     if url is None:
         print(f"libra-ctl worker: no Redis answered within {REDIS_WAIT_S:g}s: pass --redis URL or set {ENV_URL}",

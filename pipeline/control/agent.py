@@ -65,6 +65,7 @@ from pipeline.dataplane.keys import (AGENTS, ROLES, JobKeys, agent_backoff, agen
                                      agent_procs)
 from pipeline.dataplane.lifeline import ORPHAN_EXIT_S, process_start, watch_parent
 from pipeline.dataplane.redisconn import ENV_URL, UNAVAILABLE, Outage, connect
+from pipeline.dataplane.worker import NODE_ENV, this_node
 from pipeline.redaction import open_private
 
 TICK_S = 0.2
@@ -76,7 +77,6 @@ HAND_OVER_PAGE = 10_000   # pending entries listed or claimed per command when a
 STABLE_S = 60.0           # a worker that ran this long starts its back-off afresh
 TOMBSTONE_S = 3600.0      # drained records are kept this long, so a late retried action stays ignored
 GPUS_ENV = "LIBRA_GPUS"
-NODE_ENV = "LIBRA_NODE"
 SLOTS_ENV = "LIBRA_SLOTS"
 
 
@@ -340,6 +340,7 @@ class Agent:
         self.procs: dict[str, Proc] = {}
         self.backoff: dict[str, Backoff] = {}
         self.completed: dict[str, int] = {}   # key -> seq of the desired record it exited 0 under
+        self.slotless: dict[str, int] = {}    # key -> seq of a desired record naming a slot we lack (said once)
         self.jobs: ControlJobRunner | None = None
         self.stop_event = threading.Event()
         self.started_at = time.time()
@@ -399,11 +400,11 @@ class Agent:
         self.shutdown()
 
     def step(self) -> None:
+        self.heartbeat()   # first: an agent whose node lock another took (after an outage) acts no more
         self.jobs.run_pending()
         desired = self.read_desired()
         self.reap(desired)
         self.drive(desired)
-        self.heartbeat()
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         """Drain every worker of ours (SIGTERM, SIGKILL after the grace), then leave."""
@@ -494,7 +495,7 @@ class Agent:
         b.run_dir, b.code = run_dir, code
         b.failures = b.failures + 1 if code is not None and code > 0 else 0
         first, longest = self.backoff_s
-        wait = min(first * 2 ** b.restarts, longest)
+        wait = min(first * 2 ** min(b.restarts, 30), longest)   # a long crash loop: the longest, no overflow
         b.restarts += 1
         b.next_at = time.time() + wait
         self.log.warning("worker_crashed", key=key, restart_in_s=wait, restarts=b.restarts)
@@ -542,6 +543,12 @@ class Agent:
                 continue   # its steps are done (an agent restarted since it exited 0 has no record of that)
             if run_dir and not same_dir(run_dir, d["run_dir"]):
                 continue   # an earlier run's record (an action of it retried after the reset): never started
+            if missing := set(d["slots"]) - {s.index for s in self.slots}:
+                if self.slotless.get(key) != d["seq"]:   # said once per record; the controller places it again
+                    self.slotless[key] = d["seq"]
+                    self.log.warning("desired_slots_missing", key=key, slots=sorted(missing),
+                                     have=[s.index for s in self.slots])
+                continue
             self.spawn(key, d)
             busy |= set(d["slots"])
 
@@ -589,7 +596,10 @@ class Agent:
         p.term_at = time.time()
         if p.signal(signal.SIGTERM):
             self.event("sigterm", p)
-        self.publish(force=True)
+        try:
+            self.publish(force=True)
+        except UNAVAILABLE as exc:   # a shutdown while Redis is away still signals every worker; the next
+            self.log.warning("procs_not_published", error=str(exc))   # publish writes the state
 
     def kill(self, p: Proc) -> None:
         if p.killed:
@@ -727,7 +737,7 @@ def cmd_agent(args) -> int:
     except SlotError as exc:
         print(f"libra-ctl agent: {exc}", file=sys.stderr)
         return 2
-    node = args.node or os.environ.get(NODE_ENV) or socket.gethostname().split(".")[0]
+    node = args.node or this_node()
     return run_agent(find_redis_url(args.redis), node, slots, args.grace)
 
 

@@ -41,6 +41,12 @@ HEARTBEAT_S = 2.0
 STALE_S = 10.0           # a record without a heartbeat for this long belongs to a gone (or stuck) process
 START_GRACE_S = 120.0    # ... except while "starting": torch and vLLM load before the first heartbeat
 NODE_ENV = "LIBRA_NODE"  # the node a worker runs on (set by its agent, or by libra-ctl worker)
+
+
+def this_node() -> str:
+    """This machine's node name: ``$LIBRA_NODE``, else the short host name (what agents and pool workers take
+    by default, so that every part of a run names the node alike)."""
+    return os.environ.get(NODE_ENV) or socket.gethostname().split(".")[0]
 EXTERNAL = "external"    # the ``managed`` field of a worker started outside the agents
 CLAIM_TRIES = 50         # WATCH retries when registering: every heartbeat of the job's workers changes the table
 # States in which a worker holds its place in the job's allocation: at work, about to be (a learner queued for
@@ -75,9 +81,12 @@ class WorkerContext:
     log: structlog.stdlib.BoundLogger
     stop_event: threading.Event = field(default_factory=threading.Event)
     signalled: threading.Event = field(default_factory=threading.Event)   # SIGTERM/SIGINT, not a drain request
+    # set by finish_worker: the heartbeat goes on through a drain, while the batch in hand finishes
+    exiting: threading.Event = field(default_factory=threading.Event)
+    heartbeat_thread: threading.Thread | None = None
     external: bool = False   # started by libra-ctl worker, not by an agent
     drain_requested: bool = False   # an external worker asked to drain (JobKeys.external_drain)
-    node: str = field(default_factory=lambda: os.environ.get(NODE_ENV) or socket.gethostname())
+    node: str = field(default_factory=this_node)
     devices: list[str] | None = field(default_factory=visible_devices)   # fixed for the process's life
     state: str = "starting"
     done: int = 0  # trajectories handled, for the rate
@@ -213,7 +222,8 @@ def start_worker(role: str) -> WorkerContext:
     watch_owner()
     watch_parent(exit_after_s=ORPHAN_EXIT_S)
     Outage(log).call(register, ctx)
-    threading.Thread(target=_heartbeat, args=(ctx,), daemon=True, name="heartbeat").start()
+    ctx.heartbeat_thread = threading.Thread(target=_heartbeat, args=(ctx,), daemon=True, name="heartbeat")
+    ctx.heartbeat_thread.start()
     log.info("worker_started", pid=os.getpid())
     return ctx
 
@@ -250,16 +260,20 @@ def register(ctx: WorkerContext) -> None:
 
 
 def _heartbeat(ctx: WorkerContext) -> None:
-    """Refresh the worker's record and its service rate (an EMA of trajectories/s)."""
+    """Refresh the worker's record and its service rate (an EMA of trajectories/s), until ``finish_worker``.
+
+    A stop request (a drain, SIGTERM) lets the batch in hand finish, and the
+    process holds its id until then: its record stays live, so no second
+    process registers under the id while it works."""
     last_done, last_t = ctx.done, time.monotonic()
-    while not ctx.stop_event.wait(HEARTBEAT_S):
+    while not ctx.exiting.wait(HEARTBEAT_S):
         now = time.monotonic()
         inst = (ctx.done - last_done) / max(now - last_t, 1e-6)
         ctx.rate_per_s = inst if ctx.rate_per_s == 0 else 0.7 * ctx.rate_per_s + 0.3 * inst
         last_done, last_t = ctx.done, now
         try:
             ctx.publish_state()
-            if ctx.external and ctx.r.sismember(ctx.keys.external_drain, ctx.worker_id):
+            if ctx.external and not ctx.drain_requested and ctx.r.sismember(ctx.keys.external_drain, ctx.worker_id):
                 ctx.log.info("drain_requested")
                 ctx.drain_requested = True
                 ctx.stop_event.set()   # as SIGTERM: the stage finishes the batch in hand
@@ -270,6 +284,9 @@ def _heartbeat(ctx: WorkerContext) -> None:
 def finish_worker(ctx: WorkerContext) -> None:
     """Mark the worker exited; an external one that stopped by itself first waits for its job's end."""
     ctx.stop_event.set()
+    ctx.exiting.set()
+    if ctx.heartbeat_thread is not None:   # a beat under way must not write "running" over "exited"
+        ctx.heartbeat_thread.join(timeout=HEARTBEAT_S + 5.0)
     # called from the stage's ``finally``: an exception on its way out means a crash (exit non-zero, no wait)
     crashed = sys.exc_info()[1] is not None
     try:
