@@ -15,7 +15,7 @@ from pathlib import Path
 
 import structlog
 
-from pipeline.redaction import open_private, redact, redact_tree
+from pipeline.redaction import open_private, redact_tree
 
 
 def configure(log_dir: Path | None, name: str, *, console: bool = True, level: int = logging.INFO):
@@ -59,6 +59,9 @@ def _pre_chain():
 
 
 def _redact_secrets(_logger, _method, event_dict: dict) -> dict:
-    """No password of a URL reaches a log line, whatever a caller (or a library) put in it."""
-    return {k: redact(v) if isinstance(v, str) else redact_tree(v) if isinstance(v, (dict, list, tuple)) else v
-            for k, v in event_dict.items()}
+    """No password of a URL reaches a log line, whatever a caller (or a library) put in it (an exception or
+    bytes are written as their redacted text)."""
+    return {k: v if k in _META else redact_tree(v) for k, v in event_dict.items()}
+
+
+_META = ("_record", "_from_structlog")   # what ProcessorFormatter adds for a library's log record: its own

@@ -38,14 +38,19 @@ def redact(text: str) -> str:
 
 
 def redact_tree(obj: Any) -> Any:
-    """A copy of a JSON-like value with every string in it redacted (dict keys included)."""
+    """A copy of a JSON-like value with every string in it redacted (dict keys included); anything else
+    but a number (an exception, bytes, a path) becomes its redacted text."""
+    if obj is None or isinstance(obj, (bool, int, float)):
+        return obj
     if isinstance(obj, str):
         return redact(obj)
     if isinstance(obj, dict):
         return {redact_tree(k): redact_tree(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [redact_tree(v) for v in obj]
-    return obj
+    if isinstance(obj, bytes):
+        return redact(obj.decode(errors="replace"))
+    return redact(repr(obj) if isinstance(obj, BaseException) else str(obj))
 
 
 def is_redacted(url: str) -> bool:

@@ -3,20 +3,31 @@
 A learner that restores its checkpoint sets the job's ``trained`` and drop
 counters back to the checkpoint's; a resume keeps every counter and writes a
 new ``started_at``; a kill can cut ``summary.json`` short. None of these
-may show as a spike, a negative rate, a false finding or a traceback.
+may show as a spike, a negative rate, a false finding or a traceback. Also:
+the sampler names its node as the run's agent does, and log lines never
+carry a URL password, whatever the type of the value holding it.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.observe.metrics import MetricsSampler
+from pipeline.observe.prometheus import registry_for
 from pipeline.observe.resources import ResourceProbe
 from tests.test_metrics import fake_job
 from tests.test_report import make_run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_first_sample_after_a_resume_measures_from_the_resume_not_the_jobs_history(r):
@@ -118,3 +129,67 @@ def test_the_reports_trained_rate_from_learner_steps_is_never_negative_across_a_
     assert trained.ys and min(trained.ys) >= 0, trained.ys
     svg = line_chart("k", "t", [Series("s", [0.0, 1.0, 2.0], [1.0, float("nan"), 2.0], "#000")])
     assert "nan" not in svg.lower()
+
+
+def _trained(text: str, job: str = "obs") -> float:
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "libra_trajectories_trained_total" and s.labels.get("job") == job:
+                return s.value
+    raise AssertionError("no libra_trajectories_trained_total")
+
+
+def test_prometheus_trained_counter_does_not_go_down_across_a_resume_and_its_restore(r):
+    """``libra-ctl resume`` keeps the job's run directory and counters and writes a new ``started_at``; its
+    learner then restores the last checkpoint and sets ``trained`` back (640 -> 512). A scrape server that
+    outlives the resume (the controller, ``metrics-serve``) keeps exporting a total that never goes down.
+    Before, the new ``started_at`` started a new fold, the amount added back was lost and 512 was exported:
+    Prometheus read a counter reset and counted all 512 again."""
+    keys = fake_job(r, counters={"issued": 1024, "generated": 900, "scored": 800, "trained": 640})
+    run_dir = r.hget(keys.state, "run_dir")
+    registry = registry_for(r)
+    before = _trained(generate_latest(registry).decode())
+    # the resume: same run directory, counters kept, a new started_at; the learner restores step 8 (512)
+    r.hset(keys.state, mapping={"started_at": time.time(), "run_dir": run_dir})
+    r.hset(keys.counters, "trained", 512)
+    after = _trained(generate_latest(registry).decode())
+    assert before == 640
+    assert after >= before, f"libra_trajectories_trained_total went down across the resume: {before} -> {after}"
+
+
+def test_log_lines_redact_a_url_password_held_in_a_non_string_value(tmp_path):
+    """A URL password in a log value that is not a string (an exception, bytes) is redacted too. Before,
+    such values went through as they were and the JSON renderer wrote their repr, the password in clear.
+    (In a child process: ``logs.configure`` changes process-wide logging.)"""
+    code = textwrap.dedent(f"""
+        from pathlib import Path
+        from pipeline import logs
+        log = logs.configure(Path({str(tmp_path)!r}), "w", console=False)
+        log.warning("redis_unreachable", error=ConnectionError("cannot reach redis://u:hunter2@h:6379/0"),
+                    url=b"redis://u:hunter3@h:6379/0")
+    """)
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+    text = (tmp_path / "w.jsonl").read_text()
+    assert "redis_unreachable" in text
+    assert "hunter2" not in text and "hunter3" not in text, text
+
+
+def test_a_sample_measures_the_workers_a_local_agent_started_on_a_host_with_a_dotted_name(r, monkeypatch):
+    """On a host named ``gpu01.example.org`` the run's local agent (and so its workers' records) names the
+    node ``gpu01``; the run's sampler, which measures the workers of its own node, takes the same name and
+    measures them. Before, it took the full host name, matched none of them, and the run's resource
+    figures (TensorBoard ``resources/*``, Prometheus ``libra_worker_*``) never appeared."""
+    import json
+    import os
+    import socket
+
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu01.example.org")
+    keys = fake_job(r)
+    for wid, raw in r.hgetall(keys.workers).items():   # as the agent's workers record themselves
+        rec = json.loads(raw)
+        rec["node"] = "gpu01"
+        r.hset(keys.workers, wid, json.dumps(rec))
+    s = MetricsSampler(r, "obs", None, probe=ResourceProbe(use_gpu=False)).sample()
+    assert s["resources"]["workers"].get("learner-0", {}).get("pid") == os.getpid(), s["resources"]["workers"]
+    assert s["resources"]["by_role"].get("learner", {}).get("workers") == 1, s["resources"]["by_role"]

@@ -100,7 +100,7 @@ def test_fold_is_incremental_and_restarts_with_a_new_run(r):
     assert one(scrape(), "libra_staleness_versions_count", job="obs") == 128
     r.xadd(keys.metrics, {"kind": "learner_step", "data": json.dumps(learner_step(3, staleness_hist={"0": 64}))})
     assert one(scrape(), "libra_staleness_versions_count", job="obs") == 192  # only the new step was added
-    r.hset(keys.state, "started_at", 1.0)  # a new run of the job
+    r.hset(keys.state, mapping={"started_at": 1.0, "run_dir": "/runs/next"})  # a new run of the job
     r.delete(keys.metrics)
     assert one(scrape(), "libra_staleness_versions_count", job="obs") == 0
 

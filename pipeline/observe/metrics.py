@@ -17,7 +17,6 @@ are in ``observe.measures``; the process probe in ``observe.resources``.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import redis
 import structlog
 
 from pipeline.dataplane.keys import JobKeys
+from pipeline.dataplane.worker import this_node
 from pipeline.observe.measures import aggregate_steps, append_line, rates, slot_busy
 from pipeline.observe.resources import ResourceProbe, live_on
 from pipeline.observe.status import job_status
@@ -47,7 +47,7 @@ class MetricsSampler:
         self.r, self.job, self.keys = r, job, JobKeys(job)
         self.run_dir = Path(run_dir) if run_dir else None
         self.interval_s = interval_s
-        self.node = node or socket.gethostname()
+        self.node = node or this_node()   # the node name the run's local agent gives its workers
         self.probe = probe if probe is not None else ResourceProbe()
         self.prev_counters: dict | None = None
         self.prev_at: float | None = None

@@ -13,9 +13,10 @@ settings (``libra_job_{min,max}_slots``, ``libra_job_priority``).
 Two figures need history that Redis does not keep as a total: the staleness
 histogram and the tool-call totals. The collector folds the learner's
 per-step lines (the ``metrics`` stream, kind ``learner_step``) incrementally
-into per-job totals; a new run of a job (a new ``started_at``) starts the fold
-again, which Prometheus reads as a counter reset. Within a run the counters
-exported never go down: what a learner's restore sets back is added back. Resources come from the
+into per-job totals; a new run of a job (a new run directory) starts the fold
+again, which Prometheus reads as a counter reset. Within a run, resumes
+included, the counters exported never go down: what a learner's restore sets
+back is added back. Resources come from the
 sampler's newest sample (``pipeline.observe.metrics``), since only the node that runs
 a worker can measure it.
 """
@@ -80,7 +81,7 @@ DIVERSITY_GAUGES = (
 class _Fold:
     """Totals over the learner's step lines of one run of a job."""
 
-    started_at: bytes | None
+    run: bytes | None   # the run's directory: a resume keeps it (and the counters), a new run has its own
     cursor: str = "0-0"
     hist: dict[int, int] = field(default_factory=dict)
     stale_sum: float = 0.0
@@ -154,10 +155,10 @@ class LibraCollector:
 
     def _fold(self, job: str) -> _Fold:
         keys = JobKeys(job)
-        started = self.r.hget(keys.state, "started_at")
+        run = self.r.hget(keys.state, "run_dir")
         fold = self._folds.get(job)
-        if fold is None or fold.started_at != started:
-            fold = self._folds[job] = _Fold(started)
+        if fold is None or fold.run != run:
+            fold = self._folds[job] = _Fold(run)
         while True:
             entries = self.r.xrange(keys.metrics, min="(" + fold.cursor, count=FOLD_READ)
             for entry_id, fields in entries:
