@@ -8,10 +8,12 @@ Against a real Redis server and real processes (sleepers, the sim workers of
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -185,3 +187,85 @@ def test_a_draining_external_learner_keeps_its_id_until_its_last_step_is_done(r,
     finally:
         pool.exiting.set()
         beat.join(timeout=2)
+
+
+def leader_with_a_child(tmp_path) -> tuple[subprocess.Popen, int, Path]:
+    """A worker-like group leader that starts a child in its process group (as vLLM starts its engine
+    process) and exits once the returned file exists, leaving the child running; (leader, child pid, file)."""
+    pid_file, go = tmp_path / "child.pid", tmp_path / "exit"
+    code = ("import os, subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); "
+            f"[time.sleep(0.02) for _ in iter(lambda: os.path.exists({str(go)!r}), True)]")
+    leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "the leader never started its child"
+        time.sleep(0.05)
+    return leader, int(pid_file.read_text()), go
+
+
+def gone(pid: int, timeout_s: float = 5.0) -> bool:
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("exits", ["while adopted", "before the agent starts"])
+def test_what_an_exited_worker_left_in_its_process_group_is_killed(r, redis_url, tmp_path, stop_agents, exits):
+    """A worker that exits (or crashes) leaving a child in its process group (vLLM's engine process, a
+    learner rank) would leave the child holding the slot's GPU under the next worker: the agent SIGKILLs
+    the group once it sees the worker gone, whether the worker exits under it or died before it started
+    (a recorded process found dead at adoption). Before, the child ran on."""
+    leader, child, go = leader_with_a_child(tmp_path)
+    try:
+        key = worker_key(JOB, "rollout-n1-0")
+        record_proc(r, key, spec("/nowhere", "rollout-n1-0", [0]), leader)   # as its agent recorded it
+        if exits == "before the agent starts":
+            go.touch()
+            leader.wait(timeout=30)   # reaped by its parent, this test, as init reaps an orphaned worker
+        a = Agent(r, redis_url, NODE, [Slot(0, None)], grace_s=5.0).start()
+        stop_agents.append(a)
+        assert (key in a.procs) == (exits == "while adopted")
+        go.touch()
+        leader.wait(timeout=30)
+        a.reap({})
+        assert key not in a.procs and gone(child), "the worker's child outlived it"
+    finally:
+        leader.kill()
+        leader.wait()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_worker_adopted_while_draining_is_not_restarted_as_a_crash_when_it_exits(r, redis_url, stop_agents):
+    """An agent that stopped while draining a worker recorded it as ``draining``; its successor adopts it as
+    draining (its SIGTERM was sent), so the worker's exit is the drain ending, not a crash: no restart is
+    booked against it. Before, the state was ignored and the exit booked as a crash with a back-off."""
+    p = sleeper()
+    try:
+        key = worker_key(JOB, "rollout-n1-0")
+        s = spec("/run", "rollout-n1-0", [0])
+        record_proc(r, key, s, p)
+        rec = json.loads(r.hget(agent_procs(NODE), key))
+        r.hset(agent_procs(NODE), key, json.dumps({**rec, "state": "draining"}))
+        a = Agent(r, redis_url, NODE, [Slot(0, None)], grace_s=5.0).start()
+        stop_agents.append(a)
+        assert a.procs[key].term_at is not None
+        p.kill()
+        p.wait()
+        a.reap({key: {**s, "state": actions.STATE_RUN, "seq": 1, "generation": 0}})
+        assert key not in a.procs and key not in a.backoff
+    finally:
+        p.kill()
+        p.wait()

@@ -192,6 +192,24 @@ class Proc:
                 "state": "draining" if self.term_at else "running"}
 
 
+def kill_group_left_by(pid: int) -> None:
+    """SIGKILL what an exited worker (``pid``, a group leader: ``start_new_session``) left in its process group.
+
+    Linux reuses no pid while a process group of that id has members: with no
+    process under ``pid``, a group of that id is still the worker's own."""
+    try:
+        os.kill(pid, 0)
+        return   # a process holds the pid again: the old group is empty (or never was)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass   # no member left
+
+
 def same_worker(d: dict, spec: dict) -> bool:
     """Whether the desired record ``d`` still describes the process started from ``spec``.
 
@@ -441,8 +459,13 @@ class Agent:
             if process_start(rec["pid"]) == rec["start"]:
                 spec = {k: rec[k] for k in ("job", "worker", "role", "slots", "backend", "generation")}
                 spec["run_dir"] = rec.get("run_dir", "")
-                self.procs[key.decode()] = Proc(key.decode(), spec, rec["pid"], rec["start"], rec["started_at"])
-                self.log.info("adopted", key=key.decode(), pid=rec["pid"])
+                # one our predecessor was draining stays drained: its exit is no crash to restart
+                term_at = time.time() if rec.get("state") == "draining" else None
+                self.procs[key.decode()] = Proc(key.decode(), spec, rec["pid"], rec["start"], rec["started_at"],
+                                                term_at=term_at)
+                self.log.info("adopted", key=key.decode(), pid=rec["pid"], draining=term_at is not None)
+            else:
+                kill_group_left_by(rec["pid"])   # it died with the agent: what it started goes too
         self.publish(force=True)
 
     def busy_slots(self) -> set[int]:
@@ -456,6 +479,7 @@ class Agent:
         for key, p in list(self.procs.items()):
             if p.alive():
                 continue
+            kill_group_left_by(p.pid)   # a vLLM engine process or a rank it left would hold the slot's GPU
             code = p.exit_code
             ran = time.time() - p.started_at
             d = desired.get(key)
