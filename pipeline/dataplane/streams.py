@@ -699,7 +699,10 @@ while i <= #ARGV do
   end
   i = i + 3
 end
-if n_acks > 0 then redis.call('XACK', KEYS[2], ARGV[1], unpack(ARGV, 8, 7 + n_acks)) end
+-- in chunks: Lua's unpack takes at most ~8,000 values, and an error here would leave the writes unacknowledged
+for first = 8, 7 + n_acks, 1000 do
+  redis.call('XACK', KEYS[2], ARGV[1], unpack(ARGV, first, math.min(first + 999, 7 + n_acks)))
+end
 if ARGV[5] ~= '' and written > 0 then redis.call('HINCRBY', KEYS[4], ARGV[5], written) end
 if dups > 0 then redis.call('HINCRBY', KEYS[4], ARGV[6], dups) end
 redis.call('SET', KEYS[1], 1, 'EX', ARGV[3])

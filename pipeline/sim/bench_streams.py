@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -47,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -351,6 +353,8 @@ def measure(kind: str, url: str, job: str, spec: BenchSpec, say=lambda line: Non
             tallies[role] = {**out, "cpu_s": cpu_s}
         for w in workers:
             w.join(timeout=10)
+        if feeder.error or sys.exc_info()[1] is not None:   # a failed run leaves nothing on a shared Redis
+            clear_job(r, keys.pattern)
     if feeder.error:
         raise feeder.error
     learner = tallies.get("learner", {})
@@ -456,7 +460,7 @@ def _on_redis(spec: BenchSpec, url: str | None, fn):
 def _run_all(spec: BenchSpec, url: str, say) -> dict:
     """``rounds`` alternations of raw and libra, so that a colleague's job on a shared machine
     weighs on both alike; each figure is the median of its rounds."""
-    job = f"bench-streams-{os.getpid()}"
+    job = f"bench-streams-{os.getpid()}-{uuid.uuid4().hex[:8]}"   # pid 1 in every container: not enough
     raws, ours = [], []
     for k in range(spec.rounds):
         raws.append(measure("raw", url, f"{job}-raw-{k}", spec, say))
@@ -546,10 +550,13 @@ def cmd_bench_streams(args) -> int:
         print(f"bench streams: {line}", file=sys.stderr, flush=True)
 
     for name in ("seconds", "group_size", "tokens", "count", "in_flight", "rounds"):
-        if getattr(args, name) <= 0:
-            say(f"--{name.replace('_', '-')} must be > 0")
+        if not getattr(args, name) > 0 or not math.isfinite(getattr(args, name)):
+            say(f"--{name.replace('_', '-')} must be a finite number > 0")
             return 2
-    spec = BenchSpec(seconds=args.seconds, warmup_s=max(0.0, args.warmup), group_size=args.group_size,
+    if not (args.warmup >= 0 and math.isfinite(args.warmup)):
+        say("--warmup must be a finite number >= 0")
+        return 2
+    spec = BenchSpec(seconds=args.seconds, warmup_s=args.warmup, group_size=args.group_size,
                      tokens=args.tokens, count=args.count, in_flight_groups=args.in_flight,
                      stages=args.stages, dedup=not args.no_dedup, rounds=args.rounds,
                      redis_config=tuple(tuple(kv.split("=", 1)) for kv in args.redis_config))
@@ -559,6 +566,14 @@ def cmd_bench_streams(args) -> int:
     if spec.redis_config and (args.redis or os.environ.get(ENV_URL)):
         say("--redis-config applies to the embedded server only, not to --redis or $LIBRA_REDIS_URL")
         return 2
+    for kb in args.sizes or (0,):   # a group over the stages' limit would be dead-lettered, not measured
+        tokens = tokens_for_size(spec, kb * 1000) if kb else spec.tokens
+        group_bytes = scored_bytes_per_trajectory(replace(spec, tokens=tokens)) * spec.group_size
+        if group_bytes > spec.max_message_bytes:
+            say(f"{'--sizes ' + str(kb) if kb else '--tokens ' + str(spec.tokens)}: a scored group of "
+                f"{spec.group_size} would be {group_bytes / 1e6:.1f} MB, over the stages' limit of "
+                f"{spec.max_message_bytes / 1e6:.1f} MB; measure smaller messages or groups")
+            return 2
     if args.sizes or len(args.consumers) > 1:
         result = run_grid(spec, args.sizes or (), args.consumers, args.redis, say)
         print(format_grid(result))
