@@ -96,8 +96,8 @@ class JobConfig:
     steps: int = _f(30, "policy updates (learner steps) to run")
     train_prompts: str = _f("examples/data/calc_train.jsonl", "JSONL prompt file the feeder cycles through")
     eval_prompts: str = _f("examples/data/calc_eval.jsonl", "JSONL held-out prompts for greedy evaluation")
-    eval_size: int = _f(200, "held-out prompts evaluated at the start, the end and every eval_every versions")
-    eval_every: int = _f(10, "policy versions between held-out evaluations during the run (0: start and end only)")
+    eval_size: int = _f(200, "held-out prompts evaluated at the start, the end and every eval_every learner steps")
+    eval_every: int = _f(10, "learner steps between held-out evaluations during the run, one per interval across the rollout workers (0: start and end only)")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol
 
 from workers.chat import ChatFormat
 from workers.envs import load_env
-from workers.envs.base import CallTimeout, Environment, HungCalls, Task, check_reward, env_call
+from workers.envs.base import CallTimeout, Environment, HungCalls, Task, check_reward, env_call, env_calls
 
 DEFAULT_ENV = "calc"   # the environment when none is given (config's env.entry default)
 # The longest ``env.start`` may take (at least a step's timeout): a start may build a sandbox, which is
@@ -96,20 +96,22 @@ class Loop:
     tool_retries: int = 0  # tries of a step that raises, after the first, within its timeout
     on_tool_timeout: str = "reply"  # a late step: "reply" (timeout_reply, the episode goes on) or "dead_letter"
 
-    def new_episode(self, task: Task, sample_idx: int) -> Episode:
-        """A fresh episode; ``env.start`` is bounded (START_TIMEOUT_S), and its failure is the episode's ``error``."""
-        prompt_tokens = self.fmt.prompt_ids(self.tokenizer, task.prompt)
-        ep = Episode(task.prompt_id, sample_idx, prompt_tokens, [], [], [], "")
-        try:
-            ep.state = env_call(self.env.start, task, timeout_s=max(self.step_timeout_s, START_TIMEOUT_S))
-        except CallTimeout as exc:
-            ep.finish, ep.error = "error", f"env.start: {exc}"
-        except HungCalls:
-            raise
-        # The environment is user code: what it raises is reported with the group, not a crash.
-        except Exception as exc:  # noqa: BLE001
-            ep.finish, ep.error = "error", f"env.start raised {type(exc).__name__}: {exc}"
-        return ep
+    def new_episodes(self, items: Sequence[tuple[Task, int]]) -> list[Episode]:
+        """Fresh episodes for (task, sample_idx) pairs; their ``env.start`` calls run at once on the step pool
+        (a start may build a sandbox), each bounded (START_TIMEOUT_S); a failure is the episode's ``error``."""
+        started = env_calls(self.env.start, [(task,) for task, _i in items],
+                            timeout_s=max(self.step_timeout_s, START_TIMEOUT_S))
+        episodes = []
+        for (task, sample_idx), state in zip(items, started):
+            ep = Episode(task.prompt_id, sample_idx, self.fmt.prompt_ids(self.tokenizer, task.prompt), [], [], [], "")
+            if isinstance(state, CallTimeout):
+                ep.finish, ep.error = "error", f"env.start: {state}"
+            elif isinstance(state, Exception):   # user code: reported with the group, not a crash
+                ep.finish, ep.error = "error", f"env.start raised {type(state).__name__}: {state}"
+            else:
+                ep.state = state
+            episodes.append(ep)
+        return episodes
 
     def close_turn(self, ep: Episode, out: TurnOutput) -> bool:
         """Record a turn's output; True if the environment should answer it."""
@@ -223,7 +225,7 @@ def run_episodes(
                      tool_timeout_s=tool_timeout_s, max_total_tokens=max_total_tokens, chat_template=chat_template,
                      tool_retries=tool_retries, on_tool_timeout=on_tool_timeout)
     tasks = [t for t, _ in items]
-    episodes = [loop.new_episode(t, i) for t, i in items]
+    episodes = loop.new_episodes(items)
     active = [i for i, ep in enumerate(episodes) if not ep.error]
     for turn in range(loop.max_turns):
         active = loop.fit_context(episodes, active)
@@ -257,8 +259,11 @@ def evaluate(
     chat_template: bool | None = None,
     reward_timeout_s: float = 60.0,
     reward: Callable[[Task, str], float] | None = None,
+    tool_retries: int = 0,
 ) -> tuple[float, list[Episode]]:
     """Greedy success rate on ``tasks`` (mean reward, clipped to [0, 1]) and the episodes behind it.
+
+    ``tool_retries``: as in training (``rollout.tool_retries``), a step that raises is tried again.
 
     ``reward`` scores them (default: ``env.reward``), each call bounded by ``reward_timeout_s``. An episode the reward
     cannot judge (it raises, runs late or returns no number) has its
@@ -267,7 +272,8 @@ def evaluate(
     env = env if env is not None else load_env(DEFAULT_ENV)
     episodes = run_episodes(generator, tokenizer, [(t, 0) for t in tasks], greedy=True, max_turns=max_turns,
                             max_tokens_per_turn=max_tokens_per_turn, tool_timeout_s=tool_timeout_s, seed=0,
-                            env=env, max_total_tokens=max_total_tokens, chat_template=chat_template)
+                            env=env, max_total_tokens=max_total_tokens, chat_template=chat_template,
+                            tool_retries=tool_retries)
     reward = reward if reward is not None else env.reward
     rewards = []
     for t, ep in zip(tasks, episodes):

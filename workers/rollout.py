@@ -141,24 +141,43 @@ class Rollout:
                 self.run_eval(fields.get(b"tag", b"").decode(), claim=entry_id.decode())
 
     def maybe_periodic_eval(self) -> None:
+        """One held-out evaluation per ``job.eval_every`` learner steps, across the workers: by the steps the
+        weights held have trained (a restore numbers its versions past the steps), the last step left to the
+        run's final evaluation."""
         every = self.ctx.cfg.job.eval_every
-        if every and self.ctx.policy_version // every > self.evaluated_bucket:
-            self.evaluated_bucket = self.ctx.policy_version // every
-            # the last version gets the run's final evaluation: no second one of the same weights
-            if 0 < self.ctx.policy_version < self.ctx.cfg.job.steps:
-                self.run_eval("periodic", claim=f"v{self.ctx.policy_version}")
+        if not every:
+            return
+        version, step = self.ctx.r.hmget(self.ctx.keys.policy, ["version", "step"])
+        if version is None or step is None or int(version) != self.ctx.policy_version:
+            return   # newer weights are published: evaluate those once loaded
+        bucket = int(step) // every
+        if bucket > self.evaluated_bucket:
+            self.evaluated_bucket = bucket
+            if 0 < int(step) < self.ctx.cfg.job.steps:
+                self.run_eval("periodic", claim=f"p{bucket}")
 
     def run_eval(self, tag: str, claim: str) -> None:
-        """Greedy success on the held-out prompts, once per claim across all rollout workers."""
-        if not self.ctx.r.set(self.ctx.keys.eval_claim(claim), self.ctx.worker_id, nx=True, ex=3600):
+        """Greedy success on the held-out prompts, once per claim across all rollout workers.
+
+        A claim whose result is written is never run again (``eval_served``);
+        one held by our id is ours again (we died evaluating and were
+        restarted under the same id), so a request is never left unanswered.
+        """
+        r, keys = self.ctx.r, self.ctx.keys
+        if r.sismember(keys.eval_served, claim):
             return
+        if not r.set(keys.eval_claim(claim), self.ctx.worker_id, nx=True, ex=3600):
+            holder = r.get(keys.eval_claim(claim))
+            if holder is None or holder.decode() != self.ctx.worker_id:
+                return
         t0 = time.monotonic()
         with span(self.ctx.log, "eval", tag=tag):
             rate, episodes = evaluate(self.engine, self.tokenizer, self.eval_tasks, env=self.env,
                                       chat_template=self.chat_template, max_turns=self.cfg.max_turns,
                                       max_tokens_per_turn=self.cfg.max_tokens_per_turn,
                                       tool_timeout_s=self.cfg.tool_timeout_s,
-                                      reward_timeout_s=self.ctx.cfg.reward.timeout_s, reward=self.judge)
+                                      reward_timeout_s=self.ctx.cfg.reward.timeout_s, reward=self.judge,
+                                      tool_retries=self.cfg.tool_retries)
         left_out = unjudged(episodes)
         samples = [{"prompt_id": e.prompt_id, "completion": list(map(int, e.completion_tokens)),
                     "text": e.text} for e in episodes[:16]]
@@ -166,7 +185,7 @@ class Rollout:
             "tag": tag, "version": self.ctx.policy_version, "success_rate": rate,
             "n": len(episodes) - left_out, "unjudged": left_out, "worker": self.ctx.worker_id, "at": time.time(),
             "samples": msgpack.packb(samples)}
-        self.write(lambda pipe: pipe.xadd(self.ctx.keys.eval_results, record))
+        self.write(lambda pipe: (pipe.xadd(keys.eval_results, record), pipe.sadd(keys.eval_served, claim)))
         self.ctx.log.info("evaluated", tag=tag, success_rate=round(rate, 4), n=len(episodes) - left_out,
                           unjudged=left_out, eval_s=round(time.monotonic() - t0, 2))
 

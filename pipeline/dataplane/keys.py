@@ -120,6 +120,10 @@ class JobKeys:
     def eval_claim(self, request_id: str) -> str:  # SET NX: one rollout worker runs a request
         return self._k(f"eval:claim:{request_id}")
 
+    @property
+    def eval_served(self) -> str:  # set: the eval claims whose result is written (never run again)
+        return self._k("eval:served")
+
     def seen(self, stage: str, group_id: str) -> str:
         """String with a TTL: ``stage`` already wrote its output for this group (exactly-once effect)."""
         return self._k(f"seen:{stage}:{group_id}")

@@ -132,6 +132,23 @@ def env_call(fn: Callable, *args, timeout_s: float):
     return _POOL.call(fn, *args, timeout_s=timeout_s)
 
 
+def env_calls(fn: Callable, args: Sequence[tuple], timeout_s: float) -> list:
+    """``fn(*a)`` for each ``a`` of ``args`` at once on the step pool, each bounded by ``timeout_s`` from now:
+    per call its result, or the exception it raised (CallTimeout past the deadline; HungCalls is raised)."""
+    start = time.monotonic()
+    futures = [_POOL.submit(fn, *a) for a in args]
+    out: list = []
+    for fut in futures:
+        try:
+            out.append(fut.result(timeout=max(0.0, start + timeout_s - time.monotonic())))
+        except FutureTimeout:
+            _POOL.abandon(fut)
+            out.append(CallTimeout(f"{getattr(fn, '__qualname__', fn)!s} did not return within {timeout_s:g}s"))
+        except Exception as exc:  # noqa: BLE001 - user code: the caller reports it with the episode
+            out.append(exc)
+    return out
+
+
 @dataclass(frozen=True)
 class Task:
     """One prompt record: the text the model is shown and the ground truth it is judged on.
