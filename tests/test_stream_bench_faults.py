@@ -1,4 +1,5 @@
-"""A stage round of any size is written and acknowledged together; ``libra-ctl bench streams`` refuses
+"""A stage round of any size is written and acknowledged together; a claim keeper never takes back an entry
+another consumer reclaimed; ``libra-ctl bench streams`` refuses
 flags it cannot honour, leaves no keys behind when a run fails, and never shares a job with another bench.
 
 Against a real Redis server (the session's); the bench's measuring is replaced
@@ -143,3 +144,23 @@ def test_two_bench_runs_on_one_redis_never_share_a_job(monkeypatch, redis_url):
         bench_streams._run_all(spec, redis_url, lambda line: None)
     shared = set(jobs[0]) & set(jobs[1])
     assert not shared, f"both runs used the jobs {sorted(shared)}"
+
+
+def test_a_claim_keeper_does_not_take_back_an_entry_another_consumer_reclaimed(r):
+    """A stage whose handler stalled past ``min_idle`` (a long GC pause, a stopped process) lost its entry to
+    another consumer's reclaim; its claim keeper's next refresh leaves the entry with that consumer. Before,
+    the refresh (XCLAIM with min-idle 0) took it back, and both consumers handled it."""
+    from pipeline.dataplane.streams import ClaimKeeper
+
+    keys = JobKeys("review-keeper")
+    ensure_groups(r, keys)
+    mine = r.xadd(keys.rollouts, {m.FIELD: m.encode(small_group("a"))})
+    read(r, keys.rollouts, GROUP_REWARD, "reward-0", 1, None)
+    keeper = ClaimKeeper(r, keys.rollouts, GROUP_REWARD, "reward-0", 60_000)([mine])
+    keeper.refresh()   # ours: refreshed
+    owner = lambda: r.xpending_range(keys.rollouts, GROUP_REWARD, "-", "+", 10)[0]["consumer"]
+    assert owner() == b"reward-0"
+    theirs = r.xclaim(keys.rollouts, GROUP_REWARD, "reward-1", 0, [mine], justid=True)   # the reclaim
+    assert theirs == [mine] and owner() == b"reward-1"
+    keeper.refresh()
+    assert owner() == b"reward-1"

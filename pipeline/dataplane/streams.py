@@ -38,6 +38,7 @@ from pipeline.dataplane.redisconn import UNAVAILABLE, Outage, outage_limit_s
 
 Entry = tuple[bytes, bytes]  # (stream id, payload)
 TRIM_EVERY = 20  # rounds of a stage between trims of its source stream
+PENDING_SLACK = 1000  # a claim keeper lists this many more of its consumer's pending entries than it holds
 
 
 def txn_mark_ttl_s() -> int:
@@ -480,7 +481,12 @@ class ClaimKeeper:
     """Refresh our claim on entries in hand during a long handler (XCLAIM ... JUSTID).
 
     JUSTID resets the idle time without counting a delivery, so another
-    consumer's reclaim does not take entries we are still working on. One
+    consumer's reclaim does not take entries we are still working on. Only
+    entries still pending at us are refreshed: one another consumer reclaimed
+    while we stalled is theirs, and is not taken back to be handled twice
+    (the look and the claim are two commands, not a script: XCLAIM goes
+    through a full Redis, a script does not; a reclaim in the millisecond
+    between them is the one case left). One
     thread per stage, started with the first batch and kept until ``close``:
     starting a thread per batch costs more than a fast handler's whole batch
     on a loaded machine. It refreshes the ids in hand every ``interval_s``
@@ -490,15 +496,21 @@ class ClaimKeeper:
 
     def __init__(self, r: redis.Redis, stream: str, group: str, consumer: str, min_idle_ms: int):
         self.r, self.stream, self.group, self.consumer = r, stream, group, consumer
-        self.interval_s = max(0.5, min_idle_ms / 3000)
+        self.interval_s = max(0.05, min_idle_ms / 3000)
         self.ids: list[bytes] = []
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
     def refresh(self) -> None:
         ids = self.ids
-        if ids:
-            self.r.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
+        if not ids:
+            return
+        first, last = min(ids, key=_id_key), max(ids, key=_id_key)
+        held = {_id_key(e["message_id"]) for e in self.r.xpending_range(
+            self.stream, self.group, first, last, len(ids) + PENDING_SLACK, self.consumer)}
+        ours = [i for i in ids if _id_key(i) in held]
+        if ours:
+            self.r.xclaim(self.stream, self.group, self.consumer, 0, ours, justid=True)
 
     def __call__(self, ids: list[bytes]) -> "ClaimKeeper":
         self.ids = list(ids)
