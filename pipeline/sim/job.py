@@ -10,6 +10,7 @@ through the agents.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -22,6 +23,7 @@ from pipeline import config as config_mod, manifest as manifest_mod
 from pipeline.control import actions
 from pipeline.control.allocation import allocation_status, live_agents, pin
 from pipeline.control.commands import parse_counts
+from pipeline.control.job import control_settings
 from pipeline.dataplane.jobs import reset_job
 from pipeline.dataplane.keys import JOBS, JobKeys
 from pipeline.dataplane.redisconn import connect, find_redis_url
@@ -65,8 +67,12 @@ def prepare_sim_run(r: redis.Redis, workload: str | Path, runs_dir: str | Path, 
     ``workload_job`` names one [[jobs]] entry of a multi-job workload: the job runs
     that entry, and the manifest's ``sim`` section names it for the workers.
     """
+    if not 0 < time_scale < math.inf:   # nan fails this too
+        raise ValueError(f"time_scale {time_scale}: give a finite number > 0 (simulated seconds per wall second)")
+    if control:
+        control_settings(control)   # a bad key raises here, not in the controller's every tick
     wl = load_workload(workload, workload_job)
-    job_over = {**({"steps": steps} if steps else {}), **({"seed": seed} if seed is not None else {})}
+    job_over = {**({"steps": steps} if steps is not None else {}), **({"seed": seed} if seed is not None else {})}
     extra = {"run": {"runs_dir": str(runs_dir)}, **({"job": job_over} if job_over else {})}
     cfg = sim_config(wl, job=job, max_queue_size=max_queue_size, reward_workers=reward_workers, extra=extra)
     run_dir = manifest_mod.new_run_dir(cfg).resolve()
@@ -126,10 +132,15 @@ def run_sim_job(url: str, workload: str | Path, *, runs_dir: str = "runs", job: 
 
 
 def cmd_sim_job(args) -> int:
-    pinned = parse_counts(args.counts) if args.counts else None
-    control = json.loads(args.control) if args.control else None
-    run_dir = run_sim_job(find_redis_url(args.redis), args.workload, runs_dir=args.runs_dir, job=args.job,
-                          time_scale=args.time_scale, steps=args.steps, node=args.node, pinned=pinned, control=control)
+    try:
+        pinned = parse_counts(args.counts) if args.counts else None
+        control = json.loads(args.control) if args.control else None
+        run_dir = run_sim_job(find_redis_url(args.redis), args.workload, runs_dir=args.runs_dir, job=args.job,
+                              time_scale=args.time_scale, steps=args.steps, node=args.node, pinned=pinned,
+                              control=control)
+    except ValueError as exc:   # a bad flag, workload or control setting: said before anything starts
+        print(f"sim-job: {exc}", file=sys.stderr)
+        return 2
     print(f"done: {run_dir} (libra-ctl events --job {args.job}; libra-ctl audit --job {args.job})")
     return 0
 

@@ -85,8 +85,10 @@ class CostModel:
         self.wl = wl
         self.rng = np.random.default_rng(seed)
 
-    def rollout(self, version: int, groups: int, group_size: int) -> RolloutCall:
-        ro, ph = self.wl.rollout, self.wl.job.phase_at(version)
+    def rollout(self, step: int, groups: int, group_size: int) -> RolloutCall:
+        """The charges of ``groups`` generated with the weights of learner step ``step`` (its phase's lengths;
+        a restore numbers its versions past the steps, so the phase goes by the step, as in des)."""
+        ro, ph = self.wl.rollout, self.wl.job.phase_at(step)
         n = groups * group_size
         resp = ph.response_tokens.sample(self.rng, n)
         tools = ph.tool_calls.sample_wait_s(self.rng, n)
@@ -96,9 +98,9 @@ class CostModel:
         return RolloutCall(gpu_s=float(per_traj.sum()), group_tokens=tuple(float(t) for t in tokens),
                            tool_calls=(calls,) * n)
 
-    def mean_rollout_gpu_s(self, version: int = 0) -> float:
+    def mean_rollout_gpu_s(self, step: int = 0) -> float:
         """Expected GPU-seconds of one trajectory (the allocator's ``rollout_gpu_s_per_traj``)."""
-        ro, ph = self.wl.rollout, self.wl.job.phase_at(version)
+        ro, ph = self.wl.rollout, self.wl.job.phase_at(step)
         return (ph.prompt_tokens / ro.prefill_tokens_per_s
                 + (ph.response_tokens.mean() / ro.decode_tokens_per_s + ph.tool_calls.mean_wait_s()) / ro.concurrency)
 
@@ -164,6 +166,7 @@ class SimRollout:
     def __init__(self, ctx, model: CostModel, clock: Clock, meter):
         self.ctx, self.model, self.clock, self.meter = ctx, model, clock, meter
         self.group_size = ctx.cfg.rollout.group_size
+        self.step = 0   # the learner steps the loaded weights hold (the workload's phase goes by it)
         self.load_weights()
 
     def published_version(self) -> int:
@@ -171,10 +174,11 @@ class SimRollout:
         return int(v) if v is not None else 0
 
     def load_weights(self, reload: bool = False) -> None:
-        version = self.published_version()
+        version, step = self.ctx.r.hmget(self.ctx.keys.policy, ["version", "step"])
         slept = self.clock.sleep(self.model.wl.rollout.weight_sync_s)
         self.meter.add(pause_s=slept, **({"reload_s": slept, "reloads": 1} if reload else {}))
-        self.ctx.set_version(version)
+        self.step = int(step) if step is not None else 0
+        self.ctx.set_version(int(version) if version is not None else 0)
 
     def between(self) -> bool:
         """Reload a newer version, then wait while downstream is full (as the vLLM worker does)."""
@@ -192,7 +196,7 @@ class SimRollout:
         if max((p.min_version for p in prompts), default=0) > self.ctx.policy_version:
             self.load_weights(reload=True)
         version, started = self.ctx.policy_version, time.time()
-        call = self.model.rollout(version, len(prompts), self.group_size)
+        call = self.model.rollout(self.step, len(prompts), self.group_size)
         wall = self.clock.sleep(call.gpu_s)
         out, k = [], 0
         for p in msgs:
