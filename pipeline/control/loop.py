@@ -75,7 +75,7 @@ class JobControl:
 
     info: JobInfo
     observer: Observer
-    sent: dict = field(default_factory=dict)     # (node, key, action digest) -> when it was sent
+    sent: dict = field(default_factory=dict)     # (node, worker) -> (the last action's digest, when it was sent)
     last_reason: str = ""
     finished: bool = False
 
@@ -194,7 +194,11 @@ class Controller:
             if not jc.finished:
                 self.finish(jc)
             return None
-        jc.finished = False
+        if jc.finished:   # resumed after we saw it end: observed afresh, not across its stop; nothing sent yet
+            info = load_job(self.r, name)
+            if info is None:
+                return None
+            jc = self.jobs[name] = JobControl(info, Observer(info))
         if not any(rec["slots"] for rec in nodes.values()):
             # No agent has registered a slot yet (a controller that starts before its agents): deciding now
             # would trim the job's target to the minimums and keep it there. Wait for an inventory.
@@ -392,9 +396,12 @@ class Controller:
         self.r.sadd(JobKeys(job).external_drain, *workers)
 
     def _send(self, jc: JobControl, node: str, action: str, what, now: float) -> bool:
-        """Enqueue one action unless the same was sent less than RESEND_S ago."""
-        digest = (node, action, json.dumps(what, sort_keys=True))
-        if now - jc.sent.get(digest, -math.inf) < RESEND_S:
+        """Enqueue one action unless the same was the last sent for that worker, less than RESEND_S ago (a
+        drain between two ensures of one worker makes the second a new action, sent at once)."""
+        worker = what["worker"] if action == "ensure" else what
+        digest = (action, json.dumps(what, sort_keys=True))
+        last, at = jc.sent.get((node, worker), (None, -math.inf))
+        if last == digest and now - at < RESEND_S:
             return False
         if not self.lease.renew():
             raise LeaseLost("lost the controller lease while acting")
@@ -402,7 +409,7 @@ class Controller:
             actions.ensure(self.r, node, what, epoch=self.lease.epoch)
         else:
             actions.drain(self.r, node, jc.info.name, what, epoch=self.lease.epoch)
-        jc.sent[digest] = now
+        jc.sent[(node, worker)] = (digest, now)
         return True
 
     def commit(self, jc: JobControl, alloc: dict, cur: dict, new: dict, target: dict, now: float,

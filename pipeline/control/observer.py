@@ -24,6 +24,9 @@ from pipeline.dataplane.cadence import parse_cadence
 from pipeline.dataplane.keys import GROUP_ROLLOUT, LEARNER, JobKeys
 from pipeline.dataplane.streams import group_pending, learner_backlog, stream_lag
 
+STEPS_PAGE = 10_000   # learner step records read per call
+STEPS_KEPT = 10_000   # of the records a tick reads, the newest it keeps (a first tick on a long history)
+
 
 @dataclass
 class Snapshot:
@@ -58,12 +61,20 @@ class Observer:
 
     def tick(self, r: redis.Redis, now: float) -> Snapshot:
         k, gs = self.keys, self.job.group_size
-        steps = []
-        for entry_id, f in r.xrange(k.metrics, min=f"({self.steps_cursor}", count=10_000):
-            self.steps_cursor = entry_id.decode()
-            if f.get(b"kind") == b"learner_step":
-                steps.append(json.loads(f[b"data"]))
-                self.step = max(self.step, int(steps[-1].get("step", 0)))
+        # all of them, a page at a time (a controller started on a long history reads it whole, keeping the
+        # newest): a step left unread would come back at the next tick as one that appeared since this one
+        steps: deque[dict] = deque(maxlen=STEPS_KEPT)
+        while True:
+            page = r.xrange(k.metrics, min=f"({self.steps_cursor}", count=STEPS_PAGE)
+            for entry_id, f in page:
+                self.steps_cursor = entry_id.decode()
+                if f.get(b"kind") == b"learner_step":
+                    steps.append(json.loads(f[b"data"]))
+                    # the newest record's: a learner restore trains steps again from its checkpoint's
+                    self.step = int(steps[-1].get("step", 0))
+            if len(page) < STEPS_PAGE:
+                break
+        steps = list(steps)
         learner = r.hget(k.workers, LEARNER)
         snap = Snapshot(
             t=now, counters={a.decode(): int(b) for a, b in r.hgetall(k.counters).items()},
