@@ -51,6 +51,7 @@ import redis
 from pipeline.config import ConfigError
 from pipeline.control.agent import process_start
 from pipeline.dataplane.lifeline import own_runs
+from pipeline.logs import STDERR
 from pipeline.dataplane.keys import AGENTS, CONTROLLER_EPOCH, JobKeys, agent_log, agent_procs
 from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect
 
@@ -534,7 +535,7 @@ class ChaosRun:
     """Start the backend on a fresh Redis, play the schedule, let the job finish, audit it."""
 
     def __init__(self, backend: Backend, redis_server: ChaosRedis, schedule: list[Event], seed: int, *,
-                 timeout_s: float, out=sys.stderr):
+                 timeout_s: float, out=STDERR):
         self.backend, self.redis, self.schedule, self.seed = backend, redis_server, schedule, seed
         self.timeout_s, self.out = timeout_s, out
         self.targets = random.Random(f"{seed}/targets")   # which live worker a kill picks

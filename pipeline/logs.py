@@ -58,6 +58,20 @@ def _pre_chain():
     ]
 
 
+class _Current:
+    """``sys.stdout`` or ``sys.stderr`` as it is when written to, for a default argument: bound at import, the
+    stream itself may be one a test harness (or a redirection) has closed since."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getattr__(self, attr):
+        return getattr(getattr(sys, self.name), attr)
+
+
+STDOUT, STDERR = _Current("stdout"), _Current("stderr")
+
+
 def _redact_secrets(_logger, _method, event_dict: dict) -> dict:
     """No password of a URL reaches a log line, whatever a caller (or a library) put in it (an exception or
     bytes are written as their redacted text)."""

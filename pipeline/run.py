@@ -40,6 +40,7 @@ import msgpack
 import redis
 
 from pipeline import manifest as manifest_mod
+from pipeline.logs import STDERR
 from pipeline.config import Config
 from pipeline.control.allocation import live_agents
 from pipeline.control.allocator import AdmissionError
@@ -91,7 +92,7 @@ def policy_spec(cfg: Config) -> dict:
             "num_heads": heads, "num_kv_heads": max(1, heads // 2)}
 
 
-def prepare_policy(cfg: Config, out=sys.stderr) -> str:
+def prepare_policy(cfg: Config, out=STDERR) -> str:
     """The directory of version 0: ``policy.path``, checked, else the tiny policy, built and cached."""
     if cfg.policy.path:
         path = check_policy_dir(Path(cfg.policy.path))
@@ -146,7 +147,7 @@ def check_policy_dir(path: Path) -> str:
     return str(path.resolve())
 
 
-def check_prompt_files(cfg: Config, out=sys.stderr) -> list[dict]:
+def check_prompt_files(cfg: Config, out=STDERR) -> list[dict]:
     """Report bad lines of the prompt files (they are skipped) and fail on an unusable file."""
     from workers.envs import EnvError, env_from_config
     from workers.feeder import load_prompts
@@ -169,7 +170,7 @@ def check_prompt_files(cfg: Config, out=sys.stderr) -> list[dict]:
 
 
 class Orchestrator:
-    def __init__(self, cfg: Config, run_dir: Path, r: redis.Redis, url: str, out=sys.stderr,
+    def __init__(self, cfg: Config, run_dir: Path, r: redis.Redis, url: str, out=STDERR,
                  join_wait_s: float = 0.0, join: bool = True):
         self.cfg, self.run_dir, self.r, self.url, self.out = cfg, run_dir, r, url, out
         self.join_wait_s, self.join = join_wait_s, join
@@ -496,7 +497,7 @@ def format_summary(summary: dict, run_dir: Path) -> str:
     return f"\n{body}\n\nrun directory: {run_dir}\n"
 
 
-def run_job(cfg: Config, argv: list[str], out=sys.stderr, resume_dir: Path | None = None,
+def run_job(cfg: Config, argv: list[str], out=STDERR, resume_dir: Path | None = None,
             join_wait_s: float = 0.0) -> int:
     """The whole of ``libra-ctl run`` (and ``libra-ctl resume``); returns the exit code.
 
@@ -696,7 +697,7 @@ def check_prompts_unchanged(r: redis.Redis, cfg: Config) -> None:
         raise RunFailed(why)
 
 
-def resume_job(run_dir: Path, argv: list[str], out=sys.stderr) -> int:
+def resume_job(run_dir: Path, argv: list[str], out=STDERR) -> int:
     """Continue a stopped or crashed run from its checkpoints, with the config in its manifest."""
     from pipeline.config import from_dict, validate
 

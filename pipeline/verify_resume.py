@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 
 from pipeline import config as config_mod
+from pipeline.logs import STDERR, STDOUT
 from pipeline.config import Config
 from pipeline.dataplane.keys import JobKeys
 from pipeline.dataplane.redisconn import EmbeddedRedis, connect, resolve_url
@@ -274,7 +275,7 @@ def curve_checks(split: rc.Split, evals: list[dict], kill: Kill, ckpt_version: i
 
 
 def verify_resume(config: str, overrides: list[str], *, hard: bool = False, at_step: int | None = None,
-                  json_out: str | None = None, timeout_s: float = 3600.0, out=sys.stdout, err=sys.stderr) -> int:
+                  json_out: str | None = None, timeout_s: float = 3600.0, out=STDOUT, err=STDERR) -> int:
     """The whole of ``libra-ctl verify-resume``; returns the exit code."""
     cfg = config_mod.load(config, overrides)   # a ConfigError is the CLI's exit 2
     try:

@@ -237,3 +237,18 @@ def test_scale_bad_counts_are_bad_input_exit_2(r, redis_url, tmp_path, count, ca
     except SystemExit as exc:
         rc = exc.code if isinstance(exc.code, int) else 1    # a message: Python exits 1
     assert rc == 2
+
+
+def test_the_runs_output_goes_to_stderr_as_it_is_when_written_not_as_it_was_at_import(r, redis_url, tmp_path,
+                                                                                        monkeypatch):
+    """The run's progress (``Orchestrator``, ``run_job``, ``resume_job``), chaos and verify-resume write by
+    default to ``sys.stderr`` as it is when they write: one replaced since import (a harness that closed its
+    capture, a redirection) is never written to. Before, the default was bound at import, and an
+    Orchestrator made later raised "I/O operation on closed file" (seen under xdist)."""
+    from pipeline.run import Orchestrator
+
+    now = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", now)   # replaced after pipeline.run was imported
+    orch = Orchestrator(config.load(None, ["job.name=outjob"]), tmp_path, r, redis_url)
+    print("progress", file=orch.out)
+    assert not orch.tty and now.getvalue() == "progress\n"

@@ -8,7 +8,6 @@ by a recorder where only its flag checks are tested.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from pipeline.cli import build_parser
@@ -17,14 +16,7 @@ from pipeline.dataplane.keys import GROUP_REWARD, JobKeys, job_pattern
 from pipeline.dataplane.streams import (Dedup, decode_entries, ensure_groups, group_pending, read,
                                         write_and_ack)
 from pipeline.sim import bench_streams
-
-
-def small_group(pid: str) -> m.Group:
-    ts = tuple(m.Trajectory(sample_idx=i, completion=np.array([1], np.int32), mask=np.array([1], np.uint8),
-                            logprobs=np.array([-0.1], np.float32), text="x", finish="answer", turns=1,
-                            tool_calls=0, tool_latency_s=(), tool_timeouts=0) for i in range(2))
-    return m.Group(prompt_id=pid, prompt="Q", answer=1, prompt_tokens=np.array([1], np.int32), version=0,
-                   worker="w", generated_at=0.0, gen_s=0.0, trajectories=ts)
+from tests.test_streams import unscored_group
 
 
 # --- streams.write_and_ack: the scripted write of a large round ----------------------------------------
@@ -40,7 +32,7 @@ def test_a_round_of_8000_inputs_is_written_and_acknowledged_atomically(r):
     n = 8000
     pipe = r.pipeline(transaction=False)
     for i in range(n):
-        pipe.xadd(keys.rollouts, {m.FIELD: m.encode(small_group(f"p{i}"))})
+        pipe.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group(f"p{i}"))})
     pipe.execute()
     good, bad = decode_entries(read(r, keys.rollouts, GROUP_REWARD, "reward-0", n, None), 1 << 20)
     assert len(good) == n and not bad
@@ -154,7 +146,7 @@ def test_a_claim_keeper_does_not_take_back_an_entry_another_consumer_reclaimed(r
 
     keys = JobKeys("review-keeper")
     ensure_groups(r, keys)
-    mine = r.xadd(keys.rollouts, {m.FIELD: m.encode(small_group("a"))})
+    mine = r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group("a"))})
     read(r, keys.rollouts, GROUP_REWARD, "reward-0", 1, None)
     keeper = ClaimKeeper(r, keys.rollouts, GROUP_REWARD, "reward-0", 60_000)([mine])
     keeper.refresh()   # ours: refreshed

@@ -20,6 +20,7 @@ from pathlib import Path
 import redis
 
 from pipeline import config as config_mod, manifest as manifest_mod
+from pipeline.logs import STDERR
 from pipeline.control import actions
 from pipeline.control.allocation import allocation_status, live_agents, pin
 from pipeline.control.commands import parse_counts
@@ -96,7 +97,7 @@ def prepare_sim_run(r: redis.Redis, workload: str | Path, runs_dir: str | Path, 
 
 def run_sim_job(url: str, workload: str | Path, *, runs_dir: str = "runs", job: str = "sim",
                 time_scale: float = 50.0, steps: int | None = None, node: str | None = None,
-                pinned: dict | None = None, control: dict | None = None, out=sys.stderr) -> Path:
+                pinned: dict | None = None, control: dict | None = None, out=STDERR) -> Path:
     """``libra-ctl sim-job``: a sim job on the running agents and controller, from start to ``done``.
 
     Prepares the run, pins ``pinned`` counts (else the allocator decides), has the
