@@ -3,7 +3,7 @@
 A worker drained and placed again is started again at once; a controller
 started on a long history sees no old learner step as new; a learner restore
 counts the steps it will train again; a resumed job is observed from its
-resume. Against the suite's Redis, with a fake agent (``tests.test_controller``).
+resume; a lease lapsed or lost mid-tick starts the jobs' memory afresh. Against the suite's Redis, with a fake agent (``tests.test_controller``).
 """
 
 from __future__ import annotations
@@ -114,3 +114,40 @@ def test_a_resumed_job_is_observed_from_its_resume_not_across_its_stop(r, redis_
     ctl.observe(JOB, nodes, {}, t0 + 3600)
     view = ctl.observe(JOB, nodes, {}, t0 + 3610)
     assert view.metrics.window_s <= 10.0 + 1e-6
+
+
+def test_a_lease_that_lapsed_and_was_taken_back_in_one_tick_starts_the_jobs_memory_afresh(r, redis_url, tmp_path):
+    """A controller whose lease lapsed (a stall past its TTL) and which takes it back at its next tick may
+    have been replaced meanwhile: it starts its jobs' memory (sent actions, observations) afresh, as when it
+    takes the lease back a tick later. Before, a lease taken back at once kept the old memory."""
+    from pipeline.control.loop import Controller
+
+    sim_job(r, redis_url, tmp_path, control={"mode": "pinned"})
+    fake_agent(r, "n1", 4)
+    ctl = Controller(r, interval_s=1.0)
+    pin(r, JOB, {"rollout": 2, "learner": 1})
+    ctl.tick()
+    before = ctl.jobs[JOB]
+    r.delete(ctl.lease.key)   # lapsed
+    assert ctl.tick() is True
+    assert ctl.jobs[JOB] is not before
+
+
+def test_a_lease_lost_while_finishing_a_job_ends_the_tick(r, redis_url, tmp_path, monkeypatch):
+    """Finishing a job drains it under the lease; a lease lost there (``LeaseLost``) ends the tick with the
+    jobs' memory cleared, as it does while reconciling. Before, it was caught as a failed reconcile
+    (``LeaseLost`` is a ValueError) and the tick went on acting."""
+    from pipeline.control.loop import Controller, LeaseLost
+
+    sim_job(r, redis_url, tmp_path, control={"mode": "pinned"})
+    fake_agent(r, "n1", 4)
+    ctl = Controller(r, interval_s=1.0)
+    pin(r, JOB, {"rollout": 2, "learner": 1})
+    ctl.tick()
+    r.hset(JobKeys(JOB).state, "phase", "done")
+
+    def lost(jc):
+        raise LeaseLost("lost the controller lease while acting")
+
+    monkeypatch.setattr(ctl, "finish", lost)
+    assert ctl.tick() is False and not ctl.jobs

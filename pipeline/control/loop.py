@@ -149,11 +149,12 @@ class Controller:
 
     def tick(self) -> bool:
         """Reconcile every job if we hold (or can take) the lease; returns whether we acted."""
-        if not (self.lease.renew() or self.lease.acquire()):
-            if self.jobs:
+        if not self.lease.renew():
+            if self.jobs:   # lapsed, even if taken back at once: another controller may have acted meanwhile
                 self.log.warning("lease_lost")
-                self.jobs.clear()   # another controller acts; start afresh if we get it back
-            return False
+                self.jobs.clear()   # start afresh
+            if not self.lease.acquire():
+                return False
         nodes = live_agents(self.r)
         names = sorted(n.decode() for n in self.r.smembers(JOBS))
         placements = {j: read_placement(self.r, j) for j in names}
@@ -162,6 +163,10 @@ class Controller:
         for name in names:
             try:
                 view = self.observe(name, nodes, placements, now)
+            except LeaseLost as exc:   # finishing a job drains with the lease: a lost one ends the tick
+                self.log.warning("lease_lost", job=name, error=str(exc))
+                self.jobs.clear()
+                return False
             except (redis.ResponseError, ValueError, KeyError) as exc:
                 self.log.error("reconcile_failed", job=name, error=str(exc))
                 continue
