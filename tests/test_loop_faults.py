@@ -3,7 +3,8 @@
 A worker drained and placed again is started again at once; a controller
 started on a long history sees no old learner step as new; a learner restore
 counts the steps it will train again; a resumed job is observed from its
-resume; a lease lapsed or lost mid-tick starts the jobs' memory afresh. Against the suite's Redis, with a fake agent (``tests.test_controller``).
+resume; a lease lapsed or lost mid-tick starts the jobs' memory afresh.
+Against the suite's Redis, with a fake agent (``tests.test_controller``).
 """
 
 from __future__ import annotations
