@@ -351,3 +351,23 @@ def test_wandb_offline_holds_the_history_and_a_resumed_run_keeps_its_id(run_dir,
     assert run.run_id == run_id
     assert [row[STEP_AXIS] for row in rows if STEP_AXIS in row] == [3]
     assert not [row for row in rows if EVAL_AXIS in row]
+
+
+@pytest.mark.parametrize("damage", ["state is a directory", "state is a list", "created_at is null"])
+def test_a_damaged_tracking_state_or_manifest_never_stops_the_run(run_dir, damage):
+    """Tracking never takes the run down: a tracking state file that cannot be read (a directory in its
+    place, a JSON list) or a manifest whose ``created_at`` is null starts the tracker from the run's start.
+    Before, IsADirectoryError or a TypeError escaped the tracker's start in the run's main thread."""
+    from pipeline.observe.tracking import STATE_FILE
+
+    if damage == "state is a directory":
+        (run_dir / STATE_FILE).mkdir()
+    elif damage == "state is a list":
+        (run_dir / STATE_FILE).write_text("[1, 2]")
+    else:
+        (run_dir / "manifest.json").write_text(json.dumps({"created_at": None}))
+    tracker = Tracker(config("tracking.wandb=off"), run_dir)
+    append(run_dir / "metrics.jsonl", step_line(1))
+    assert tracker.poll() == 1
+    tracker.close()
+    assert scalars(run_dir / "tensorboard")["train/loss"] == [(1, 0.5)]

@@ -256,7 +256,9 @@ class Tracker:
     def _load_state(self) -> dict:
         try:
             state = json.loads((self.run_dir / STATE_FILE).read_text())
-        except (FileNotFoundError, ValueError):
+        except (OSError, ValueError):   # none yet, unreadable or cut short: follow the run from its start
+            state = {}
+        if not isinstance(state, dict):
             state = {}
         return {"offset": 0, "eval_cursor": "0-0", "t0": _created_at(self.run_dir), "wandb_id": None,
                 "described": False, **state}
@@ -374,7 +376,7 @@ def _created_at(run_dir: Path) -> float:
     """When the run began (its manifest's ``created_at``): time zero of the samples' axis."""
     try:
         return float(json.loads((run_dir / "manifest.json").read_text())["created_at"])
-    except (FileNotFoundError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         return time.time()
 
 
