@@ -164,3 +164,26 @@ def test_the_default_cpu_slots_of_a_run_hold_its_workers_with_reward_on_slots():
     assert slots == cfg.rollout.workers + cfg.learner.workers + cfg.reward.workers
     allocator.admit(allocator.Inventory(gpus=slots, switch_cost_s=cfg.control.switch_cost_s), [config_spec(cfg)])
     assert cpu_slots(config.load("examples/quickstart.toml", ["run.slots=5"])) == 5
+
+
+def test_a_pin_keeps_the_target_the_controller_commits_while_it_is_made(r, monkeypatch):
+    """``scale rollout=3`` keeps the current target for the roles it does not name. A target the controller
+    commits between the pin's read and its write is the one kept (read and write are one transaction).
+    Before, the pin wrote the roles it had read, the old target's."""
+    from pipeline.control import allocation
+
+    key = JobKeys("j").allocation
+    r.hset(key, mapping={"mode": "auto", "target": json.dumps({"rollout": 2, "learner": 2, "reward": 1})})
+    read = allocation.get_allocation
+    commits = []
+
+    def read_then_commit(client, job):
+        got = read(client, job)
+        if not commits:   # the controller commits a new split right after the pin's first read
+            commits.append(1)
+            r.hset(key, "target", json.dumps({"rollout": 3, "learner": 1, "reward": 1}))
+        return got
+
+    monkeypatch.setattr(allocation, "get_allocation", read_then_commit)
+    pin(r, "j", {"rollout": 3})
+    assert json.loads(r.hget(key, "pinned")) == {"rollout": 3, "learner": 1, "reward": 1}

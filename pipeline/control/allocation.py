@@ -35,10 +35,20 @@ def pin(r: redis.Redis, job: str, roles: dict[str, int]) -> None:
     for role in ROLES:
         if roles.get(role, 1) < 1:
             raise ValueError(f"{role}={roles[role]}: the pipeline needs at least one {role} worker")
-    cur = get_allocation(r, job)
-    # an earlier pin handed back (--auto) no longer counts: the roles not named keep the current target
-    pinned = {**cur["target"], **(cur["pinned"] if cur["mode"] == "pinned" else {}), **roles}
-    r.hset(JobKeys(job).allocation, mapping={"mode": "pinned", "pinned": json.dumps(pinned)})
+    key = JobKeys(job).allocation
+    with r.pipeline() as pipe:
+        while True:   # read and write as one: a target the controller commits in between is the one kept
+            try:
+                pipe.watch(key)
+                cur = get_allocation(pipe, job)
+                # an earlier pin handed back (--auto) no longer counts: the roles not named keep the current target
+                pinned = {**cur["target"], **(cur["pinned"] if cur["mode"] == "pinned" else {}), **roles}
+                pipe.multi()
+                pipe.hset(key, mapping={"mode": "pinned", "pinned": json.dumps(pinned)})
+                pipe.execute()
+                break
+            except redis.WatchError:
+                continue
     r.lpush(CONTROLLER_WAKE, f"scale:{job}")
 
 
