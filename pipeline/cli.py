@@ -274,8 +274,8 @@ def _claim_id(r, keys, role: str, node: str, want: str | None, stop: threading.E
             said = True
         if stop.wait(1.0):
             me = (os.getpid(), node)   # a pid alone is not ours: containers on other nodes are pid 1 too
-            queued = [w for w, raw in r.hgetall(keys.workers).items()
-                      if (json.loads(raw).get("pid"), json.loads(raw).get("node")) == me]
+            queued = [w for w, rec in ((w, json.loads(raw)) for w, raw in r.hgetall(keys.workers).items())
+                      if (rec.get("pid"), rec.get("node")) == me]
             if queued:
                 r.hdel(keys.workers, *queued)
             return None

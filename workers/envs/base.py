@@ -86,7 +86,7 @@ class DeadlinePool:
             return fut.result(timeout=timeout_s)
         except FutureTimeout:
             self.abandon(fut)
-            raise CallTimeout(f"{getattr(fn, '__qualname__', fn)!s} did not return within {timeout_s:g}s") from None
+            raise late(fn, timeout_s) from None
 
     def abandon(self, fut: Future) -> None:
         """Give up on ``fut``: cancelled if it has not started, else its thread is left behind and replaced."""
@@ -124,6 +124,10 @@ class CallTimeout(TimeoutError):
     """A call of a DeadlinePool ran past its deadline and was abandoned."""
 
 
+def late(fn: Callable, timeout_s: float) -> CallTimeout:
+    return CallTimeout(f"{getattr(fn, '__qualname__', fn)!s} did not return within {timeout_s:g}s")
+
+
 _POOL = DeadlinePool(STEP_CONCURRENCY, "env-step")
 
 
@@ -143,7 +147,7 @@ def env_calls(fn: Callable, args: Sequence[tuple], timeout_s: float) -> list:
             out.append(fut.result(timeout=max(0.0, start + timeout_s - time.monotonic())))
         except FutureTimeout:
             _POOL.abandon(fut)
-            out.append(CallTimeout(f"{getattr(fn, '__qualname__', fn)!s} did not return within {timeout_s:g}s"))
+            out.append(late(fn, timeout_s))
         except Exception as exc:  # noqa: BLE001 - user code: the caller reports it with the episode
             out.append(exc)
     return out
