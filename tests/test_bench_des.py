@@ -321,6 +321,8 @@ def test_multi_job_parses(tmp_path):
     (("until_step = 20", "until_step = 19"), "until_step"),
     (("p99 = 500 }", "p99 = 100 }"), "p99"),
     (("seconds = 0.01", "secs = 0.01"), "unknown key 'secs'"),
+    # a CPU reward pool with no size parsed as cpu_workers = None, and the run died in a TypeError
+    (("cpu_workers = 100\n", ""), "cpu_workers is missing"),
 ])
 def test_bad_workloads_name_the_key(tmp_path, edit, key):
     with pytest.raises(WorkloadError, match=key):

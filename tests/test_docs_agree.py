@@ -94,3 +94,107 @@ def test_a_failing_verifier_is_dead_lettered_with_the_reason_the_guarantees_doc_
     out = score_group(group, retries=2, reward=unreachable, timeout_s=5.0)
     assert isinstance(out, Reject)
     assert out.reason.startswith(f"{m.group(1)} after 3 attempts on sample 5: "), out.reason
+
+
+# --- links and the workload format page ---------------------------------------------------------------
+
+
+def _slug(heading: str) -> str:
+    """The anchor a Markdown renderer gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(doc: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    return {_slug(m) for m in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def test_every_relative_link_in_the_docs_names_a_file_and_heading_that_exist():
+    """A link such as [x](bench.md#modes) points at a file of the repository and, with an anchor, at one of
+    its headings (the workload format lived outside the repository, so its links led nowhere)."""
+    bad = []
+    for doc in DOCS:
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                bad.append(f"{doc.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                bad.append(f"{doc.name}: {target} (no such heading)")
+    assert not bad, bad
+
+
+def _workload_doc_blocks() -> list[str]:
+    return re.findall(r"```toml\n(.*?)```", (ROOT / "docs" / "workloads.md").read_text(), flags=re.S)
+
+
+def _keys_table() -> list[tuple[str, str, bool]]:
+    """(table, key, required) rows of workloads.md's one-job keys table; a blank table cell repeats the last."""
+    text = (ROOT / "docs" / "workloads.md").read_text()
+    section = text[text.index("### Keys"):text.index("### Lengths")]
+    rows, table = [], ""
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 5 or not cells[1].startswith("`"):
+            continue
+        table = cells[0] or table
+        rows.append((table.strip("`[]"), cells[1].strip("`"), cells[3] == "yes" or cells[3].startswith("when")))
+    return rows
+
+
+def test_the_workload_page_example_is_a_workload_and_its_keys_table_says_what_is_required():
+    """docs/workloads.md's example parses, every key it lists is one the parser knows, a key marked required
+    is refused when missing (naming the key), and one marked optional may be left out."""
+    import tomllib
+
+    from pipeline.sim.workload import WorkloadError, parse_workload
+
+    example = tomllib.loads(_workload_doc_blocks()[0])
+    parse_workload(example, "example")
+    rows = _keys_table()
+    assert len(rows) == 22
+    for table, key, required in rows:
+        doc = tomllib.loads(_workload_doc_blocks()[0])
+        where = doc if table == "top" else (doc["phase"][0] if table == "phase" else doc[table])
+        assert key in where, (table, key)       # the example shows every key the table lists
+        del where[key]
+        if table == "reward" and key == "cpu_workers":
+            doc["reward"]["gpu"] = False
+        if required:
+            try:
+                parse_workload(doc, "example")
+            except WorkloadError as exc:
+                assert key in str(exc), (table, key, str(exc))
+            else:
+                raise AssertionError(f"[{table}] {key} is marked required but a workload without it parses")
+        else:
+            parse_workload(doc, "example")
+    # and a key the table does not list is refused
+    doc = tomllib.loads(_workload_doc_blocks()[0])
+    doc["cluster"]["gpu"] = 8
+    try:
+        parse_workload(doc, "example")
+    except WorkloadError as exc:
+        assert "unknown key 'gpu'" in str(exc)
+    else:
+        raise AssertionError("a misspelt key parsed")
+
+
+def test_the_workload_page_multi_job_example_runs_as_a_pool_with_the_defaults_it_states():
+    """The [[jobs]] example, with the shared tables of the one-job example, parses, and a job that leaves
+    out min_gpus, max_gpus, priority and name gets the defaults the page states."""
+    import tomllib
+
+    from pipeline.sim.workload import parse_workload
+
+    one, multi = (tomllib.loads(b) for b in _workload_doc_blocks())
+    doc = {k: one[k] for k in ("cluster", "rollout", "reward", "learner")} | multi
+    second = {k: v for k, v in multi["jobs"][0].items() if k not in ("name", "min_gpus", "max_gpus", "priority")}
+    doc["jobs"].append(second)
+    wl = parse_workload(doc, "example")
+    a, b = wl.jobs
+    assert (a.name, a.min_gpus, a.max_gpus, a.priority) == ("reasoning", 16, 48, 1)
+    assert (b.name, b.min_gpus, b.max_gpus, b.priority) == ("job1", 0, None, None)

@@ -2,7 +2,7 @@
 
 Registered on the ``bench`` subcommand by ``pipeline.cli`` (``add_parser``);
 runs in the CLI process. ``run_bench`` runs one workload under several modes
-(``bench/README.md``: sync, static, static-best, libra, ideal) on the
+(``docs/workloads.md``: sync, static, static-best, libra, ideal) on the
 discrete-event engine (``pipeline.sim.des``), and with ``engine="live"`` also
 runs the asynchronous modes on the real control plane (``pipeline.sim.bench_live``);
 it returns the README's JSON shape, plus per-mode timelines under the extra key
@@ -340,7 +340,7 @@ def add_parser(subparsers) -> None:
     """Register ``policy`` on the ``bench`` subcommand's subparsers (called by pipeline.cli)."""
     p = subparsers.add_parser(
         "policy", help="throughput of the allocator (libra) against sync, static splits and the ideal bound",
-        description="Run a workload (bench/README.md format) under several modes and report "
+        description="Run a workload (docs/workloads.md format) under several modes and report "
                     "trajectories per simulated second, beside the ideal bound.")
     p.add_argument("workload", nargs="?", help="workload TOML file, e.g. bench/drift.toml (or --sweep)")
     p.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)} (default: all; "

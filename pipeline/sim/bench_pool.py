@@ -2,14 +2,14 @@
 
 Called by ``pipeline.sim.bench_allocator.run_bench`` when the workload has
 ``[[jobs]]`` tables, in the CLI process. Definitions are those of
-``bench/README.md``, "Multi-job workloads":
+``docs/workloads.md``, "Multi-job workloads":
 
 - ``static``: a fixed partition of the pool in proportion to each job's work
   W_j within its [min, max] share, each job at its first phase's best split of
   its part; a finished job's GPUs stay idle (``pipeline.sim.pool``);
 - ``libra``: the pool policy (``allocator.plan`` over every job) drives the
   shares and splits from the shares it gives at time 0 (``pipeline.sim.pool``);
-- ``ideal``: the makespan no allocation beats: the later of bench/README.md's
+- ``ideal``: the makespan no allocation beats: the later of the benchmark spec's
   work bound, max(sum W_j / gpus, max T_j), and the best split of the pool
   among jobs and stages with minimums held and the learner at its real
   scaling (``pipeline.sim.fluid``, ``ideal_report``).
@@ -134,7 +134,7 @@ def ideal_report(wl: Workload, specs: dict[str, allocator.JobSpec]) -> dict:
 
     Two bounds, both makespans no allocation beats; ``ideal`` is the later:
 
-    - ``work_bound_s``: max(sum W_j / gpus, max T_j), bench/README.md's
+    - ``work_bound_s``: max(sum W_j / gpus, max T_j), the benchmark spec's
       closed form, which charges the learner at its one-GPU rate;
     - ``split_bound_s``: the best split of the pool among the jobs and
       their stages, each job holding at least its minimum while it runs and

@@ -3,7 +3,7 @@
 Called by ``pipeline.sim.bench_allocator.run_bench`` (``libra-ctl bench policy``), in
 the CLI process, once per asynchronous mode and once per split static-best tries.
 Time is virtual; a run is deterministic for a seed. What it models (see
-``bench/README.md`` for the definitions):
+``docs/workloads.md`` for the definitions):
 
 - rollout GPUs with ``concurrency`` decode slots (continuous batching); a
   trajectory holds its slot for decode time plus its tool waits; its prefill is

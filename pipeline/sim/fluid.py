@@ -213,7 +213,7 @@ def _neighbours(wl: Workload, a: Allocation, step: int) -> list[Allocation]:
     return out
 
 
-# --- a pool of several jobs (bench/README.md, "Multi-job workloads") -----------------------------------------
+# --- a pool of several jobs (docs/workloads.md, "Several jobs on one pool") -----------------------------------------
 
 def job_work_gpu_s(wl: Workload) -> float:
     """W: the job's work in GPU-seconds, every stage at its cheapest (the learner at its one-GPU rate).

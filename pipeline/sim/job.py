@@ -148,7 +148,7 @@ def cmd_sim_job(args) -> int:
 
 def add_commands(sub) -> None:
     j = sub.add_parser("sim-job", help="run a bench workload on the live agents with sim workers (virtual time)")
-    j.add_argument("workload", help="workload TOML (bench/README.md format), e.g. examples/bench/steady.toml")
+    j.add_argument("workload", help="workload TOML (docs/workloads.md format), e.g. examples/bench/steady.toml")
     j.add_argument("counts", nargs="*", metavar="ROLE=N", help="pin these counts (default: the allocator decides)")
     j.add_argument("--job", default="sim")
     j.add_argument("--time-scale", type=float, default=50.0, help="simulated seconds per wall second")

@@ -4,7 +4,7 @@
 started by a node agent like any other worker. It runs the same stage loop
 (``dataplane.streams.run_stage``) over the same streams and message types as
 the real workers, but where they would decode, score or train it sleeps for
-the time the workload's cost model (``bench/README.md``, loaded with
+the time the workload's cost model (``docs/workloads.md``, loaded with
 ``pipeline.sim.workload``) gives, divided by a time scale: with ``time_scale = 50``
 a simulated GPU-minute lasts 1.2 s. So the real controller, agents, streams
 and consumer groups can be run and tested with many slots on a CPU machine.

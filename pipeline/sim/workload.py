@@ -2,7 +2,7 @@
 
 Loaded by ``libra-ctl bench policy`` (``pipeline.sim.bench_allocator``) and by the
 discrete-event simulator (``pipeline.sim.des``); the format is the one of
-``bench/README.md``. Every section becomes a frozen dataclass; a bad or missing
+``docs/workloads.md``. Every section becomes a frozen dataclass; a bad or missing
 value raises ``WorkloadError`` (a ``ValueError``) naming the key and the fix.
 
 Nothing here is seen by the allocator: ``plan()`` works from measured
@@ -256,7 +256,7 @@ def _reward(r: "_Reader", t: dict) -> Reward:
     gpu = t.get("gpu", False)
     if not isinstance(gpu, bool):
         raise WorkloadError(f"{r.source}: [reward] gpu = {gpu!r}: write true or false")
-    cpu = r.int_(t, "reward", "cpu_workers", lo=0 if gpu else 1, default=0 if gpu else None)
+    cpu = r.int_(t, "reward", "cpu_workers", lo=0 if gpu else 1, default=0 if gpu else _MISSING)
     return Reward(gpu=gpu, seconds=r.num(t, "reward", "seconds", lo=0.0), cpu_workers=cpu)
 
 
@@ -399,14 +399,14 @@ class _Reader:
     def table(self, data: dict, key: str) -> dict:
         v = data.get(key)
         if not isinstance(v, dict):
-            raise WorkloadError(f"{self.source}: the [{key}] table is missing: see bench/README.md for its keys")
+            raise WorkloadError(f"{self.source}: the [{key}] table is missing: see docs/workloads.md for its keys")
         return v
 
     def no_unknown(self, t: dict, allowed: set[str], where: str) -> None:
         """Every key of ``t`` is in ``allowed``; ``t`` is a table (callers validate through here first)."""
         if not isinstance(t, dict):
             raise WorkloadError(f"{self.source}: [{where or 'top level'}] is a {type(t).__name__}, not a table: "
-                                "see bench/README.md for its keys")
+                                "see docs/workloads.md for its keys")
         extra = sorted(set(t) - allowed)
         if extra:
             raise WorkloadError(f"{self.source}: unknown key {extra[0]!r} in [{where or 'top level'}]: "

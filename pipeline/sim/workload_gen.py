@@ -2,7 +2,7 @@
 
 Called by ``pipeline.sim.bench_sweep`` in the CLI process, once per workload of
 a sweep; ``random_workload(rng)`` returns a TOML-able dict in the format of
-``bench/README.md`` that ``workload.parse_workload`` accepts (it is passed
+``docs/workloads.md`` that ``workload.parse_workload`` accepts (it is passed
 through it before it is returned), and ``to_toml`` writes one out.
 
 Ranges (plausible for agentic RL post-training; log-uniform where a range
