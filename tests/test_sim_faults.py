@@ -6,6 +6,7 @@ Against the suite's Redis, with the sim workers' stages built in the test proces
 
 from __future__ import annotations
 
+import time
 
 import pytest
 import structlog
@@ -93,3 +94,39 @@ def test_prepare_sim_run_refuses_control_settings_the_controller_cannot_read(r, 
     with pytest.raises(ValueError):
         prepare_sim_run(r, wl, tmp_path / "runs", job="badctl", redis_url=redis_url, control={"cooldown": 5})
     assert r.hget(JobKeys("badctl").state, "phase") is None
+
+
+def test_sim_job_returns_when_its_job_is_stopped_before_the_last_step(r, redis_url, tmp_path):
+    """``libra-ctl sim-job`` waits for the job's phase to reach ``trained``. A job stopped under it (phase
+    ``stopped``), or reset by another run of the same name, never gets there: the command now ends with
+    SimJobEnded (exit 1) naming the phase. Before, it printed progress forever."""
+    import io
+    import threading
+
+    from pipeline.control.agent import Agent, Slot
+    from pipeline.sim.job import SimJobEnded, run_sim_job
+
+    agent = Agent(r, redis_url, "simjob-n", [Slot(0, None)], grace_s=5.0).start()
+    out, got = io.StringIO(), {}
+
+    def run():
+        try:
+            run_sim_job(redis_url, write_workload(tmp_path / "w.toml", job={"steps": 6}),
+                        runs_dir=str(tmp_path / "runs"), job="simjobstop", time_scale=1e3, node="simjob-n", out=out)
+        except BaseException as exc:   # noqa: BLE001 - the test reads what ended the call
+            got["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    try:
+        t.start()
+        deadline = time.monotonic() + 30
+        while "sim job simjobstop" not in out.getvalue() and t.is_alive():
+            assert time.monotonic() < deadline, "sim-job did not start"
+            time.sleep(0.1)
+        r.hset(JobKeys("simjobstop").state, "phase", "stopped")
+        t.join(20)
+        assert not t.is_alive(), "sim-job kept waiting for a stopped job"
+        assert isinstance(got.get("exc"), SimJobEnded) and "phase stopped" in str(got["exc"])
+    finally:
+        r.hset(JobKeys("simjobstop").state, "phase", "done")
+        agent.shutdown()

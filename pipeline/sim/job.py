@@ -95,6 +95,10 @@ def prepare_sim_run(r: redis.Redis, workload: str | Path, runs_dir: str | Path, 
     return run_dir
 
 
+class SimJobEnded(RuntimeError):
+    """The job's phase left ``running`` without reaching ``trained``: no more steps will come."""
+
+
 def run_sim_job(url: str, workload: str | Path, *, runs_dir: str = "runs", job: str = "sim",
                 time_scale: float = 50.0, steps: int | None = None, node: str | None = None,
                 pinned: dict | None = None, control: dict | None = None, out=STDERR) -> Path:
@@ -103,7 +107,8 @@ def run_sim_job(url: str, workload: str | Path, *, runs_dir: str = "runs", job: 
     Prepares the run, pins ``pinned`` counts (else the allocator decides), has the
     agent of ``node`` (else the first live one) start the feeder, prints
     progress until the learner has trained every step, then marks the job done
-    (the controller drains its workers).
+    (the controller drains its workers). Raises SimJobEnded when the job's phase
+    leaves ``running`` first (stopped, or reset by another run of the same name).
     """
     r = connect(url)
     agents = live_agents(r)
@@ -119,7 +124,10 @@ def run_sim_job(url: str, workload: str | Path, *, runs_dir: str = "runs", job: 
     keys, t0 = JobKeys(job), time.monotonic()
     print(f"sim job {job}: {run_dir}", file=out, flush=True)
     try:
-        while r.hget(keys.state, "phase") != b"trained":
+        while (phase := r.hget(keys.state, "phase")) != b"trained":
+            if phase != b"running":   # stopped, reset or taken over by another run: it will never train
+                raise SimJobEnded(f"sim-job: job {job} left the running phase before its last step "
+                                  f"(phase {phase.decode() if phase else 'gone'}); see {run_dir / 'logs'}")
             time.sleep(2.0)
             trained = int(r.hget(keys.counters, "trained") or 0)
             roles = allocation_status(r, job)["roles"]
@@ -142,6 +150,9 @@ def cmd_sim_job(args) -> int:
     except ValueError as exc:   # a bad flag, workload or control setting: said before anything starts
         print(f"sim-job: {exc}", file=sys.stderr)
         return 2
+    except SimJobEnded as exc:
+        print(exc, file=sys.stderr)
+        return 1
     print(f"done: {run_dir} (libra-ctl events --job {args.job}; libra-ctl audit --job {args.job})")
     return 0
 
