@@ -37,6 +37,7 @@ class Meter:
 def stage(r, version: int) -> Rollout:
     ctx = SimpleNamespace(r=r, keys=JobKeys("sync"), log=structlog.get_logger(), policy_version=version)
     ctx.set_version = lambda v: setattr(ctx, "policy_version", v)
+    ctx.stopping = lambda: False
     s = object.__new__(Rollout)
     s.ctx, s.engine, s.meter = ctx, Reloads(), Meter()
     return s
@@ -82,3 +83,26 @@ def test_a_well_formed_message_of_another_kind_on_the_prompts_stream_is_dead_let
     assert m.decode(dead[b"payload"], 1 << 20).prompt_id == "g@0" and int(dead[b"trajectories"]) == 2
     assert [m.decode(f[m.FIELD], 1 << 20).prompt_id for _i, f in r.xrange(keys.rollouts)] == ["p@0"]
     assert group_pending(r, keys.prompts, GROUP_ROLLOUT) == 0
+
+
+def test_a_redis_restart_while_catching_up_is_waited_out_not_fatal(tmp_path):
+    """catch_up runs inside the stage's handling of a batch, outside run_stage's outage handling: a Redis
+    that restarts while it reads the published version is now waited out and the newer weights loaded.
+    Before, the ConnectionError killed the worker (and with it the engine, minutes to restart on a GPU)."""
+    import threading
+
+    from pipeline.dataplane.redisconn import connect
+    from tests.test_faults_redis import Server
+
+    server = Server(tmp_path / "redis").start()
+    try:
+        r = connect(server.url)
+        r.hset(JobKeys("sync").policy, mapping={"version": 5, "path": "/weights/v5"})
+        s = stage(r, version=4)
+        server.kill()                                    # down when catch_up reads the policy ...
+        # ... and back after longer than the client's own retries last (about 1.5 s), same data (AOF)
+        threading.Timer(4.0, server.start).start()
+        s.catch_up(5)
+        assert s.engine.paths == ["/weights/v5"] and s.ctx.policy_version == 5
+    finally:
+        server.stop()

@@ -21,6 +21,7 @@ from pipeline.config import Config
 from pipeline.dataplane import messages
 from pipeline.dataplane.keys import GROUP_ROLLOUT
 from pipeline.observe.trace import span
+from pipeline.dataplane.redisconn import Outage
 from pipeline.dataplane.streams import Reject, ensure_groups, run_stage, transact
 from pipeline.dataplane.worker import (CostMeter, WorkerContext, claim_policy, dedup_for, finish_worker,
                                        room_downstream, start_worker)
@@ -122,7 +123,9 @@ class Rollout:
         """
         if self.ctx.policy_version >= version:
             return
-        self.maybe_reload()
+        # Called while handling a batch, outside the stage loop's outage handling: a Redis blip here is
+        # waited out (up to redis.outage_s) rather than killing the worker and its engine.
+        Outage(self.ctx.log, stop=self.ctx.stopping).call(self.maybe_reload)
         if self.ctx.policy_version < version:   # published versions only grow: should not happen
             self.ctx.log.warning("behind_prompt_version", version=self.ctx.policy_version, wanted=version)
 
