@@ -282,7 +282,7 @@ def evaluate(
                                                                    timeout_s=reward_timeout_s)))))
         except HungCalls:
             raise
-        except Exception as exc:  # noqa: BLE001 - the reward is user code: its failure leaves this episode out
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the reward is user code: its failure leaves this episode out
             ep.error = f"{UNJUDGED}{type(exc).__name__}: {exc}"
     return (sum(rewards) / len(rewards) if rewards else 0.0), episodes
 

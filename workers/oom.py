@@ -25,14 +25,19 @@ _OOM_TEXTS = ("out of memory", "no available memory for the cache blocks", "insu
 EVENTS_MAXLEN = 10_000  # as the controller caps the events stream (pipeline.control.events)
 
 
-def is_oom(exc: BaseException) -> bool:
-    """Whether ``exc`` is a process running out of (host or device) memory; never a full Redis."""
+def is_oom(exc: BaseException, quoted: str = "") -> bool:
+    """Whether ``exc`` is a process running out of (host or device) memory; never a full Redis.
+
+    ``quoted``: text the failing code was handed (a transcript a reward
+    judges). An untyped error whose message may only repeat an allocation
+    failure that text mentions is that code's failure, not the process's.
+    """
     if isinstance(exc, redis.RedisError):
         return False
     if isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__):
         return True
-    text = str(exc).lower()
-    return isinstance(exc, (RuntimeError, ValueError)) and any(t in text for t in _OOM_TEXTS)
+    text, quoted = str(exc).lower(), quoted.lower()
+    return isinstance(exc, (RuntimeError, ValueError)) and any(t in text and t not in quoted for t in _OOM_TEXTS)
 
 
 def oom_detail(exc: BaseException) -> str:

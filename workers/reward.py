@@ -29,6 +29,7 @@ from workers.oom import is_oom, oom_reported
 
 RewardFn = Callable[[Task, str], float]
 REWARD_TIMEOUT_S = 30.0   # score_group's default deadline per call (config: reward.timeout_s)
+RETRY_PAUSE_MAX_S = 1.0   # the longest pause between two tries of a failing reward (tool retries wait as long)
 # Reward calls run one at a time per process; one thread, replaced when a call hangs past its deadline.
 _POOL = DeadlinePool(1, "reward")
 
@@ -80,15 +81,18 @@ def score_group(group: messages.Group, retries: int, reward: RewardFn,
                 if attempt == retries:
                     return Reject(f"reward timeout after {retries + 1} attempts on sample "
                                   f"{traj.sample_idx}: {type(exc).__name__}: {exc}")
-            # The reward is user code: whatever it raises is its failure to judge, never a zero.
-            # It is retried, then the group goes to the dead-letter stream with the error.
-            except Exception as exc:  # noqa: BLE001
-                if is_oom(exc) and not isinstance(exc, RewardError):   # a RewardError is the sample's, whatever it says
-                    raise   # the worker's memory, not the sample: reported as oom (workers.oom), not dead-lettered
+            # The reward is user code: whatever it raises is its failure to judge, never a zero; a SystemExit
+            # too (a verifier wrapping a command line's main()). It is retried, then the group goes to the
+            # dead-letter stream with the error.
+            except (Exception, SystemExit) as exc:  # noqa: BLE001
+                # the worker's memory, not the sample: reported as oom (workers.oom), not dead-lettered; a
+                # RewardError is the sample's whatever it says, and so is an error that may quote the text
+                if not isinstance(exc, RewardError) and is_oom(exc, quoted=task.prompt + traj.text):
+                    raise
                 if attempt == retries:
                     return Reject(f"reward error after {retries + 1} attempts on sample "
                                   f"{traj.sample_idx}: {type(exc).__name__}: {exc}")
-                time.sleep(0.05 * 2 ** attempt)
+                time.sleep(min(0.05 * 2 ** attempt, RETRY_PAUSE_MAX_S))
     return group.with_rewards(rewards, scored_at=time.time())
 
 

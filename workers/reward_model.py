@@ -3,7 +3,8 @@
 ``[reward] model = "DIR"`` makes every reward worker load one and score each
 episode with it instead of the environment's ``reward``. The score is the
 model's single logit (``num_labels = 1``) for the prompt followed by the
-transcript. A reward worker placed on a slot (``control.reward_on_slots``)
+transcript, encoded by the model's tokenizer with its special tokens and cut
+from the front to the most tokens the model reads. A reward worker placed on a slot (``control.reward_on_slots``)
 sees that slot's GPU as ``cuda:0`` (the node agent sets
 ``CUDA_VISIBLE_DEVICES``); without one it runs on the CPU.
 """
@@ -29,12 +30,27 @@ class RewardModel:
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward.model = {str(model_dir)!r} has {self.model.config.num_labels} labels; "
                              "a reward model has one (a score)")
-        self.max_length = max_length or getattr(self.model.config, "max_position_embeddings", 4096)
+        self.max_length = max_length or _longest_input(self.tokenizer, self.model.config)
+        self.tokenizer.truncation_side = "left"   # a long episode keeps its end, where the answer is
 
     @torch.no_grad()
     def __call__(self, task: Task, transcript: str) -> float:
-        ids = self.tokenizer.encode(task.prompt + transcript, add_special_tokens=False)[-self.max_length:]
-        if not ids:
+        text = task.prompt + transcript
+        if not text:
             raise RewardError("nothing to score: empty prompt and transcript")
-        logits = self.model(input_ids=torch.tensor([ids], device=self.device)).logits
+        # As the model was trained to read it: with its special tokens (an encoder pools its [CLS], a
+        # decoder starts at its BOS).
+        enc = self.tokenizer(text, truncation=True, max_length=self.max_length)
+        logits = self.model(**{k: torch.tensor([v], device=self.device) for k, v in enc.items()}).logits
         return float(logits[0, 0])
+
+
+def _longest_input(tokenizer, config) -> int:
+    """The most tokens the model reads: its tokenizer's limit where it states one, else its position table.
+
+    RoBERTa-family position tables hold two entries the text cannot use (514
+    for 512 tokens); their tokenizers state the usable 512.
+    """
+    limits = [n for n in (getattr(config, "max_position_embeddings", None), tokenizer.model_max_length)
+              if isinstance(n, int) and 0 < n < 1_000_000]   # a tokenizer with no limit states about 1e30
+    return min(limits, default=4096)

@@ -35,6 +35,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
+from workers.tiny_policy import built_whole
+
 # Pre-tokenizer regexes of the real families (transformers' Qwen2Tokenizer;
 # Meta-Llama-3's tokenizer.json): they differ in how digits group.
 QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -203,9 +205,8 @@ def build_standin(
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
     )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     hf_logging.disable_progress_bar()
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    return out
+    with built_whole(out_dir) as tmp:   # whole or not at all: scripts test for config.json
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+    return Path(out_dir)

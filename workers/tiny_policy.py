@@ -51,6 +51,7 @@ FORMAT_VERSION = 3
 
 # The warm start's environment: the built-in toy is calibrated on the calculator (reached by name).
 WARM_ENV = "calc"
+CHECK_PROBLEMS = 100   # train problems the warm start holds back to check greedy success
 
 # Defaults of ensure_policy's spec, calibrated (see the test and the report)
 # so that the warm start succeeds sometimes and GRPO has room to improve.
@@ -461,7 +462,7 @@ def warm_start(
     target_success: float | None = None,
     check_every: int = 50,
     check_from: int = 250,
-    check_problems: int = 100,
+    check_problems: int = CHECK_PROBLEMS,
     threads: int | None = 1,
     progress: Progress | None = None,
 ) -> Path:
@@ -528,7 +529,13 @@ def full_spec(spec: dict) -> dict:
     unknown = set(spec) - set(DEFAULT_SPEC)
     if unknown:
         raise ValueError(f"unknown policy spec keys {sorted(unknown)}; known: {sorted(DEFAULT_SPEC)}")
-    return {**DEFAULT_SPEC, **spec}
+    full = {**DEFAULT_SPEC, **spec}
+    need = CHECK_PROBLEMS + full["warm_batch_size"]
+    if full["warm_problems"] < need:
+        raise ValueError(f"warm_problems = {full['warm_problems']}: the warm start holds {CHECK_PROBLEMS} problems "
+                         f"back for its success checks and draws batches of warm_batch_size = "
+                         f"{full['warm_batch_size']} from the rest: use at least {need}")
+    return full
 
 
 def spec_hash(spec: dict) -> str:
@@ -565,8 +572,7 @@ def ensure_policy(cache_dir: str | Path, spec: dict, *, progress: Progress | Non
     if (final / "spec.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    # Builders on a shared cache may share a pid (containers are pid 1): each builds in a name of its own.
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    tmp = _sibling(final, "tmp")
     started = time.monotonic()
     try:
         _build_into(tmp, spec, progress)
@@ -576,6 +582,37 @@ def ensure_policy(cache_dir: str | Path, spec: dict, *, progress: Progress | Non
     if progress:
         progress(f"policy built in {time.monotonic() - started:.1f}s at {final}")
     return final
+
+
+def _sibling(final: Path, kind: str) -> Path:
+    """A hidden name beside ``final``; builders on a shared cache may share a pid (containers are pid 1), so
+    each gets a name of its own."""
+    return final.parent / f".{final.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+@contextlib.contextmanager
+def built_whole(final: str | Path):
+    """Build a model directory in a temporary sibling, then put it at ``final`` in one rename.
+
+    Yields the directory to write into. On success an older ``final`` is
+    replaced (moved aside, then removed); on any failure the partial build is
+    removed and ``final`` is left as it was. A later check such as "config.json
+    exists" never finds half a model.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _sibling(final, "tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = _sibling(final, "old") if final.exists() else None
+        if old is not None:
+            os.rename(final, old)
+        os.rename(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename
 
 
 def _publish(tmp: Path, final: Path) -> None:

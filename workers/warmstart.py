@@ -24,7 +24,7 @@ import torch
 from workers.chat import ChatFormat
 from workers.envs.base import Environment, Task
 from workers.episode import demonstration_episode, evaluate
-from workers.tiny_policy import TorchGenerator, load_model, load_tokenizer, save_weights, sft_loss
+from workers.tiny_policy import TorchGenerator, built_whole, load_model, load_tokenizer, save_weights, sft_loss
 
 
 @dataclass(frozen=True)
@@ -92,5 +92,6 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, env: Environment, *, 
             history.append((step, greedy_success(model, tokenizer, env, held, ws)))
             progress(f"step {step}: loss {loss.item():.3f}, held-out success {history[-1][1]:.2f} "
                      f"({time.monotonic() - t0:.0f}s)")
-    save_weights(model, out_dir, model_dir)
+    with built_whole(out_dir) as tmp:   # a failed save leaves no directory that looks built
+        save_weights(model, tmp, model_dir)
     return {"steps": step, "success": history[-1][1], "history": history, "seconds": time.monotonic() - t0}
