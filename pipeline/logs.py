@@ -11,11 +11,26 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 
 import structlog
 
 from pipeline.redaction import open_private, redact_tree
+
+
+# The first line every start of a process writes to its raw output (``logs/<name>.out``, appended across
+# restarts): ``libra-ctl doctor`` reads a worker's output from the last one, so a traceback of an earlier
+# life of the worker, which has run since, is not taken for a crash.
+OUTPUT_START = "--- libra: output of a new start of this process, at"
+
+
+def open_output(path: str | Path):
+    """A process's raw output file, for its stdout and stderr: appended to, 0600, after a start line."""
+    f = open_private(path)
+    f.write(f"{OUTPUT_START} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} ---\n".encode())
+    f.flush()
+    return f
 
 
 def configure(log_dir: Path | None, name: str, *, console: bool = True, level: int = logging.INFO):

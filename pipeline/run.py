@@ -40,7 +40,7 @@ import msgpack
 import redis
 
 from pipeline import manifest as manifest_mod
-from pipeline.logs import STDERR
+from pipeline.logs import STDERR, open_output
 from pipeline.config import Config
 from pipeline.control.allocation import live_agents
 from pipeline.control.allocator import AdmissionError
@@ -57,7 +57,7 @@ from pipeline.dataplane.redisconn import (ENV_OUTAGE, ENV_URL, UNAVAILABLE, Embe
                                          connect, resolve_url)
 from pipeline.dataplane.jobs import JobRunning, live_owner, reset_job
 from pipeline.dataplane.streams import ensure_groups
-from pipeline.redaction import is_redacted, open_private, redact, write_private
+from pipeline.redaction import is_redacted, redact, write_private
 
 STOP_GRACE_S = 20.0
 CHILD_RESTARTS = 20       # restarts of the feeder before the run gives up on it
@@ -195,7 +195,7 @@ class Orchestrator:
 
     def _popen(self, module: str, worker_id: str) -> subprocess.Popen:
         env = dict(os.environ, **{ENV_URL: self.url, "PYTHONUNBUFFERED": "1"})   # the URL never goes on argv
-        with open_private(self.run_dir / "logs" / f"{worker_id}.out") as log:
+        with open_output(self.run_dir / "logs" / f"{worker_id}.out") as log:
             return spawn([sys.executable, "-m", module, "--run-dir", str(self.run_dir), "--worker-id", worker_id],
                          env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -299,6 +299,10 @@ def verify_resume(config: str, overrides: list[str], *, hard: bool = False, at_s
     except VerifyError as exc:
         _end(children, signal.SIGKILL)
         checks, split, evals = [rc.Check("run", False, str(exc))], None, []
+    except Exception as exc:   # noqa: BLE001 - the run lives in its own session: never leave it behind
+        _end(children, signal.SIGKILL)
+        checks, split, evals = [rc.Check("run", False, f"verify-resume could not go on: "
+                                                       f"{type(exc).__name__}: {exc}")], None, []
     except KeyboardInterrupt:
         # the children run in their own sessions: Ctrl-C reaches only us. SIGTERM stops a run in order.
         _end(children, signal.SIGTERM)
@@ -349,8 +353,11 @@ def report(cfg: Config, config: str, overrides: list[str], run_dir: Path | None,
     plot_path = None
     if split and run_dir:
         lines += rc.spark_lines(split, "reward_mean", "reward") + rc.spark_lines(split, "success_rate", "success")
-        plot_path = draw(run_dir, split, evals, kill, verdict)
-        lines.append(f"  plot: {plot_path}")
+        try:
+            plot_path = draw(run_dir, split, evals, kill, verdict)
+            lines.append(f"  plot: {plot_path}")
+        except ImportError:   # matplotlib is an extra: the verdict stands without its picture
+            lines.append("  plot: skipped, matplotlib is not installed (pip install -e '.[plot]')")
     if failed:
         lines.append(f"FAILED: {', '.join(failed)}")
     print("\n".join(lines), file=out, flush=True)

@@ -66,7 +66,7 @@ from pipeline.dataplane.keys import (AGENTS, ROLES, JobKeys, agent_backoff, agen
 from pipeline.dataplane.lifeline import ORPHAN_EXIT_S, process_start, watch_parent
 from pipeline.dataplane.redisconn import ENV_URL, UNAVAILABLE, Outage, connect
 from pipeline.dataplane.worker import NODE_ENV, this_node
-from pipeline.redaction import open_private
+from pipeline.logs import open_output
 
 TICK_S = 0.2
 HEARTBEAT_S = 1.0
@@ -679,7 +679,7 @@ def _log_file(run_dir: str, worker: str):
     try:
         path = Path(run_dir) / "logs"
         path.mkdir(parents=True, exist_ok=True)
-        return open_private(path / f"{worker}.out")
+        return open_output(path / f"{worker}.out")
     except OSError:
         return subprocess.DEVNULL
 

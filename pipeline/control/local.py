@@ -29,7 +29,7 @@ from pathlib import Path
 from pipeline.control.agent import SlotError, detect_slots
 from pipeline.dataplane.lifeline import spawn
 from pipeline.dataplane.redisconn import ENV_URL
-from pipeline.redaction import open_private
+from pipeline.logs import open_output
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
@@ -105,7 +105,7 @@ class LocalControl:
 
 def _start(name: str, argv: list[str], env: dict, run_dir: Path) -> subprocess.Popen:
     """``libra-ctl <argv>``, dying with us; its output appended to ``logs/<name>.out``."""
-    with open_private(Path(run_dir) / "logs" / f"{name}.out") as out:
+    with open_output(Path(run_dir) / "logs" / f"{name}.out") as out:
         # start_new_session: a Ctrl-C reaches the run alone, which stops its children in order
         return spawn([sys.executable, "-m", "pipeline.cli", *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
                      start_new_session=True)

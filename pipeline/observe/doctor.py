@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.logs import OUTPUT_START
 from pipeline.observe.doctor_checks import CHECKS, SCALE, SEVERITY, STEPS, Diagnosis, Thresholds, Window, get_in
 
 
@@ -77,7 +78,10 @@ def read_logs(run_dir: Path | None, since: float | None = None, out_tail: int = 
                if since is None or (unix_time(r.get("timestamp")) or since) >= since]
     raw = []
     for path in sorted((run_dir / "logs").glob("*.out")):
-        lines = path.read_text(errors="replace").splitlines()[-out_tail:]
+        lines = path.read_text(errors="replace").splitlines()
+        # the output of the process's latest start only: a restarted worker appends to the same file
+        starts = [i for i, line in enumerate(lines) if line.startswith(OUTPUT_START)]
+        lines = lines[starts[-1] + 1 if starts else 0:][-out_tail:]
         raw += [f"{path.stem}: {line}" for line in lines if line.strip()]
     return records + raw
 
@@ -208,7 +212,7 @@ def _connect(url: str | None, run_dir: Path | None):
     """The Redis to read: ``url``, else the run's (``--run``), else the usual search; None when none answers."""
     import redis
 
-    from pipeline.dataplane.redisconn import connect, find_redis_url
+    from pipeline.dataplane.redisconn import BadRedisUrl, connect, find_redis_url
     from pipeline.redaction import is_redacted
 
     if url is None and run_dir is not None and (run_dir / "redis.url").exists():
@@ -216,19 +220,24 @@ def _connect(url: str | None, run_dir: Path | None):
         if is_redacted(url):
             url = None   # the file keeps no password: the full URL comes from $LIBRA_REDIS_URL
     try:
-        r = connect(url or find_redis_url(None), socket_connect_timeout=2)
+        # a host gone silent answers with a timeout, not a refusal: the run directory is read instead
+        r = connect(url or find_redis_url(None), socket_connect_timeout=2, socket_timeout=5)
         r.ping()
-    except (redis.ConnectionError, FileNotFoundError, SystemExit):
+    except (redis.ConnectionError, redis.TimeoutError, BadRedisUrl, FileNotFoundError, SystemExit):
         return None
     return r
 
 
 def jobs_to_diagnose(r, job: str | None, run_dir: Path | None) -> list[str]:
-    """``--job``; else the job of ``--run``; else every running job; else the last job on the Redis."""
-    from pipeline.control.commands import all_jobs, running_jobs
+    """``--job``; else the job of ``--run``; else every running job; else the last job on the Redis.
+
+    A ``--job`` this Redis has never run, without a run directory to read,
+    raises BadInput (a typo is not a healthy job).
+    """
+    from pipeline.control.commands import all_jobs, known_job, running_jobs
 
     if job is not None:
-        return [job]
+        return [job if run_dir is not None else known_job(r, job)]
     named = get_in(_config_of(run_dir), "job", "name") if run_dir is not None else None
     if named:
         return [named]
@@ -244,6 +253,10 @@ def _inputs(args, window: float) -> list[Inputs] | None:
     from pipeline.control.commands import running_jobs
 
     run_dir = Path(args.run) if args.run else None
+    if run_dir is not None and not (run_dir / "manifest.json").is_file():
+        print(f"libra-ctl doctor: {run_dir} is not a run directory (no manifest.json there); runs are under "
+              "runs/ by default")
+        return None
     r = _connect(args.redis, run_dir)
     if r is None:
         if run_dir is None:

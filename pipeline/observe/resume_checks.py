@@ -332,9 +332,11 @@ def latest_complete_step(run_dir: Path) -> int | None:
 
 
 def _complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The checkpoints a restore could pick, by step: ``step-<digits>`` with a state.json, as the learner
+    and the audit read them (a ``.tmp`` in progress, or a copy kept as ``step-000004.old``, is none)."""
     ckpts = [p for p in (run_dir / "checkpoints").glob("step-*")
-             if not p.name.endswith(".tmp") and (p / "state.json").exists()]
-    return sorted(ckpts, key=lambda p: int(p.name.split("-")[1]))
+             if p.name[5:].isdigit() and (p / "state.json").exists()]
+    return sorted(ckpts, key=lambda p: int(p.name[5:]))
 
 
 def _read_json(path: Path) -> dict:
