@@ -118,6 +118,8 @@ def job_problems(cfg: config_mod.Config) -> list:
     from workers.envs import env_from_config
     from workers.feeder import load_prompts
 
+    if not Path(cfg.job.train_prompts).is_file():
+        raise ValueError(f"prompt file {cfg.job.train_prompts} does not exist (job.train_prompts)")
     problems, _bad = load_prompts(env_from_config(cfg), cfg.job.train_prompts)
     if not problems:
         raise ValueError(f"no usable prompt in {cfg.job.train_prompts}")
@@ -351,7 +353,7 @@ def run_pipeline(url: str, cfg: config_mod.Config, run_dir: Path, policy_dir: st
         stop_worker(proc)
         for t in threads:
             t.join(timeout=10)
-    dead = int(r.hget(keys.counters, "dead_lettered") or 0)
+    dead = r.xlen(keys.dead_letters)   # groups, as the figures beside it (the counter counts trajectories)
     return pipeline_figures(out, read_spans(run_dir / "logs" / f"{WORKER_ID}.jsonl"), t0, t0 - t_start, len(tasks),
                             dead, publisher)
 
@@ -360,6 +362,10 @@ def pipeline_figures(out: Sink, spans: dict, t0: float, load_s: float, issued: i
                      publisher: Publisher | None) -> dict:
     """A pipeline run's figures from its sink's records and its worker's spans (``t0``: the worker running)."""
     calls = [out.calls[k] for k in sorted(out.calls)]
+    if len(calls) < 2:
+        raise RuntimeError(f"bench rollout: {len(calls)} engine call(s) reached the sink ({dead_lettered} of "
+                           f"{issued} groups dead-lettered, see the worker's log): nothing to measure past the "
+                           "warm-up call")
     # The first call is a warm-up (both runs leave it out): measured from its last ack to the run's last.
     seconds, cpu_s = calls[-1][2] - calls[0][2], calls[-1][3] - calls[0][3]
     tokens, trajectories = sum(c[0] for c in calls[1:]), sum(c[1] for c in calls[1:])
@@ -509,14 +515,11 @@ def run_bench(spec: RolloutBenchSpec, say=lambda line: None) -> dict:
     switch run; the JSON shape of ``--json``."""
     base = f"bench-rollout-{os.getpid()}"
     cfg = bench_config(spec, base)
-    per_call = cfg.rollout.groups_per_call
-    if spec.prompts < 2 * per_call or spec.rounds < 1:
-        raise ValueError(f"--prompts must be at least 2 x rollout.groups_per_call = {2 * per_call} (the first "
-                         "engine call is a warm-up, left out of both runs) and --rounds at least 1")
+    check_spec(spec, cfg)
     cpus, rest = engine_cpus(spec)
+    problems = job_problems(cfg)
     say(f"engine on CPU {','.join(map(str, cpus))}; Redis, feeder and sink on {','.join(map(str, rest)) or 'it too'}")
     policy_dir = prepare_policy(cfg, sys.stderr)
-    problems = job_problems(cfg)
     tasks = first_tasks(cfg, problems, spec.prompts)
     rounds, switch = [], None
     with (pinned(rest), tempfile.TemporaryDirectory(prefix="libra-bench-rollout-") as tmp,
@@ -539,6 +542,25 @@ def run_bench(spec: RolloutBenchSpec, say=lambda line: None) -> dict:
             say(f"switch: {switch['versions']} versions published; reloads "
                 + ", ".join(f"{x:.3f}" for x in switch["reload_s"]) + " s")
     return summarise(spec, cfg, cpus, rounds, switch)
+
+
+def check_spec(spec: RolloutBenchSpec, cfg: config_mod.Config) -> None:
+    """ValueError naming the flag or setting that makes the comparison unfair or the run impossible."""
+    from workers.feeder import admission_limit
+
+    per_call, group = cfg.rollout.groups_per_call, cfg.rollout.group_size
+    if spec.prompts < 2 * per_call or spec.rounds < 1:
+        raise ValueError(f"--prompts must be at least 2 x rollout.groups_per_call = {2 * per_call} (the first "
+                         "engine call is a warm-up, left out of both runs) and --rounds at least 1")
+    if not 0 < spec.timeout_s < float("inf"):   # nan fails this too, and would turn the hang guard off
+        raise ValueError(f"--timeout {spec.timeout_s}: give a finite number of seconds > 0")
+    limit, call = admission_limit(cfg), per_call * group
+    if limit < 2 * call:
+        raise ValueError(
+            f"the feeder admits {limit} trajectories in flight (streams.max_queue_size, and (learner.max_staleness"
+            f" + 1) x learner.batch_size), under two engine calls of rollout.groups_per_call x group_size = {call}:"
+            " the worker's calls would hold fewer groups than the direct run's, and the two would not compare; "
+            f"raise those settings to admit at least {2 * call}, or lower rollout.groups_per_call")
 
 
 def _rate_line(run: dict) -> str:
@@ -646,6 +668,9 @@ def cmd_bench_rollout(args) -> int:
         return 2
     spec = RolloutBenchSpec(config=args.config, overrides=tuple(args.overrides), prompts=args.prompts, cpus=cpus,
                             rounds=args.rounds, switch=not args.no_switch, timeout_s=args.timeout)
+    if args.json and not os.access(Path(args.json).resolve().parent, os.W_OK):
+        say(f"--json {args.json}: its directory does not exist or cannot be written")
+        return 2
     try:
         result = run_bench(spec, say)
     except (ValueError, config_mod.ConfigError) as exc:
@@ -656,7 +681,11 @@ def cmd_bench_rollout(args) -> int:
         return 1
     print(format_result(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        try:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as exc:   # the figures are printed above all the same
+            say(f"--json {args.json}: not written: {exc.strerror or exc}")
+            return 1
     return 0 if result["exactly_once"]["ok"] else 1
 
 
