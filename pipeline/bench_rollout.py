@@ -60,6 +60,7 @@ from pipeline.dataplane.keys import GROUP_REWARD, JobKeys
 from pipeline.dataplane.lifeline import spawn
 from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect
 from pipeline.dataplane.worker import WorkerContext
+from pipeline.redaction import redact_tree
 from pipeline.run import prepare_policy
 
 # The workers' modules are imported where they are used: some load torch, and the CLI imports this module
@@ -258,7 +259,6 @@ def sink(r, keys: JobKeys, cfg: config_mod.Config, out: Sink, want_groups: int, 
                 if not isinstance(group, messages.Group):
                     out.bad += 1
                     continue
-                out.groups.add(group.prompt_id)
                 out.trajectory_ids.update((group.prompt_id, t.sample_idx) for t in group.trajectories)
                 seen.append(group)
                 trained += len(group.trajectories)
@@ -277,6 +277,9 @@ def sink(r, keys: JobKeys, cfg: config_mod.Config, out: Sink, want_groups: int, 
             out.bad += len(bad)
             out.trajectories += trained
             on_trajectories(out.trajectories)
+            # last: the driver ends the run once every group is here, so the bookkeeping above (the worker's
+            # CPU time, read while it runs) is done by then
+            out.groups.update(group.prompt_id for group in seen)
     except BaseException as exc:   # reported by the driver, which stops the run
         out.error = exc
 
@@ -353,6 +356,8 @@ def run_pipeline(url: str, cfg: config_mod.Config, run_dir: Path, policy_dir: st
         stop_worker(proc)
         for t in threads:
             t.join(timeout=10)
+    if out.error:   # after the last group: the figures would miss what it failed on
+        raise _sink_failed(out)
     dead = r.xlen(keys.dead_letters)   # groups, as the figures beside it (the counter counts trajectories)
     return pipeline_figures(out, read_spans(run_dir / "logs" / f"{WORKER_ID}.jsonl"), t0, t0 - t_start, len(tasks),
                             dead, publisher)
@@ -434,6 +439,10 @@ def wait_running(r, keys: JobKeys, proc: subprocess.Popen, worker_log: Path, dea
         time.sleep(POLL_S)
 
 
+def _sink_failed(out: Sink) -> RuntimeError:
+    return RuntimeError(f"bench rollout: the sink failed: {type(out.error).__name__}: {out.error}")
+
+
 def wait_done(out: Sink, want: int, proc: subprocess.Popen, worker_log: Path, deadline: float, say,
               switch: bool, dead=lambda: 0) -> None:
     """Until every group is at the sink or dead-lettered (``dead()``: how many are; an environment's error
@@ -441,7 +450,7 @@ def wait_done(out: Sink, want: int, proc: subprocess.Popen, worker_log: Path, de
     next_say = time.perf_counter() + 10
     while len(out.groups) + dead() < want:
         if out.error:
-            raise out.error
+            raise _sink_failed(out)
         if proc.poll() is not None:
             raise _worker_failed(proc, worker_log, "exited while generating")
         now = time.perf_counter()
@@ -601,7 +610,7 @@ def summarise(spec: RolloutBenchSpec, cfg: config_mod.Config, cpus: tuple[int, .
         "engine": {"groups_per_call": cfg.rollout.groups_per_call, "group_size": cfg.rollout.group_size,
                    "max_turns": cfg.rollout.max_turns, "max_tokens_per_turn": cfg.rollout.max_tokens_per_turn,
                    "dtype": cfg.rollout.dtype, "threads": 1, "cpus": list(cpus)},
-        "spec": asdict(spec), "load_avg": [round(x, 2) for x in os.getloadavg()], "cpu_count": os.cpu_count(),
+        "spec": redact_tree(asdict(spec)),   # a --set may carry a URL with a password "load_avg": [round(x, 2) for x in os.getloadavg()], "cpu_count": os.cpu_count(),
     }
     met = ratio >= TARGET_RATIO
     if switch is not None:

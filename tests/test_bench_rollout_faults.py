@@ -190,3 +190,17 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused(nothing_starts, time
     true)."""
     assert br.cmd_bench_rollout(cli_args(CONFIG, f"--timeout={timeout}", "--no-switch")) == 2
     assert "--timeout" in capsys.readouterr().err
+
+
+def test_a_password_in_a_set_override_is_not_written_to_the_json(tmp_path):
+    """The result's ``spec`` holds the --set overrides; a URL's password in one is masked. Before, it was
+    written to the --json file as given."""
+    spec = br.RolloutBenchSpec(config=CONFIG, overrides=("redis.url=redis://:hunter2@db:6379/0",))
+    cfg = br.bench_config(spec, "redact-test")
+    d = {"tokens": 1, "trajectories": 1, "seconds": 1.0, "tokens_per_s": 1.0, "trajectories_per_s": 1.0,
+         "cpu_s": 1.0, "tokens_per_cpu_s": 1.0, "all_tokens": 1, "other_s": 0.0}
+    res = br.summarise(spec, cfg, (0,), [{"direct": d, "pipeline": {**d, "exactly_once": {
+        "issued_groups": 1, "received_groups": 1, "entries": 1, "distinct_trajectories": 1,
+        "duplicate_trajectories": 0, "bad": 0, "dead_lettered": 0}}}], None)
+    text = json.dumps(res)
+    assert "hunter2" not in text and "redis://:***@db:6379/0" in text

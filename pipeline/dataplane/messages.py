@@ -90,7 +90,7 @@ class Group:
                                  logprobs=t.logprobs, text=t.text, finish=t.finish, turns=t.turns,
                                  tool_calls=t.tool_calls, tool_latency_s=t.tool_latency_s,
                                  tool_timeouts=t.tool_timeouts, reward=float(r))
-                      for t, r in zip(self.trajectories, rewards))
+                      for t, r in zip(self.trajectories, rewards, strict=True))
         return replace(self, trajectories=trajs, scored_at=scored_at)
 
 
