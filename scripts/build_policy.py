@@ -34,7 +34,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    spec = json.loads(args.spec)
+    try:
+        spec = json.loads(args.spec)
+    except ValueError as exc:
+        raise SystemExit(f"--spec {args.spec!r} is not JSON ({exc}): give an object, e.g. '{{\"hidden_size\": 256}}'")
     if not isinstance(spec, dict):
         raise SystemExit(f"--spec {args.spec!r}: give a JSON object, e.g. '{{\"hidden_size\": 256}}'")
     if args.seed is not None:
@@ -43,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         spec["seed"] = args.seed
     spec.setdefault("seed", 0)
     started = time.monotonic()
+    try:
+        tiny_policy.full_spec(spec)   # an unknown key or a value the build cannot use: said, not a traceback
+    except ValueError as exc:
+        raise SystemExit(f"--spec: {exc}") from None
     model_dir = tiny_policy.ensure_policy(args.cache_dir, spec, progress=lambda msg: print(msg, flush=True))
     print(f"ready in {time.monotonic() - started:.1f}s", flush=True)
     if args.eval:

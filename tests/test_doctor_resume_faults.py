@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from pipeline import config as config_mod
@@ -195,3 +196,17 @@ def test_a_stray_checkpoint_name_does_not_crash_the_checks(tmp_path):
     (old / "state.json").write_text(json.dumps({"step": 4, "version": 4}))
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step-000004"    # what the learner restores
     assert rc.latest_complete_step(tmp_path) == 4
+
+
+def test_with_no_job_running_doctor_picks_the_job_started_last(r):
+    """Without --job and with nothing running, doctor diagnoses the job started last, not the one whose name
+    sorts last (before, "zeta" of a week ago beat "alpha" of a minute ago)."""
+    from pipeline.dataplane.keys import JobKeys
+    from tests.test_metrics import fake_job
+
+    for name, age in (("zeta-old", 7 * 86400), ("alpha-new", 60)):
+        keys = fake_job(r, name)
+        r.hset(keys.state, mapping={"phase": "done", "started_at": time.time() - age})
+    assert doctor.jobs_to_diagnose(r, None, None) == ["alpha-new"]
+    r.hset(JobKeys("alpha-new").state, "started_at", "not a time")   # a damaged record sorts first, not fails
+    assert doctor.jobs_to_diagnose(r, None, None) == ["zeta-old"]

@@ -229,7 +229,7 @@ def _connect(url: str | None, run_dir: Path | None):
 
 
 def jobs_to_diagnose(r, job: str | None, run_dir: Path | None) -> list[str]:
-    """``--job``; else the job of ``--run``; else every running job; else the last job on the Redis.
+    """``--job``; else the job of ``--run``; else every running job; else the job started last on the Redis.
 
     A ``--job`` this Redis has never run, without a run directory to read,
     raises BadInput (a typo is not a healthy job).
@@ -241,7 +241,15 @@ def jobs_to_diagnose(r, job: str | None, run_dir: Path | None) -> list[str]:
     named = get_in(_config_of(run_dir), "job", "name") if run_dir is not None else None
     if named:
         return [named]
-    return running_jobs(r) or all_jobs(r)[-1:]
+    from pipeline.dataplane.keys import JobKeys
+
+    def started_at(name: str) -> float:
+        try:
+            return float(r.hget(JobKeys(name).state, "started_at") or 0)
+        except ValueError:
+            return 0.0
+
+    return running_jobs(r) or sorted(all_jobs(r), key=started_at)[-1:]
 
 
 def _inputs(args, window: float) -> list[Inputs] | None:
