@@ -198,3 +198,30 @@ def test_episode_starts_run_concurrently_like_steps():
                        tool_timeout_s=2.0, seed=0, env=env)
     assert [e.finish for e in eps] == ["answer"] * 32
     assert env.most >= STEP_CONCURRENCY // 2, f"at most {env.most} starts ran at once"
+
+
+def test_an_eval_claimed_by_a_worker_that_is_gone_is_taken_over_and_run_once(r):
+    """A worker claims the "start" evaluation, then leaves for good (scaled away mid-evaluation: not restarted
+    under its id). The others look at a claim held by a live worker again each round, and take one whose
+    holder's record says it is gone: the request is answered once. Before, the claim (SET NX, an hour)
+    made every other worker skip the request for good, and the run waited for 'start' until it failed."""
+    import json
+    import time
+
+    keys = JobKeys(JOB)
+    r.hset(keys.policy, mapping={"version": 0, "path": "/weights/v0"})
+    r.xadd(keys.eval_requests, {"tag": "start", "min_version": 0, "at": 0.0})
+    r.set(keys.eval_claim(r.xrange(keys.eval_requests)[0][0].decode()), "rollout-n-9", ex=3600)
+    record = {"id": "rollout-n-9", "role": "rollout", "state": "running", "heartbeat": time.time()}
+    r.hset(keys.workers, "rollout-n-9", json.dumps(record))
+
+    a, b = _worker(r, "rollout-n-0", 0), _worker(r, "rollout-n-1", 0)
+    a.serve_eval_requests()
+    b.serve_eval_requests()
+    assert _eval_records(r) == [], "a request held by a live worker was run again"
+
+    r.hset(keys.workers, "rollout-n-9", json.dumps({**record, "state": "exited"}))   # it is gone
+    a.serve_eval_requests()
+    b.serve_eval_requests()
+    a.serve_eval_requests()
+    assert _eval_records(r) == [("start", 0)], f"eval records: {_eval_records(r)}"

@@ -10,12 +10,14 @@ single policy version that generated all of its samples.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
 import msgpack
 import numpy as np
+import redis
 
 from pipeline.config import Config
 from pipeline.dataplane import messages
@@ -24,7 +26,7 @@ from pipeline.observe.trace import span
 from pipeline.dataplane.redisconn import Outage
 from pipeline.dataplane.streams import Reject, ensure_groups, run_stage, transact
 from pipeline.dataplane.worker import (CostMeter, WorkerContext, claim_policy, dedup_for, finish_worker,
-                                       room_downstream, start_worker)
+                                       record_alive, room_downstream, start_worker)
 from workers.envs import chat_template_setting, env_from_config
 from workers.envs.base import Task
 from workers.episode import evaluate, run_episodes, unjudged
@@ -133,15 +135,14 @@ class Rollout:
         reply = self.ctx.r.xread({self.ctx.keys.eval_requests: self.eval_cursor}, count=10)
         for _stream, entries in reply or ():
             for entry_id, fields in entries:
-                self.eval_cursor = entry_id.decode()
                 min_version = int(fields.get(b"min_version", 0))
                 if self.ctx.policy_version < min_version:
                     self.maybe_reload()
                     if self.ctx.policy_version < min_version:
-                        # Not published yet: come back to this request next round.
-                        self.eval_cursor = _previous_id(entry_id)
-                        return
-                self.run_eval(fields.get(b"tag", b"").decode(), claim=entry_id.decode())
+                        return   # not published yet: come back to this request next round
+                if not self.run_eval(fields.get(b"tag", b"").decode(), claim=entry_id.decode()):
+                    return   # another live worker runs it: look again next round, in case it dies first
+                self.eval_cursor = entry_id.decode()
 
     def maybe_periodic_eval(self) -> None:
         """One held-out evaluation per ``job.eval_every`` learner steps, across the workers: by the steps the
@@ -154,25 +155,28 @@ class Rollout:
         if version is None or step is None or int(version) != self.ctx.policy_version:
             return   # newer weights are published: evaluate those once loaded
         bucket = int(step) // every
-        if bucket > self.evaluated_bucket:
+        if bucket > self.evaluated_bucket and 0 < int(step) < self.ctx.cfg.job.steps:
+            if self.run_eval("periodic", claim=f"p{bucket}"):
+                self.evaluated_bucket = bucket
+        elif bucket > self.evaluated_bucket:
             self.evaluated_bucket = bucket
-            if 0 < int(step) < self.ctx.cfg.job.steps:
-                self.run_eval("periodic", claim=f"p{bucket}")
 
-    def run_eval(self, tag: str, claim: str) -> None:
-        """Greedy success on the held-out prompts, once per claim across all rollout workers.
+    def run_eval(self, tag: str, claim: str) -> bool:
+        """Greedy success on the held-out prompts, once per claim across all rollout workers; False while
+        another live worker holds the claim (the caller looks again later).
 
         A claim whose result is written is never run again (``eval_served``);
         one held by our id is ours again (we died evaluating and were
-        restarted under the same id), so a request is never left unanswered.
+        restarted under the same id), and one held by a worker that is gone
+        (drained, scaled away, its heartbeat stale) is taken over, so a
+        request is never left unanswered.
         """
         r, keys = self.ctx.r, self.ctx.keys
         if r.sismember(keys.eval_served, claim):
-            return
+            return True
         if not r.set(keys.eval_claim(claim), self.ctx.worker_id, nx=True, ex=3600):
-            holder = r.get(keys.eval_claim(claim))
-            if holder is None or holder.decode() != self.ctx.worker_id:
-                return
+            if not self._take_claim(claim):
+                return r.sismember(keys.eval_served, claim)
         t0 = time.monotonic()
         with span(self.ctx.log, "eval", tag=tag):
             rate, episodes = evaluate(self.engine, self.tokenizer, self.eval_tasks, env=self.env,
@@ -191,6 +195,29 @@ class Rollout:
         self.write(lambda pipe: (pipe.xadd(keys.eval_results, record), pipe.sadd(keys.eval_served, claim)))
         self.ctx.log.info("evaluated", tag=tag, success_rate=round(rate, 4), n=len(episodes) - left_out,
                           unjudged=left_out, eval_s=round(time.monotonic() - t0, 2))
+        return True
+
+    def _take_claim(self, claim: str) -> bool:
+        """Whether the claim is ours now: held by our id, or by a worker whose record says it is gone (taken
+        over in a transaction, so that of two workers seeing the same dead holder one wins)."""
+        r, key = self.ctx.r, self.ctx.keys.eval_claim(claim)
+        with r.pipeline() as pipe:
+            try:
+                pipe.watch(key)
+                holder = pipe.get(key)
+                if holder is not None and holder.decode() == self.ctx.worker_id:
+                    return True
+                if holder is not None:
+                    raw = pipe.hget(self.ctx.keys.workers, holder)
+                    if raw is not None and record_alive(json.loads(raw), time.time()):
+                        return False
+                pipe.multi()
+                pipe.set(key, self.ctx.worker_id, ex=3600)
+                pipe.execute()
+            except redis.WatchError:
+                return False   # another worker took it first
+        self.ctx.log.warning("eval_claim_taken_over", claim=claim, holder=holder.decode() if holder else None)
+        return True
 
     def write(self, queue) -> None:
         """A transaction of small writes, waiting while Redis is full (backpressure, never a crash)."""
@@ -282,12 +309,6 @@ def _trajectory(e) -> messages.Trajectory:
         logprobs=np.asarray(e.logprobs, dtype=np.float32), text=e.text, finish=e.finish,
         turns=e.turns, tool_calls=e.tool_calls, tool_latency_s=tuple(e.tool_latency_s),
         tool_timeouts=e.tool_timeouts)
-
-
-def _previous_id(entry_id: bytes) -> str:
-    """The stream id just before ``entry_id``, so XREAD returns that entry again."""
-    ms, seq = map(int, entry_id.decode().split("-"))
-    return f"{ms}-{seq - 1}" if seq else f"{ms - 1}-18446744073709551615"
 
 
 def main() -> None:
