@@ -238,3 +238,88 @@ def test_workers_survive_a_redis_restart_and_a_partition(server, tmp_path):
     assert a["trained"] == steps * 32 and a["duplicates_trained"] == 0
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*") if p.is_file())
     assert "redis_unavailable" in logs and "redis_reconnected" in logs
+
+
+def test_a_stage_stopped_while_redis_is_full_ends_cleanly_its_batch_left_pending(server):
+    """A worker asked to stop (a drain) while a full Redis refuses its batch's write ends its stage loop
+    without an error; the batch stays pending, for a reclaim or its successor to replay. Before, the write's
+    OOM error was re-raised out of run_stage once stopping, and the worker exited with a traceback."""
+    from pipeline.dataplane import messages as m
+    from pipeline.dataplane.keys import GROUP_REWARD
+    from pipeline.dataplane.streams import ClaimPolicy, Dedup, ensure_groups, group_pending, run_stage
+    from tests.test_streams import unscored_group
+
+    r, keys = connect(server.url), JobKeys("fullstop")
+    ensure_groups(r, keys)
+    r.hset(keys.feeder, "group_size", 2)
+    r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group("g"))})
+    stopping, handled, ended = threading.Event(), threading.Event(), {}
+
+    def handle(groups):
+        r.config_set("maxmemory", 1)           # Redis fills up while the batch is scored
+        handled.set()
+        return [g.with_rewards([1.0, 0.0], 1.0) for g in groups]
+
+    def stage():
+        try:
+            run_stage(r, keys, source=keys.rollouts, group=GROUP_REWARD, consumer="reward-0", sink=keys.scored,
+                      handle=handle, count=16, block_ms=20, max_bytes=1 << 20,
+                      claims=ClaimPolicy(min_idle_ms=60_000, max_deliveries=3), stop=stopping.is_set,
+                      counter="scored", dedup=Dedup("reward", 600))
+            ended["ok"] = True
+        except BaseException as exc:  # noqa: BLE001 - the test reads how the loop ended
+            ended["error"] = exc
+
+    t = threading.Thread(target=stage, daemon=True)
+    t.start()
+    try:
+        assert handled.wait(10)
+        time.sleep(0.5)                          # the write is refused and waited on
+        stopping.set()
+        t.join(15)
+        assert not t.is_alive(), "the stage kept waiting on a full Redis after it was asked to stop"
+        assert ended == {"ok": True}, f"the stage ended with {ended.get('error')!r}"
+    finally:
+        r.config_set("maxmemory", 0)
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 1 and r.xlen(keys.scored) == 0
+
+
+def test_a_stage_stopped_while_a_full_redis_refuses_a_dead_letter_ends(server):
+    """An entry reclaimed past max_deliveries is dead-lettered; with Redis full that write waits. Asked to stop
+    meanwhile, the stage ends and the entry stays pending. Before, that wait ignored the stop flag, and a
+    draining worker hung until memory freed."""
+    from pipeline.dataplane import messages as m
+    from pipeline.dataplane.keys import GROUP_REWARD
+    from pipeline.dataplane.streams import ClaimPolicy, ensure_groups, group_pending, read, run_stage
+    from tests.test_streams import unscored_group
+
+    r, keys = connect(server.url), JobKeys("fulldead")
+    ensure_groups(r, keys)
+    r.hset(keys.feeder, "group_size", 2)
+    r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group("g"))})
+    assert read(r, keys.rollouts, GROUP_REWARD, "reward-a", 1, 10)   # delivered once, to a worker now gone
+    time.sleep(0.05)
+    r.config_set("maxmemory", 1)
+    stopping, ended = threading.Event(), {}
+
+    def stage():
+        try:
+            run_stage(r, keys, source=keys.rollouts, group=GROUP_REWARD, consumer="reward-0", sink=keys.scored,
+                      handle=lambda groups: [g.with_rewards([1.0, 0.0], 1.0) for g in groups], count=16,
+                      block_ms=20, max_bytes=1 << 20, claims=ClaimPolicy(min_idle_ms=10, max_deliveries=1),
+                      stop=stopping.is_set, counter="scored")
+            ended["ok"] = True
+        except BaseException as exc:  # noqa: BLE001 - the test reads how the loop ended
+            ended["error"] = exc
+
+    t = threading.Thread(target=stage, daemon=True)
+    t.start()
+    try:
+        time.sleep(1.0)                          # the reclaim is made and its dead letter refused
+        stopping.set()
+        t.join(15)
+        assert not t.is_alive(), "the stage kept waiting on a full Redis after it was asked to stop"
+        assert ended == {"ok": True}, f"the stage ended with {ended.get('error')!r}"
+    finally:
+        r.config_set("maxmemory", 0)
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 1 and r.xlen(keys.dead_letters) == 0

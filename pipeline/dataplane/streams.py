@@ -374,7 +374,7 @@ class ClaimPolicy:
 
 
 def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: str, policy: ClaimPolicy,
-            count: int, cursor: str, log=None) -> tuple[list[Entry], str]:
+            count: int, cursor: str, log=None, stop: Callable[[], bool] = lambda: False) -> tuple[list[Entry], str]:
     """Claim up to ``count`` entries idle longer than ``min_idle_ms`` from any consumer of ``group``.
 
     The idle entries are found with XPENDING ... IDLE, which counts no
@@ -397,14 +397,15 @@ def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: st
     got = [(i, (f or {}).get(messages.FIELD, b"")) for i, f in claimed if i is not None]
     if not got:
         return [], next_cursor
-    keep = _within_deliveries(r, keys, source, group, consumer, policy, got, log)
+    keep = _within_deliveries(r, keys, source, group, consumer, policy, got, log, stop)
     if keep and log:
         log.info("reclaimed", entries=len(keep))
     return keep, next_cursor
 
 
 def replay_own(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: str, policy: ClaimPolicy,
-               count: int, after: str, log=None) -> tuple[list[Entry], str | None]:
+               count: int, after: str, log=None,
+               stop: Callable[[], bool] = lambda: False) -> tuple[list[Entry], str | None]:
     """This consumer's own pending entries after ``after`` (a restart under its name, or after an outage).
 
     The read counts a delivery, so entries past ``max_deliveries`` are
@@ -418,13 +419,14 @@ def replay_own(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer:
     entries = read_own_pending(r, source, group, consumer, count, after)
     if not entries:
         return [], None
-    return _within_deliveries(r, keys, source, group, consumer, policy, entries, log), entries[-1][0]
+    return _within_deliveries(r, keys, source, group, consumer, policy, entries, log, stop), entries[-1][0]
 
 
 def _within_deliveries(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: str,
-                       policy: ClaimPolicy, entries: list[Entry], log) -> list[Entry]:
+                       policy: ClaimPolicy, entries: list[Entry], log,
+                       stop: Callable[[], bool] = lambda: False) -> list[Entry]:
     """``entries`` (all pending with ``consumer``) delivered at most ``max_deliveries`` times; the others are
-    dead-lettered with their count and acknowledged."""
+    dead-lettered with their count and acknowledged (waiting while Redis is full, unless ``stop()``)."""
     counts = delivery_counts(r, source, group, [i for i, _p in entries], consumer)
     keep, over = [], []
     for entry_id, payload in entries:
@@ -442,7 +444,7 @@ def _within_deliveries(r: redis.Redis, keys: JobKeys, source: str, group: str, c
                 pipe.xack(source, group, entry_id)
             return pipe
 
-        execute_with_backpressure(build, log)
+        execute_with_backpressure(build, log, stop)
         if log:
             log.warning("dead_lettered_redelivered", entries=len(over))
     return [(i, p) for i, p, _n in keep]
@@ -588,11 +590,11 @@ def run_stage(
                 # Entries delivered before (reclaimed, or our own replayed) are handled one per round: only
                 # the one whose handling kills the worker is counted towards max_deliveries.
                 if cursor != "0-0" or time.monotonic() >= next_scan:   # a scan in progress goes on
-                    entries, cursor = reclaim(r, keys, source, group, consumer, claims, 1, cursor, log)
+                    entries, cursor = reclaim(r, keys, source, group, consumer, claims, 1, cursor, log, stop)
                     if cursor == "0-0" and not entries:
                         next_scan = time.monotonic() + claims.scan_every_s
                 if not entries and own is not None:
-                    entries, own = replay_own(r, keys, source, group, consumer, claims, 1, own, log)
+                    entries, own = replay_own(r, keys, source, group, consumer, claims, 1, own, log, stop)
                 if not entries:
                     entries = read(r, source, group, consumer, count, block_ms)
                 outage.ok()
@@ -602,6 +604,10 @@ def run_stage(
                 outage.wait(exc)   # RedisUnavailable past the limit: the worker exits non-zero
                 own = "0"
                 continue
+            except redis.ResponseError as exc:
+                if stop() and redis_full(exc):
+                    break   # stopping while a full Redis refuses the dead letters: they are replayed
+                raise
             if not entries:
                 continue
             good, bad = decode_entries(entries, max_bytes)
@@ -616,6 +622,10 @@ def run_stage(
                     if not stop():
                         raise
                     break   # stopping without Redis (our run is gone with it): the batch stays pending, replayed
+                except redis.ResponseError as exc:
+                    if not (stop() and redis_full(exc)):
+                        raise
+                    break   # stopping while Redis is full: the batch stays pending, replayed
     finally:
         keeper.close()
 
