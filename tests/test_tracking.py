@@ -148,6 +148,19 @@ def test_the_tail_reads_a_backlog_larger_than_one_read(tmp_path, monkeypatch):
     assert [row["i"] for row in JsonlTail(path).read()] == list(range(50))
 
 
+def test_a_line_longer_than_one_read_is_skipped_once_complete_and_the_tail_goes_on(tmp_path, monkeypatch):
+    """A line over READ_MAX (4 MiB) is passed over once its end is written, and the rows after it are read.
+    Before, the tail read a full chunk with no newline, kept its offset, and never read another row."""
+    monkeypatch.setattr(tracking, "READ_MAX", 64)
+    path = tmp_path / "metrics.jsonl"
+    tail = JsonlTail(path)
+    append(path, {"i": 0}, raw='{"huge": "' + "x" * 300)
+    assert tail.read() == [{"i": 0}]     # the long line is still being written: wait for its end
+    append(path, raw='"}\n')
+    append(path, {"i": 1}, {"i": 2})
+    assert tail.read() == [{"i": 1}, {"i": 2}] and tail.offset == path.stat().st_size
+
+
 # --- TensorBoard ---------------------------------------------------------------------------------
 
 

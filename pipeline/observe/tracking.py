@@ -131,7 +131,11 @@ def eval_scalars(fields: dict) -> tuple[int, dict[str, float], float | None]:
 
 
 class JsonlTail:
-    """The complete lines appended to a JSONL file since ``offset``; a partial last line waits for its end."""
+    """The complete lines appended to a JSONL file since ``offset``; a partial last line waits for its end.
+
+    A line longer than ``READ_MAX`` is skipped whole once it is complete (no
+    metric row is that long; reading it would hold the tail there for good).
+    """
 
     def __init__(self, path: Path, offset: int = 0):
         self.path, self.offset = path, offset
@@ -145,6 +149,12 @@ class JsonlTail:
                         self.offset = 0   # not the file we were reading: start it again
                     f.seek(self.offset)
                     chunk = f.read(READ_MAX)
+                    if len(chunk) == READ_MAX and b"\n" not in chunk:
+                        end = _line_end(f)
+                        if end is None:
+                            return rows   # the long line is still being written
+                        self.offset = end
+                        continue
             except FileNotFoundError:
                 return rows
             complete = chunk[:chunk.rfind(b"\n") + 1]
@@ -152,6 +162,15 @@ class JsonlTail:
             rows += _parse(complete)
             if len(chunk) < READ_MAX or not complete:
                 return rows
+
+
+def _line_end(f) -> int | None:
+    """The offset just past the next newline from ``f``'s position, None when the file ends first."""
+    while chunk := f.read(READ_MAX):
+        at = chunk.find(b"\n")
+        if at >= 0:
+            return f.tell() - len(chunk) + at + 1
+    return None
 
 
 def _parse(data: bytes) -> list[dict]:
