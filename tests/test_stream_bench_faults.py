@@ -13,7 +13,7 @@ import pytest
 from pipeline.cli import build_parser
 from pipeline.dataplane import messages as m
 from pipeline.dataplane.keys import GROUP_REWARD, JobKeys, job_pattern
-from pipeline.dataplane.streams import (Dedup, decode_entries, ensure_groups, group_pending, read,
+from pipeline.dataplane.streams import (Dedup, decode_entries, ensure_groups, group_pending, job_group_size, read,
                                         write_and_ack)
 from pipeline.sim import bench_streams
 from tests.test_streams import unscored_group
@@ -156,3 +156,21 @@ def test_a_claim_keeper_does_not_take_back_an_entry_another_consumer_reclaimed(r
     assert theirs == [mine] and owner() == b"reward-1"
     keeper.refresh()
     assert owner() == b"reward-1"
+
+
+def test_bench_streams_records_the_group_size_a_dead_letter_counts_in(monkeypatch, redis_url):
+    """The stages' dead letters give back ``group_size`` trajectories each, read from the feeder's record;
+    the bench's feeder now records it as the job's feeder does. Before, it did not, and a dead letter in a
+    bench run counted 0 trajectories."""
+    seen = {}
+
+    def feed_then_look(self):
+        seen["group_size"] = job_group_size(self.r, self.keys)
+        raise RuntimeError("enough")
+
+    monkeypatch.setattr(bench_streams.Feeder, "_feed", feed_then_look)
+    spec = bench_streams.BenchSpec(seconds=0.3, warmup_s=0.0, group_size=3, tokens=16, stages="threads",
+                                   block_ms=20, rounds=1)
+    with pytest.raises(RuntimeError, match="enough"):
+        bench_streams.measure("libra", redis_url, "bench-streams-review-1", spec)
+    assert seen == {"group_size": 3}

@@ -325,6 +325,8 @@ def measure(kind: str, url: str, job: str, spec: BenchSpec, say=lambda line: Non
     keys = JobKeys(job)
     clear_job(r, keys.pattern)
     streams.ensure_groups(r, keys)
+    # as the job's feeder records it: the unit a dead letter gives back to the in-flight count
+    r.hset(keys.feeder, "group_size", spec.group_size)
     if spec.stages == "processes":
         ctx = mp.get_context("fork")
         stop_event, ready, results = ctx.Event(), ctx.Queue(), ctx.Queue()
