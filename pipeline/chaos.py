@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import shlex
@@ -48,6 +47,7 @@ from typing import Callable
 import psutil
 import redis
 
+from pipeline import argtypes
 from pipeline.config import ConfigError
 from pipeline.control.agent import process_start
 from pipeline.dataplane.lifeline import own_runs
@@ -143,15 +143,39 @@ def format_schedule(seed: int, events: list[Event]) -> str:
     return "\n".join([f"chaos schedule (seed {seed}, {len(events)} events):"] + ["  " + e.describe() for e in events])
 
 
-def replay_command(argv: list[str], seed: int) -> str:
-    """``scripts/chaos ARGS --seed SEED``: the command line that runs the same schedule again."""
-    args, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--seed":
-            skip = True
-        elif not a.startswith("--seed=") and a != "--dry-run":
+ROOT = Path(__file__).resolve().parent.parent   # scripts/chaos runs from here
+_VALUED = {"--seed", "--dir", "--json", "--set", "--kills", "--controller-kills", "--agent-kills",
+           "--redis-restarts", "--span", "--timeout", "--steps", "--time-scale", "--rollout", "--reward"}
+
+
+def replay_command(argv: list[str], seed: int, cwd: Path | None = None) -> str:
+    """``scripts/chaos ARGS --seed SEED``: the command line that runs the same schedule again.
+
+    Without ``--dry-run``, and without ``--dir``: a replay starts in a fresh
+    directory (the old one's Redis and agent logs would count again). The
+    config and ``--json`` paths are made absolute when ``cwd`` is not the
+    repository root, where ``scripts/chaos`` runs.
+    """
+    here = (cwd or Path.cwd()).resolve()
+
+    def path(p: str) -> str:
+        return p if here == ROOT or Path(p).is_absolute() else str(here / p)
+
+    args, it = [], iter(argv)
+    for a in it:
+        flag, eq, value = a.partition("=")
+        if flag in ("--seed", "--dir"):
+            if not eq:
+                next(it, None)
+        elif a == "--dry-run":
+            pass
+        elif flag == "--json":
+            args += ["--json", path(value if eq else next(it, ""))]
+        elif flag in _VALUED:
+            args += [a] if eq else [a, next(it, "")]
+        elif not a.startswith("-") and args[:1] == ["real"] and len(args) == 1:
+            args.append(path(a))   # the config
+        else:
             args.append(a)
     return shlex.join(["scripts/chaos", *args, "--seed", str(seed)])
 
@@ -788,13 +812,19 @@ def format_summary(s: dict) -> str:
 # --- command line --------------------------------------------------------------------------------------
 
 
+def kill_count(item: str) -> str:
+    """An argparse type for ``--kills``: ``ROLE=N`` with a worker role and a whole N (else exit 2)."""
+    role, _, n = item.partition("=")
+    if role not in WORKER_ROLES or not (n.isascii() and n.isdigit()):
+        raise argparse.ArgumentTypeError(f"{item!r}: give ROLE=N with ROLE one of {', '.join(WORKER_ROLES)}")
+    return item
+
+
 def parse_kills(items: list[str] | None, defaults: dict) -> dict:
     """``ROLE=N`` pairs over the backend's default kill counts."""
     kills = dict(defaults)
     for item in items or []:
-        role, _, n = item.partition("=")
-        if role not in WORKER_ROLES or not (n.isascii() and n.isdigit()):
-            raise SystemExit(f"libra-ctl chaos: --kills {item!r}: give ROLE=N with ROLE one of {', '.join(WORKER_ROLES)}")
+        role, _, n = kill_count(item).partition("=")
         kills[role] = int(n)
     return kills
 
@@ -841,6 +871,10 @@ def cmd_chaos(args) -> int:
     if args.dry_run:
         return 0
     base = Path(args.dir or f"runs/chaos-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}").resolve()
+    if (base / "redis").exists() or base.exists() and not base.is_dir():
+        print(f"libra-ctl chaos: --dir {base} holds an earlier run (or is a file): its Redis and logs would "
+              "count again; give a new directory", file=sys.stderr)
+        return 2
     base.mkdir(parents=True, exist_ok=True)
     try:
         backend = backend_of(args, base, seed)
@@ -866,37 +900,27 @@ def cmd_chaos(args) -> int:
     return 0 if summary["ok"] else 1
 
 
-def _number(kind, low: float, strict: bool = False):
-    """An argparse type: a ``kind`` number of at least ``low`` (above it when ``strict``), else a usage error."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
-        if not math.isfinite(value) or value < low or strict and value == low:
-            raise argparse.ArgumentTypeError(f"{text}: must be {'above' if strict else 'at least'} {low:g}")
-        return value
-    return parse
-
-
 def add_arguments(p) -> None:
-    count, positive = _number(int, 1), _number(float, 0, strict=True)
+    count, positive = argtypes.count, argtypes.seconds
     sub = p.add_subparsers(dest="backend", required=True)
-    sim = sub.add_parser("sim", help="a sim job (cost-model workers on the real control plane); many kills")
+    # no abbreviated flags: the replay line rebuilds the command from what was typed
+    sim = sub.add_parser("sim", help="a sim job (cost-model workers on the real control plane); many kills",
+                         allow_abbrev=False)
     sim.add_argument("--steps", type=count, default=160, help="learner steps of the job (it must outlast --span)")
     sim.add_argument("--time-scale", type=positive, default=10.0, help="simulated seconds per wall second")
     sim.add_argument("--rollout", type=count, default=3, help="rollout slots (workers)")
     sim.add_argument("--reward", type=count, default=2, help="reward worker processes")
-    real = sub.add_parser("real", help="libra-ctl run CONFIG (vLLM rollout, torch learner); fewer kills")
+    real = sub.add_parser("real", help="libra-ctl run CONFIG (vLLM rollout, torch learner); fewer kills",
+                          allow_abbrev=False)
     real.add_argument("config", help="job TOML, e.g. examples/quickstart.toml")
     real.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
     for q, span in ((sim, 60.0), (real, 120.0)):
-        q.add_argument("--seed", type=int, help="seed of the schedule (default: a random one, printed)")
-        q.add_argument("--kills", action="append", metavar="ROLE=N",
+        q.add_argument("--seed", type=argtypes.whole, help="seed of the schedule (default: a random one, printed)")
+        q.add_argument("--kills", action="append", metavar="ROLE=N", type=kill_count,
                        help=f"worker kills of a role (default {SIM_KILLS if q is sim else REAL_KILLS})")
-        q.add_argument("--controller-kills", type=_number(int, 0), default=1)
-        q.add_argument("--agent-kills", type=_number(int, 0), default=1)
-        q.add_argument("--redis-restarts", type=_number(int, 0), default=2 if q is sim else 1)
+        q.add_argument("--controller-kills", type=argtypes.whole, default=1)
+        q.add_argument("--agent-kills", type=argtypes.whole, default=1)
+        q.add_argument("--redis-restarts", type=argtypes.whole, default=2 if q is sim else 1)
         q.add_argument("--span", type=positive, default=span, help="seconds after the first learner step over "
                                                                    "which the events are spread")
         q.add_argument("--timeout", type=positive, default=1800.0, help="give up after this many seconds")

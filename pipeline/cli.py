@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline import config as config_mod
+from pipeline import argtypes, config as config_mod
 from pipeline.dataplane.keys import BadName, check_path
 from pipeline.dataplane.redisconn import ENV_URL, connect, find_redis_url
 from pipeline.redaction import redact, redact_tree, write_private
@@ -168,7 +168,11 @@ def cmd_redis(args) -> int:
             return 1
         then = args.then[1:] if args.then[:1] == ["--"] else args.then
         if then:
-            os.execvpe(then[0], then, {**os.environ, ENV_URL: url})
+            try:
+                os.execvpe(then[0], then, {**os.environ, ENV_URL: url})
+            except OSError as exc:   # a typo in a Procfile line: said in one line, as a shell would
+                print(f"libra-ctl redis: cannot run {then[0]}: {exc.strerror or exc}", file=sys.stderr)
+                return 127
         print(url)
         return 0
     stop = _stop_on_signals()
@@ -298,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a job: Redis if needed, feeder, workers, progress, summary")
     run.add_argument("config", help="job TOML file, e.g. examples/quickstart.toml")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
-    run.add_argument("--join-wait", type=float, default=0.0, metavar="S",
+    run.add_argument("--join-wait", type=argtypes.seconds_or_none, default=0.0, metavar="S",
                      help="wait up to S seconds for a controller and an agent starting beside this run on its Redis "
                           "(a Procfile) before starting the missing ones (default: join only what is there)")
     run.set_defaults(func=cmd_run)
@@ -320,9 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     cf.set_defaults(func=cmd_config)
 
     c = sub.add_parser("controller", help="the reconcile loop: moves slots between stages (one acts at a time)")
-    c.add_argument("--interval", type=float, default=10.0, help="seconds between reconciles (control.interval_s)")
+    c.add_argument("--interval", type=argtypes.seconds, default=10.0, help="seconds between reconciles (control.interval_s)")
     c.add_argument("--once", action="store_true", help="one reconcile, then exit")
-    c.add_argument("--metrics-port", type=int, default=9464,
+    c.add_argument("--metrics-port", type=argtypes.whole, default=9464,
                    help="serve Prometheus /metrics on this port (0: off; control.metrics_port)")
     c.add_argument("--metrics-host", default="127.0.0.1",
                    help="address /metrics binds (0.0.0.0: every interface; control.metrics_host)")
@@ -343,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     rd.add_argument("--dir", default=SHARED_REDIS_DIR, help="data, socket and redis.url of the embedded server")
     rd.add_argument("--wait", action="store_true",
                     help="wait until the Redis answers, then print its URL, or exec the command after --")
-    rd.add_argument("--timeout", type=float, default=REDIS_WAIT_S, help="seconds --wait waits")
+    rd.add_argument("--timeout", type=argtypes.seconds_or_none, default=REDIS_WAIT_S, help="seconds --wait waits")
     rd.add_argument("--redis", help=f"a Redis URL (default: ${ENV_URL}, else the embedded server's)")
     rd.add_argument("then", nargs=argparse.REMAINDER, help="with --wait: -- CMD ... run with $LIBRA_REDIS_URL set")
     rd.set_defaults(func=cmd_redis)

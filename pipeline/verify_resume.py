@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from pipeline import config as config_mod
+from pipeline import argtypes, config as config_mod
 from pipeline.logs import STDERR, STDOUT
 from pipeline.config import Config
 from pipeline.dataplane.keys import JobKeys
@@ -391,9 +391,9 @@ def add_commands(sub) -> None:
     p.add_argument("--hard", action="store_true",
                    help="kill the whole run (libra-ctl run and every process under it) with SIGKILL, then "
                         "libra-ctl resume it (default: SIGKILL the learner; its agent restarts it)")
-    p.add_argument("--kill-at-step", type=int, metavar="N",
+    p.add_argument("--kill-at-step", type=argtypes.count, metavar="N",
                    help="kill once step N is trained (default: half a checkpoint interval past the middle checkpoint)")
     p.add_argument("--json", metavar="OUT", help="write the verdict as JSON to OUT")
-    p.add_argument("--timeout", type=float, default=3600.0, metavar="S",
+    p.add_argument("--timeout", type=argtypes.seconds, default=3600.0, metavar="S",
                    help="give up on each phase (run to the kill, run to the end, resume) after S seconds")
     p.set_defaults(func=cmd_verify_resume)

@@ -214,18 +214,30 @@ def forbidden_arrows(edges: list[Edge]) -> list[tuple[Edge, str]]:
 
 
 def reaches(modules, edges) -> dict[str, set[str]]:
-    """Every module each module loads, directly or through others."""
+    """Every module each module loads, directly or through others.
+
+    Loading a module first runs its parent packages' ``__init__``: those
+    count as loaded too (not as arrows, which would make every package and
+    its modules a loop).
+    """
     adj = _adjacency(modules, edges)
     out = {}
     for start in modules:
-        seen, todo = set(), [start]
+        seen, todo = set(), [start, *_parents(start, modules)]
         while todo:
             for nxt in adj[todo.pop()]:
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
+                for m in (nxt, *_parents(nxt, modules)):
+                    if m not in seen:
+                        seen.add(m)
+                        todo.append(m)
         out[start] = seen - {start}
     return out
+
+
+def _parents(mod: str, modules) -> list[str]:
+    """The packages above ``mod`` that are modules of the graph (``a.b.c``: ``a.b``, ``a``)."""
+    parts = mod.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in modules]
 
 
 def forbidden_reach(modules, edges) -> list[str]:

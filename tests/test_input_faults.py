@@ -89,7 +89,7 @@ def test_a_negative_seed_flag_is_refused_naming_seed(tmp_path, capsys, extra):
     with pytest.raises(SystemExit) as exc:
         _cli(argv)
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and "argument --seed: -3: a seed is >= 0" in err, err
+    assert exc.value.code == 2 and "argument --seed: -3: must be at least 0" in err, err
 
 
 def test_response_tokens_unknown_key_is_rejected():

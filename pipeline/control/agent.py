@@ -59,6 +59,7 @@ from pathlib import Path
 import redis
 import structlog
 
+from pipeline import argtypes
 from pipeline.control import actions
 from pipeline.control.actions import STATE_DRAIN, STATE_GONE, STATE_RUN
 from pipeline.dataplane.keys import (AGENTS, ROLES, JobKeys, agent_backoff, agent_desired, agent_lock, agent_log,
@@ -767,8 +768,8 @@ def cmd_agent(args) -> int:
 
 def add_commands(sub) -> None:
     p = sub.add_parser("agent", help="node agent: start, drain and restart this machine's workers")
-    p.add_argument("--slots", type=int, help=f"N CPU slots (default: ${GPUS_ENV}, else the GPUs NVML finds)")
+    p.add_argument("--slots", type=argtypes.count, help=f"N CPU slots (default: ${GPUS_ENV}, else the GPUs NVML finds)")
     p.add_argument("--node", help=f"node name (default: ${NODE_ENV}, else the short host name)")
-    p.add_argument("--grace", type=float, default=GRACE_S, help="seconds from SIGTERM to SIGKILL of a worker")
+    p.add_argument("--grace", type=argtypes.seconds, default=GRACE_S, help="seconds from SIGTERM to SIGKILL of a worker")
     p.add_argument("--redis", help=f"Redis URL (default: ${ENV_URL})")
     p.set_defaults(func=cmd_agent)

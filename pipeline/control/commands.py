@@ -20,6 +20,7 @@ import time
 
 import redis
 
+from pipeline import argtypes
 from pipeline.config import BadInput
 from pipeline.control import actions
 from pipeline.control.allocation import (allocation_status, external_workers, get_allocation, pin, read_placement,
@@ -169,7 +170,7 @@ def add_commands(sub) -> None:
     s.add_argument("counts", nargs="*", metavar="ROLE=N")
     s.add_argument("--auto", action="store_true", help="return control to the allocator")
     s.add_argument("--job", help="the job to pin; no other job's allocation changes (needed when several run)")
-    s.add_argument("--wait", type=float, default=0.0, metavar="S",
+    s.add_argument("--wait", type=argtypes.seconds_or_none, default=0.0, metavar="S",
                    help="wait up to S seconds for the counts to run (exit 1 if they do not, or once the job "
                         "has trained its last step)")
     s.add_argument("--redis")
@@ -184,6 +185,6 @@ def add_commands(sub) -> None:
     e = sub.add_parser("events", help="the controller's decisions: inputs, expected gain, actions")
     e.add_argument("--job", help="only this job's (default: every job's, merged by time)")
     e.add_argument("--json", action="store_true")
-    e.add_argument("-n", "--last", type=int, default=50)
+    e.add_argument("-n", "--last", type=argtypes.count, default=50)
     e.add_argument("--redis")
     e.set_defaults(func=cmd_events)

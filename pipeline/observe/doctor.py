@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import argtypes
 from pipeline.logs import OUTPUT_START
 from pipeline.observe.doctor_checks import CHECKS, SCALE, SEVERITY, STEPS, Diagnosis, Thresholds, Window, get_in
 
@@ -302,8 +303,8 @@ def add_commands(sub) -> None:
     p.add_argument("--job", help="job name (default: every running job, one diagnosis each)")
     p.add_argument("--run", help="run directory (logs, manifest; the whole input when its Redis is gone)")
     p.add_argument("--redis", help="Redis URL (default: $LIBRA_REDIS_URL, the run's, or the newest local run's)")
-    p.add_argument("--window", type=float, default=300.0, help="seconds of history to judge (default 300)")
-    p.add_argument("--sample-s", type=float, default=10.0,
+    p.add_argument("--window", type=argtypes.seconds, default=300.0, help="seconds of history to judge (default 300)")
+    p.add_argument("--sample-s", type=argtypes.seconds_or_none, default=10.0,
                    help="when no samples were recorded, sample the live job this long first (0: don't)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)

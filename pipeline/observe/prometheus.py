@@ -33,6 +33,7 @@ import redis
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from pipeline import argtypes
 from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
 from pipeline.dataplane.keys import JOBS, JobKeys
 from pipeline.observe.status import job_status
@@ -340,7 +341,7 @@ def cmd_metrics_serve(args) -> int:
 
 def add_commands(sub) -> None:
     p = sub.add_parser("metrics-serve", help="serve Prometheus /metrics (libra_*) for the jobs on a Redis")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--port", type=argtypes.whole, default=DEFAULT_PORT)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--job", help="only this job (default: every job on the Redis)")
     p.add_argument("--redis", help="Redis URL (default: $LIBRA_REDIS_URL or the newest local run's)")

@@ -17,6 +17,7 @@ from collections import deque
 
 import redis
 
+from pipeline import argtypes
 from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
 from pipeline.dataplane.keys import JOBS, JobKeys
 from pipeline.observe.measures import rise
@@ -218,6 +219,6 @@ def add_commands(sub) -> None:
     p = sub.add_parser("top", help="live view of every job (or --job J): allocation, streams, rates, reward")
     p.add_argument("--job", help="job name (default: every job on the Redis)")
     p.add_argument("--redis", help="Redis URL (default: $LIBRA_REDIS_URL or the newest local run's)")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--interval", type=argtypes.seconds, default=1.0, help="seconds between refreshes")
     p.add_argument("--once", action="store_true", help="print one frame without terminal escapes and exit")
     p.set_defaults(func=cmd_top)

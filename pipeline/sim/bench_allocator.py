@@ -15,7 +15,6 @@ random workloads instead (``pipeline.sim.bench_sweep``, each through ``run_workl
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import sys
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from pipeline import argtypes
 from pipeline.control.allocator import AdmissionError
 from pipeline.sim import bench_pool, bench_sweep, des, fluid
 from pipeline.sim.result import ModeResult
@@ -357,7 +357,7 @@ def add_parser(subparsers) -> None:
                    help="live: where the run directories and logs go")
     p.add_argument("--json", metavar="OUT", help="write the README's JSON shape to OUT")
     p.add_argument("--plot", metavar="OUT.png", help="draw allocation and throughput over time (needs matplotlib)")
-    p.add_argument("--seed", type=_seed, help="seed of the simulation (default: the workload's [job] seed); "
+    p.add_argument("--seed", type=argtypes.whole, help="seed of the simulation (default: the workload's [job] seed); "
                                             "with --sweep, of the generated workloads (default 0)")
     p.add_argument("--sweep", type=int, metavar="N",
                    help="instead of a workload file, run N random workloads (pipeline/sim/workload_gen.py) "
@@ -368,17 +368,6 @@ def add_parser(subparsers) -> None:
                    help=f"with --sweep: write the minimum's workload to DIR/{bench_sweep.MIN_FILE} "
                         "(DIR default examples/bench)")
     p.set_defaults(func=cmd_bench_policy)
-
-
-def _seed(text: str) -> int:
-    """A seed: a whole number >= 0 (numpy's generators take no other)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n}: a seed is >= 0")
-    return n
 
 
 def _interrupt(signum, _frame):

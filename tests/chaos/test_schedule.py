@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +49,7 @@ def test_the_real_backend_still_hits_every_role():
 
 def test_kill_counts_from_the_command_line():
     assert parse_kills(["learner=0", "rollout=9"], SIM_KILLS) == {**SIM_KILLS, "learner": 0, "rollout": 9}
-    with pytest.raises(SystemExit, match="ROLE=N"):
+    with pytest.raises(argparse.ArgumentTypeError, match="ROLE=N"):   # a usage error: exit 2
         parse_kills(["controller=1"], SIM_KILLS)
 
 
