@@ -141,12 +141,14 @@ def ideal_report(wl: Workload, specs: dict[str, allocator.JobSpec]) -> dict:
       its learner at its real scaling (``fluid.split_makespan``).
     """
     views, g = pool.job_views(wl), wl.cluster.gpus
-    work = {j: fluid.job_work_gpu_s(v) for j, v in views.items()}
+    work = {j: fluid.job_work_gpu_s(v, _largest_share(specs[j], g)) for j, v in views.items()}
     n = {j: v.job.steps * v.job.batch_size for j, v in views.items()}
     alone = {j: n[j] / demand_rate(views[j], specs[j], g) for j in views}
     work_bound = fluid.ideal_makespan(list(work.values()), list(alone.values()), g)
-    split_bound = fluid.split_makespan(list(views.values()), [allocator.min_share(specs[j]) for j in views],
-                                       [_largest_share(specs[j], g) for j in views], g)
+    # A split of the stages is no bound when the learner scales better than linearly: taking turns beats it.
+    split_bound = (fluid.split_makespan(list(views.values()), [allocator.min_share(specs[j]) for j in views],
+                                        [_largest_share(specs[j], g) for j in views], g)
+                   if wl.learner.scaling_exponent <= 1 else 0.0)
     makespan = max(work_bound, split_bound)
     return {"trajectories_per_s": sum(n.values()) / makespan, "makespan_s": makespan,
             "work_bound_s": work_bound, "split_bound_s": split_bound,

@@ -68,14 +68,38 @@ def cpu_reward_cap(wl: Workload, ph: Phase) -> float:
 
 
 def ideal_phase_rate(wl: Workload, ph: Phase) -> float:
-    """Best real-valued split of the phase: the highest rate every stage sustains at once."""
+    """Best real-valued split of the phase: the highest rate every stage sustains at once.
+
+    With a learner that scales better than linearly (``scaling_exponent`` > 1)
+    no split is best: the learner is cheapest per trajectory on the whole
+    pool, so stages taking turns on every GPU beat any split (``turns_rate``),
+    and the bound is that rate.
+    """
     lo, hi = 0.0, 1.0
     while gpus_needed(wl, ph, hi) <= wl.cluster.gpus:
         lo, hi = hi, hi * 2
     for _ in range(100):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if gpus_needed(wl, ph, mid) <= wl.cluster.gpus else (lo, mid)
+    if wl.learner.scaling_exponent > 1:
+        lo = max(lo, turns_rate(wl, ph, wl.cluster.gpus))
     return min(lo, cpu_reward_cap(wl, ph))
+
+
+def turns_rate(wl: Workload, ph: Phase, gpus: int) -> float:
+    """The rate of every GPU doing each stage in turn: ``gpus`` over the GPU-seconds of one trajectory, the
+    learner's on all ``gpus`` at once (the cheapest it gets when ``scaling_exponent`` > 1)."""
+    return gpus / trajectory_gpu_s(wl, ph, gpus)
+
+
+def trajectory_gpu_s(wl: Workload, ph: Phase, learner_gpus: int) -> float:
+    """GPU-seconds of one trajectory of phase ``ph``, every stage at its cheapest: rollout, reward when on GPU,
+    and the learner at its one-GPU rate, or on ``learner_gpus`` when more GPUs cost less
+    (``scaling_exponent`` > 1: n GPUs spend n ** (1 - exponent) of one GPU's time per token)."""
+    c, le = phase_cost(wl, ph), wl.learner
+    learner = c.tokens / le.train_tokens_per_s * (learner_gpus ** (1 - le.scaling_exponent)
+                                                   if le.scaling_exponent > 1 else 1.0)
+    return c.rollout_gpu_s + (c.reward_s if wl.reward.gpu else 0.0) + learner
 
 
 def ideal_rate(wl: Workload) -> float:
@@ -194,6 +218,7 @@ def search_static_best(wl: Workload, run: Callable[[Allocation], ModeResult],
         if better:
             cur = max(better, key=rate)
         elif step == 1:
+            rate(cur)   # a pool of one split has no neighbours: its rate was never run
             return cur, cache[cur]
         else:
             step = max(1, step // 2)
@@ -215,19 +240,17 @@ def _neighbours(wl: Workload, a: Allocation, step: int) -> list[Allocation]:
 
 # --- a pool of several jobs (docs/workloads.md, "Several jobs on one pool") -----------------------------------------
 
-def job_work_gpu_s(wl: Workload) -> float:
-    """W: the job's work in GPU-seconds, every stage at its cheapest (the learner at its one-GPU rate).
+def job_work_gpu_s(wl: Workload, learner_gpus: int | None = None) -> float:
+    """W: the job's work in GPU-seconds, every stage at its cheapest.
 
     Per trajectory: rollout (prompt/prefill + (response/decode + tool waits)/concurrency), reward
-    ``seconds`` when reward is on GPU, learner (prompt + response tokens)/``train_tokens_per_s``; more
-    learner GPUs only cost more per trajectory (scaling_exponent <= 1), so no allocation does it for less.
+    ``seconds`` when reward is on GPU, learner (prompt + response tokens)/``train_tokens_per_s``: more
+    learner GPUs only cost more per trajectory when scaling_exponent <= 1, so no allocation does it for
+    less. Above 1 they cost less, and the learner is charged on ``learner_gpus`` (the most the job may
+    hold; default the pool).
     """
-    total = 0.0
-    for n, ph in zip(wl.job.phase_trajectories(), wl.job.phases):
-        c = phase_cost(wl, ph)
-        reward = c.reward_s if wl.reward.gpu else 0.0
-        total += n * (c.rollout_gpu_s + reward + c.tokens / wl.learner.train_tokens_per_s)
-    return total
+    most = wl.cluster.gpus if learner_gpus is None else learner_gpus
+    return sum(n * trajectory_gpu_s(wl, ph, most) for n, ph in zip(wl.job.phase_trajectories(), wl.job.phases))
 
 
 def ideal_makespan(work_gpu_s: list[float], alone_s: list[float], gpus: int) -> float:
