@@ -152,3 +152,28 @@ def test_a_lease_lost_while_finishing_a_job_ends_the_tick(r, redis_url, tmp_path
 
     monkeypatch.setattr(ctl, "finish", lost)
     assert ctl.tick() is False and not ctl.jobs
+
+
+def test_a_pin_made_while_the_controller_first_sees_the_job_is_kept(r, redis_url, tmp_path, monkeypatch):
+    """`libra-ctl scale` right as a job starts: the pin lands between the controller reading the job's
+    allocation (none yet) and creating it from the config. The creation is one transaction that sees the
+    pin and keeps it. Before, the controller's write set the config's mode (auto) over it: the pin was lost."""
+    from pipeline.control import loop as loop_mod
+
+    sim_job(r, redis_url, tmp_path)                        # an auto job (the config's mode)
+    fake_agent(r, "n1", 4)
+    ctl = Controller(r, interval_s=1.0)
+    reads = []
+
+    def read_then_pin(rr, job):
+        got = real(rr, job)
+        if not reads:                                       # the operator's pin, just after the first read
+            reads.append(1)
+            pin(r, JOB, {"rollout": 3, "learner": 1})
+        return got
+
+    real = loop_mod.get_allocation
+    monkeypatch.setattr(loop_mod, "get_allocation", read_then_pin)
+    ctl.tick()
+    alloc = real(r, JOB)
+    assert alloc["mode"] == "pinned" and alloc["pinned"]["rollout"] == 3, alloc

@@ -297,14 +297,24 @@ class Controller:
         config's counts leave empty start as rollout (the allocator can only
         rebalance what it measures, and an empty slot measures nothing).
         """
-        alloc = get_allocation(self.r, jc.info.name)
-        if alloc["mode"] is None:
-            initial = dict(jc.info.initial)
-            self.r.hset(JobKeys(jc.info.name).allocation, mapping={
-                "mode": jc.info.control.mode, "target": json.dumps(initial), "changed_at": time.time(),
-                **({"pinned": json.dumps(initial)} if jc.info.control.mode == "pinned" else {})})
-            alloc = get_allocation(self.r, jc.info.name)
-        return alloc
+        key = JobKeys(jc.info.name).allocation
+        with self.r.pipeline() as pipe:
+            while True:   # created only if absent, in one transaction: a `scale` pin made meanwhile is kept
+                try:
+                    pipe.watch(key)
+                    if get_allocation(pipe, jc.info.name)["mode"] is not None:
+                        pipe.unwatch()
+                        break
+                    initial = dict(jc.info.initial)
+                    pipe.multi()
+                    pipe.hset(key, mapping={
+                        "mode": jc.info.control.mode, "target": json.dumps(initial), "changed_at": time.time(),
+                        **({"pinned": json.dumps(initial)} if jc.info.control.mode == "pinned" else {})})
+                    pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue
+        return get_allocation(self.r, jc.info.name)
 
     def decide(self, view: "JobView", slots: int, pool: allocator.PoolDecision | None,
                learner_room: int | None = None) -> tuple[dict, dict | None]:
