@@ -538,3 +538,37 @@ def test_no_learner_is_started_for_a_job_whose_training_is_done(r, redis_url, tm
     a.drive({key: {**spec(run_dir, "learner-0", [0], role="learner"), "generation": 0,
                    "state": agent_mod.STATE_RUN, "seq": 3}})
     assert key not in a.procs and not [e for e in log_events(r) if e["key"] == key]
+
+
+def test_an_action_an_outage_cut_off_is_run_once_redis_is_back(r, redis_url, tmp_path, stop_agents, monkeypatch):
+    """Redis goes away while the agent's rq worker holds a control job (taken off the queue, not finished):
+    once Redis answers again the agent puts the job back and runs it. Before, it stayed in rq's intermediate
+    list until the agent restarted, and the worker it asked for never started."""
+    import threading
+
+    import redis as redis_mod
+
+    run_dir = sim_job(r, redis_url, tmp_path)
+    a = make_agent(r, redis_url)
+    stop_agents.append(a)
+    job = actions.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    real_step, calls = a.step, []
+
+    def step_cut_off():
+        calls.append(1)
+        if len(calls) == 1:
+            a.jobs.dequeue()                                   # rq took the job ...
+            raise redis_mod.ConnectionError("Redis went away")  # ... and the connection dropped
+        real_step()
+        if r.hexists(agent_desired(NODE), worker_key(JOB, "rollout-n1-0")):
+            a.stop_event.set()
+
+    monkeypatch.setattr(a, "step", step_cut_off)
+    monkeypatch.setattr(a, "shutdown", lambda: None)
+    t = threading.Thread(target=a.run, daemon=True)
+    t.start()
+    t.join(30)
+    a.stop_event.set()
+    t.join(10)
+    assert json.loads(r.hget(agent_desired(NODE), worker_key(JOB, "rollout-n1-0")))["state"] == agent_mod.STATE_RUN
+    assert Job.fetch(job.id, connection=r, serializer=job.serializer).get_status() == "finished"

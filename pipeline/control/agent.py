@@ -406,13 +406,20 @@ class Agent:
     def run(self) -> None:
         # Redis away or stalled: the workers go on, and so does the agent, until the outage limit
         outage = Outage(self.log, stop=self.stop_event.is_set)
+        cut_off = False
         while not self.stop_event.is_set():
             try:
+                if cut_off:
+                    # A control job the outage cut off is in rq's intermediate list or started registry, where
+                    # nothing would run it again before a restart: no job of ours runs now, so put it back.
+                    self.jobs.recover()
+                    cut_off = False
                 self.step()
                 outage.ok()
             except UNAVAILABLE as exc:
                 if self.stop_event.is_set():
                     break
+                cut_off = True
                 outage.wait(exc)   # RedisUnavailable past the limit: we exit, our workers stay (adopted)
                 continue
             self.stop_event.wait(TICK_S)
