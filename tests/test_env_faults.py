@@ -250,3 +250,40 @@ def test_a_held_out_rate_the_reward_judged_nothing_of_reads_none_judged_not_zero
 
     assert success_text(0.0, 0).startswith("none judged")
     assert success_text(0.0, 200) == "0.0%" and success_text(0.425, None) == "42.5%"
+
+
+class _FailsOnTurn(Environment):
+    """Answers a tool call on every turn before ``turn``; the step of that turn raises (a tool service down)."""
+
+    stop_strings = ("!",)
+
+    def __init__(self, turn: int):
+        self.turn = turn
+
+    def start(self, task):
+        return {"turns": 0}
+
+    def step(self, state, task, turn, finish):
+        state["turns"] += 1
+        if state["turns"] >= self.turn:
+            raise ConnectionError("tool service down")
+        return Reply(text="r", tool_call=True)
+
+    def reward(self, task, transcript):
+        return 1.0
+
+
+def test_a_tool_that_fails_on_the_last_turn_loses_nothing_and_the_group_is_trained(r):
+    """On the episode's last turn a tool's reply would never be read (no turn follows): a failure there ends
+    the episode as max_turns and its group goes on to be trained. Before, it dead-lettered the whole group,
+    group_size trajectories of signal lost to a reply nobody would read. A failure on an earlier turn still
+    dead-letters the group (its reply was needed)."""
+    keys = JobKeys(JOB)
+    assert _run_rollout_stage(r, _stage(r, _FailsOnTurn(2))) == []      # max_turns = 2: the last turn's failure
+    [(_id, fields)] = r.xrange(keys.rollouts)
+    group = m.decode(fields[m.FIELD], 1 << 30)
+    assert [t.finish for t in group.trajectories] == ["max_turns", "max_turns"]
+    assert [t.tool_calls for t in group.trajectories] == [2, 2]
+    r.delete(keys.rollouts, keys.prompts, keys.dead_letters)
+    reasons = _run_rollout_stage(r, _stage(r, _FailsOnTurn(1)))           # the first turn's: its reply was needed
+    assert len(reasons) == 1 and "tool service down" in reasons[0]

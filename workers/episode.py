@@ -129,6 +129,10 @@ class Loop:
                                    on_timeout=self.on_tool_timeout)
         going = []
         for k, (ep, out, reply) in enumerate(zip(episodes, outs, replies)):
+            if reply.error and last_turn:   # no turn left to read its reply: the failure loses nothing
+                _count_call(ep, reply)
+                ep.finish = "max_turns"
+                continue
             if reply.error:   # the tool failed on every try, or ran late: the episode ends, its group dead-lettered
                 _count_call(ep, reply)
                 ep.finish, ep.error = "error", reply.error
