@@ -610,7 +610,9 @@ def summarise(spec: RolloutBenchSpec, cfg: config_mod.Config, cpus: tuple[int, .
         "engine": {"groups_per_call": cfg.rollout.groups_per_call, "group_size": cfg.rollout.group_size,
                    "max_turns": cfg.rollout.max_turns, "max_tokens_per_turn": cfg.rollout.max_tokens_per_turn,
                    "dtype": cfg.rollout.dtype, "threads": 1, "cpus": list(cpus)},
-        "spec": redact_tree(asdict(spec)),   # a --set may carry a URL with a password "load_avg": [round(x, 2) for x in os.getloadavg()], "cpu_count": os.cpu_count(),
+        # a --set may carry a URL with a password
+        "spec": redact_tree(asdict(spec)), "load_avg": [round(x, 2) for x in os.getloadavg()],
+        "cpu_count": os.cpu_count(),
     }
     met = ratio >= TARGET_RATIO
     if switch is not None:

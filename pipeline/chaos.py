@@ -161,7 +161,7 @@ def replay_command(argv: list[str], seed: int, cwd: Path | None = None) -> str:
     def path(p: str) -> str:
         return p if here == ROOT or Path(p).is_absolute() else str(here / p)
 
-    args, it = [], iter(argv)
+    args, it, config_seen = [], iter(argv), False
     for a in it:
         flag, eq, value = a.partition("=")
         if flag in ("--seed", "--dir"):
@@ -173,8 +173,9 @@ def replay_command(argv: list[str], seed: int, cwd: Path | None = None) -> str:
             args += ["--json", path(value if eq else next(it, ""))]
         elif flag in _VALUED:
             args += [a] if eq else [a, next(it, "")]
-        elif not a.startswith("-") and args[:1] == ["real"] and len(args) == 1:
-            args.append(path(a))   # the config
+        elif not a.startswith("-") and args[:1] == ["real"] and not config_seen:
+            args.append(path(a))   # the config (argparse takes it before or after the options)
+            config_seen = True
         else:
             args.append(a)
     return shlex.join(["scripts/chaos", *args, "--seed", str(seed)])

@@ -28,7 +28,9 @@ OUTPUT_START = "--- libra: output of a new start of this process, at"
 def open_output(path: str | Path):
     """A process's raw output file, for its stdout and stderr: appended to, 0600, after a start line."""
     f = open_private(path)
-    f.write(f"{OUTPUT_START} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} ---\n".encode())
+    # on a line of its own, also after an earlier start cut mid-line (a progress bar ends in \r, not \n)
+    lead = "\n" if f.tell() > 0 else ""
+    f.write(f"{lead}{OUTPUT_START} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} ---\n".encode())
     f.flush()
     return f
 

@@ -204,3 +204,20 @@ def test_a_password_in_a_set_override_is_not_written_to_the_json(tmp_path):
         "duplicate_trajectories": 0, "bad": 0, "dead_lettered": 0}}}], None)
     text = json.dumps(res)
     assert "hunter2" not in text and "redis://:***@db:6379/0" in text
+
+
+def test_bench_rollout_result_keeps_load_avg_and_prints():
+    """The result keeps ``load_avg`` and ``cpu_count`` beside the redacted spec, and prints. Before (05ffccc,
+    this session), a comment swallowed both keys, and format_result raised KeyError('load_avg') after the
+    whole bench: neither the figures nor the JSON came out."""
+    import pipeline.bench_rollout as br
+
+    spec = br.RolloutBenchSpec(config="examples/quickstart.toml")
+    cfg = br.bench_config(spec, "review-load-avg")
+    d = {"tokens": 10, "trajectories": 2, "seconds": 1.0, "tokens_per_s": 10.0, "trajectories_per_s": 2.0,
+         "cpu_s": 1.0, "tokens_per_cpu_s": 10.0, "all_tokens": 10, "other_s": 0.1, "engine_s": 0.9}
+    res = br.summarise(spec, cfg, (0,), [{"direct": d, "pipeline": {**d, "exactly_once": {
+        "issued_groups": 1, "received_groups": 1, "entries": 1, "distinct_trajectories": 2,
+        "duplicate_trajectories": 0, "bad": 0, "dead_lettered": 0}}}], None)
+    assert "load_avg" in res and "cpu_count" in res, sorted(res)
+    assert "load average" in br.format_result(res)

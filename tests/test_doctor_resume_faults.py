@@ -210,3 +210,23 @@ def test_with_no_job_running_doctor_picks_the_job_started_last(r):
     assert doctor.jobs_to_diagnose(r, None, None) == ["alpha-new"]
     r.hset(JobKeys("alpha-new").state, "started_at", "not a time")   # a damaged record sorts first, not fails
     assert doctor.jobs_to_diagnose(r, None, None) == ["zeta-old"]
+
+
+def test_doctor_reads_from_the_latest_start_after_an_output_cut_mid_line(tmp_path):
+    """An earlier start killed mid-line (a progress bar ends in ``\\r``, never a newline) is followed by the
+    next start's line on a line of its own, and doctor finds it anywhere in a line: the earlier start's
+    traceback is not read. Before, the start line was appended to the cut line, not found, and the running
+    worker was reported as crashed."""
+    from pipeline.logs import open_output
+    from pipeline.observe.doctor import read_logs
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    out = logs / "rollout-n-0.out"
+    with open_output(out) as f:          # life 1
+        f.write(b"Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+                b"ValueError: an error of the first life\n\rProcessed prompts:  50%|#####     | 8/16")
+    with open_output(out) as f:          # life 2: started after the kill, running fine
+        f.write(b"INFO engine loaded\n")
+    raw = [x for x in read_logs(tmp_path) if isinstance(x, str)]
+    assert not any("an error of the first life" in x for x in raw), raw

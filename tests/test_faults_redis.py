@@ -323,3 +323,50 @@ def test_a_stage_stopped_while_a_full_redis_refuses_a_dead_letter_ends(server):
     finally:
         r.config_set("maxmemory", 0)
     assert group_pending(r, keys.rollouts, GROUP_REWARD) == 1 and r.xlen(keys.dead_letters) == 0
+
+
+def test_a_stage_stopped_while_redis_is_full_survives_its_cost_meter(server):
+    """A stage's cost meter (the reward's handle, the rollout's between()) skips its record when Redis is full,
+    as when it is unreachable: a stage asked to stop while full ends cleanly. Before, the meter's HSET raised
+    the OOM error out of run_stage (and, when not stopping, a redelivery counted against max_deliveries for
+    a batch that was never bad)."""
+    from pipeline.dataplane import messages as m
+    from pipeline.dataplane.keys import GROUP_REWARD
+    from pipeline.dataplane.redisconn import connect
+    from pipeline.dataplane.streams import ClaimPolicy, ensure_groups, group_pending, run_stage
+    from pipeline.dataplane.worker import CostMeter
+    from tests.test_streams import unscored_group
+
+    r, keys = connect(server.url), JobKeys("fullmeter")
+    ensure_groups(r, keys)
+    r.hset(keys.feeder, "group_size", 2)
+    r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group("g"))})
+    meter = CostMeter(r, keys, "reward-0", "reward")
+    stopping, ended = threading.Event(), {}
+
+    def handle(groups):   # as workers.reward.handle: score, then meter.add
+        r.config_set("maxmemory", 1)           # Redis fills up while the batch is scored
+        stopping.set()                         # and the worker is asked to drain
+        out = [g.with_rewards([1.0, 0.0], 1.0) for g in groups]
+        meter.add(busy_s=0.1, items=2)
+        return out
+
+    def stage():
+        try:
+            run_stage(r, keys, source=keys.rollouts, group=GROUP_REWARD, consumer="reward-0", sink=keys.scored,
+                      handle=handle, count=16, block_ms=20, max_bytes=1 << 20,
+                      claims=ClaimPolicy(min_idle_ms=60_000, max_deliveries=3), stop=stopping.is_set,
+                      counter="scored")
+            ended["ok"] = True
+        except BaseException as exc:  # noqa: BLE001 - the test reads how the loop ended
+            ended["error"] = exc
+
+    t = threading.Thread(target=stage, daemon=True)
+    t.start()
+    try:
+        t.join(15)
+        assert not t.is_alive(), "the stage kept waiting on a full Redis after it was asked to stop"
+        assert ended == {"ok": True}, f"the stage ended with {ended.get('error')!r}"
+    finally:
+        r.config_set("maxmemory", 0)
+    assert group_pending(r, keys.rollouts, GROUP_REWARD) == 1 and r.xlen(keys.scored) == 0

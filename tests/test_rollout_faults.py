@@ -225,3 +225,34 @@ def test_an_eval_claimed_by_a_worker_that_is_gone_is_taken_over_and_run_once(r):
     b.serve_eval_requests()
     a.serve_eval_requests()
     assert _eval_records(r) == [("start", 0)], f"eval records: {_eval_records(r)}"
+
+
+def test_an_eval_finished_by_its_holder_while_another_worker_looks_is_not_run_again(r):
+    """The holder of an evaluation writes its result and exits between another worker's look at
+    ``eval_served`` and its takeover: the takeover sees the result and runs nothing. Before, it looked only
+    at the holder's record (exited), took the claim and evaluated again: two "start" records."""
+    import json
+    import time
+
+    keys = JobKeys("revep")
+    r.hset(keys.policy, mapping={"version": 0, "path": "/weights/v0"})
+    r.xadd(keys.eval_requests, {"tag": "start", "min_version": 0, "at": 0.0})
+    claim = r.xrange(keys.eval_requests)[0][0].decode()
+    r.set(keys.eval_claim(claim), "rollout-n-9", ex=3600)
+    record = {"id": "rollout-n-9", "role": "rollout", "state": "running", "heartbeat": time.time()}
+    r.hset(keys.workers, "rollout-n-9", json.dumps(record))
+
+    b = _worker(r, "rollout-n-1", 0)
+    take = b._take_claim
+
+    def holder_finishes_then_take(c):
+        # D, in the window between B's eval_served check and its takeover: result written, then gone
+        r.xadd(keys.eval_results, {"tag": "start", "version": 0, "success_rate": 1.0, "n": 1, "unjudged": 0,
+                                   "worker": "rollout-n-9", "at": time.time(), "samples": b""})
+        r.sadd(keys.eval_served, c)
+        r.hset(keys.workers, "rollout-n-9", json.dumps({**record, "state": "exited"}))
+        return take(c)
+
+    b._take_claim = holder_finishes_then_take
+    b.serve_eval_requests()
+    assert _eval_records(r) == [("start", 0)], f"eval records: {_eval_records(r)}"

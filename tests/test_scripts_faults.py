@@ -257,3 +257,15 @@ def test_import_graph_sees_what_a_package_init_loads(tmp_path):
         (tmp_path / rel).write_text(text)
     s = graph.summary(tmp_path)
     assert any(line.startswith("workers.w loads") for line in s["forbidden_reach"]), s["forbidden_reach"]
+
+
+def test_chaos_replay_makes_the_config_absolute_wherever_it_is_on_the_line(tmp_path):
+    """``chaos real --set k=v job.toml`` (argparse takes the config after options) from the config's
+    directory: the replay names the file absolutely wherever it is on the line. Before, only a config
+    right after ``real`` was rewritten."""
+    from pipeline.chaos import replay_command
+
+    for argv in (["real", "--set", "learner.lr=1e-5", "job.toml"],
+                 ["real", "--kills", "learner=1", "job.toml"]):
+        replay = shlex.split(replay_command(argv, 3, cwd=tmp_path))
+        assert str(tmp_path / "job.toml") in replay, replay

@@ -45,12 +45,22 @@ class RewardModel:
         return float(logits[0, 0])
 
 
+# Models whose positions start after the padding index: their tables hold pad_token_id + 1 entries no text uses.
+_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "longformer", "data2vec-text",
+                     "bart", "mbart", "ibert", "roberta-prelayernorm"}
+
+
 def _longest_input(tokenizer, config) -> int:
     """The most tokens the model reads: its tokenizer's limit where it states one, else its position table.
 
     RoBERTa-family position tables hold two entries the text cannot use (514
-    for 512 tokens); their tokenizers state the usable 512.
+    for 512 tokens); their tokenizers usually state the usable 512, and where
+    one does not the table is cut by those entries.
     """
-    limits = [n for n in (getattr(config, "max_position_embeddings", None), tokenizer.model_max_length)
+    table = getattr(config, "max_position_embeddings", None)
+    if isinstance(table, int) and getattr(config, "model_type", "") in _OFFSET_POSITIONS:
+        pad = getattr(config, "pad_token_id", None)
+        table -= (1 if pad is None else pad) + 1
+    limits = [n for n in (table, tokenizer.model_max_length)
               if isinstance(n, int) and 0 < n < 1_000_000]   # a tokenizer with no limit states about 1e30
     return min(limits, default=4096)

@@ -175,8 +175,9 @@ class Rollout:
         if r.sismember(keys.eval_served, claim):
             return True
         if not r.set(keys.eval_claim(claim), self.ctx.worker_id, nx=True, ex=3600):
-            if not self._take_claim(claim):
-                return r.sismember(keys.eval_served, claim)
+            got = self._take_claim(claim)
+            if got != "ours":
+                return got == "served"
         t0 = time.monotonic()
         with span(self.ctx.log, "eval", tag=tag):
             rate, episodes = evaluate(self.engine, self.tokenizer, self.eval_tasks, env=self.env,
@@ -197,27 +198,31 @@ class Rollout:
                           unjudged=left_out, eval_s=round(time.monotonic() - t0, 2))
         return True
 
-    def _take_claim(self, claim: str) -> bool:
-        """Whether the claim is ours now: held by our id, or by a worker whose record says it is gone (taken
-        over in a transaction, so that of two workers seeing the same dead holder one wins)."""
-        r, key = self.ctx.r, self.ctx.keys.eval_claim(claim)
+    def _take_claim(self, claim: str) -> str:
+        """"ours" when the claim is ours now: held by our id, or by a worker whose record says it is gone
+        (taken over in a transaction, so that of two workers seeing the same dead holder one wins); "served"
+        when its result is written (the holder may finish just before it exits); else "held"."""
+        r, keys = self.ctx.r, self.ctx.keys
+        key = keys.eval_claim(claim)
         with r.pipeline() as pipe:
             try:
-                pipe.watch(key)
+                pipe.watch(key, keys.eval_served)
+                if pipe.sismember(keys.eval_served, claim):
+                    return "served"
                 holder = pipe.get(key)
                 if holder is not None and holder.decode() == self.ctx.worker_id:
-                    return True
+                    return "ours"
                 if holder is not None:
-                    raw = pipe.hget(self.ctx.keys.workers, holder)
+                    raw = pipe.hget(keys.workers, holder)
                     if raw is not None and record_alive(json.loads(raw), time.time()):
-                        return False
+                        return "held"
                 pipe.multi()
                 pipe.set(key, self.ctx.worker_id, ex=3600)
                 pipe.execute()
             except redis.WatchError:
-                return False   # another worker took it first
+                return "held"   # another worker took it first, or the holder just served it: looked at again
         self.ctx.log.warning("eval_claim_taken_over", claim=claim, holder=holder.decode() if holder else None)
-        return True
+        return "ours"
 
     def write(self, queue) -> None:
         """A transaction of small writes, waiting while Redis is full (backpressure, never a crash)."""

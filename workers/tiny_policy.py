@@ -531,7 +531,7 @@ def full_spec(spec: dict) -> dict:
         raise ValueError(f"unknown policy spec keys {sorted(unknown)}; known: {sorted(DEFAULT_SPEC)}")
     full = {**DEFAULT_SPEC, **spec}
     need = CHECK_PROBLEMS + full["warm_batch_size"]
-    if full["warm_problems"] < need:
+    if full["warm_steps"] > 0 and full["warm_problems"] < need:
         raise ValueError(f"warm_problems = {full['warm_problems']}: the warm start holds {CHECK_PROBLEMS} problems "
                          f"back for its success checks and draws batches of warm_batch_size = "
                          f"{full['warm_batch_size']} from the rest: use at least {need}")
@@ -608,7 +608,12 @@ def built_whole(final: str | Path):
         old = _sibling(final, "old") if final.exists() else None
         if old is not None:
             os.rename(final, old)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if old is not None:
+                os.rename(old, final)   # the older build goes back where it was
+            raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     finally:

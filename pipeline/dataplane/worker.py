@@ -36,6 +36,7 @@ from pipeline import config as config_mod, logs
 from pipeline.dataplane.keys import LEARNER, BadName, JobKeys, check_name
 from pipeline.dataplane.lifeline import ORPHAN_EXIT_S, watch_owner, watch_parent
 from pipeline.dataplane.redisconn import ENV_OUTAGE, ENV_URL, UNAVAILABLE, Outage, connect
+from pipeline.dataplane.streams import redis_full
 
 HEARTBEAT_S = 2.0
 STALE_S = 10.0           # a record without a heartbeat for this long belongs to a gone (or stuck) process
@@ -438,9 +439,13 @@ class CostMeter:
         self.publish()
 
     def publish(self) -> None:
-        """Write the record; skipped while Redis is unreachable (the record is cumulative: the next one covers it)."""
+        """Write the record; skipped while Redis is unreachable or full (the record is cumulative: the next one
+        covers it, and a full Redis must not end a stage over a figure)."""
         self.rec["at"] = time.time()
         try:
             self.r.hset(self.keys.worker_costs, self.worker, json.dumps(self.rec))
         except UNAVAILABLE:
             pass
+        except redis.ResponseError as exc:
+            if not redis_full(exc):
+                raise

@@ -81,7 +81,7 @@ def read_logs(run_dir: Path | None, since: float | None = None, out_tail: int = 
     for path in sorted((run_dir / "logs").glob("*.out")):
         lines = path.read_text(errors="replace").splitlines()
         # the output of the process's latest start only: a restarted worker appends to the same file
-        starts = [i for i, line in enumerate(lines) if line.startswith(OUTPUT_START)]
+        starts = [i for i, line in enumerate(lines) if OUTPUT_START in line]
         lines = lines[starts[-1] + 1 if starts else 0:][-out_tail:]
         raw += [f"{path.stem}: {line}" for line in lines if line.strip()]
     return records + raw
