@@ -177,3 +177,37 @@ def test_a_pin_made_while_the_controller_first_sees_the_job_is_kept(r, redis_url
     ctl.tick()
     alloc = real(r, JOB)
     assert alloc["mode"] == "pinned" and alloc["pinned"]["rollout"] == 3, alloc
+
+
+def test_a_decision_whose_event_could_not_be_written_is_recorded_by_the_next_tick(r, redis_url, tmp_path,
+                                                                                  monkeypatch):
+    """A tick that commits a pinned target and then fails to write its event (Redis went away between the two)
+    records that event on its next tick. Before, the next tick found the target already committed ("nothing
+    new"), and `libra-ctl events` never showed the change."""
+    import redis as redis_mod
+
+    from pipeline.control import loop as loop_mod
+    from pipeline.control.events import read_events
+
+    sim_job(r, redis_url, tmp_path, control={"mode": "pinned"})
+    agent = fake_agent(r, "n1", 4)
+    ctl = Controller(r, interval_s=1.0)
+    ctl.tick()
+    agent.run_pending()
+    pin(r, JOB, {"rollout": 2, "learner": 1})
+    real, fails = loop_mod.record_event, []
+
+    def lost(rr, info, event):
+        if event.get("kind") == "pinned" and not fails:
+            fails.append(1)
+            raise redis_mod.ConnectionError("Redis went away")
+        return real(rr, info, event)
+
+    monkeypatch.setattr(loop_mod, "record_event", lost)
+    try:
+        ctl.tick()
+    except redis_mod.ConnectionError:
+        pass
+    ctl.tick()
+    pinned = [e for e in read_events(r, JOB) if e.get("kind") == "pinned" and e.get("to", {}).get("rollout") == 2]
+    assert pinned, [e.get("kind") for e in read_events(r, JOB)]

@@ -78,6 +78,7 @@ class JobControl:
     sent: dict = field(default_factory=dict)     # (node, worker) -> (the last action's digest, when it was sent)
     last_reason: str = ""
     finished: bool = False
+    unwritten: dict | None = None   # an event decided and acted on whose write failed: written next tick
 
 
 @dataclass
@@ -268,10 +269,15 @@ class Controller:
         orders = self.act(jc, new, nodes) + self.drain_external(jc, view.ext, target)
         placements[name] = new
         self.commit(jc, view.alloc, cur, new, target, now, drained)
+        if jc.unwritten is not None:   # the last tick acted, then could not say so (Redis went away)
+            record_event(self.r, jc.info, jc.unwritten)
+            jc.unwritten = None
         if event is not None or orders or drained:
-            record_event(self.r, jc.info, {**(event or {"kind": "drain" if drained else "repair"}),
-                                           "epoch": self.lease.epoch, "actions": orders, "drained": drained,
-                                           **({"external": view.ext_n} if view.ext_n else {})})
+            jc.unwritten = {**(event or {"kind": "drain" if drained else "repair"}), "epoch": self.lease.epoch,
+                            "actions": orders, "drained": drained,
+                            **({"external": view.ext_n} if view.ext_n else {})}
+            record_event(self.r, jc.info, jc.unwritten)
+            jc.unwritten = None
         self.adapt_publish(view, now, moving=target != {**jc.info.initial, **view.alloc["target"]})
 
     def adapt_publish(self, view: "JobView", now: float, moving: bool = False) -> None:
