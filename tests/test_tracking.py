@@ -202,6 +202,17 @@ def test_a_resumed_run_appends_to_the_same_event_directory(run_dir):
     assert [s for s, _ in scalars(run_dir / "tensorboard")["train/loss"]] == [1, 2, 3, 4]   # each step once
 
 
+def test_a_sink_turned_on_at_a_resume_is_described_too(run_dir):
+    """A run started with no TensorBoard and resumed with it writes the run's name and config to its event
+    files. Before, one flag said "described" for every sink: the first start set it, and the TensorBoard
+    turned on later never got the run's text."""
+    Tracker(config("tracking.wandb=off", "tracking.tensorboard=false"), run_dir).close()
+    Tracker(config("tracking.wandb=off"), run_dir).close()
+    ea = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    ea.Reload()
+    assert "run/text_summary" in ea.Tags()["tensors"], ea.Tags()
+
+
 def test_evaluations_come_from_redis_at_their_policy_version(run_dir, r):
     keys = JobKeys("t")
     for tag, version, rate in (("start", 0, 0.25), ("periodic", 10, 0.4)):

@@ -313,9 +313,13 @@ class Tracker:
                 self.run_dir, mode, self.state["wandb_id"], project=self.env.get("WANDB_PROJECT") or WANDB_PROJECT,
                 name=run_name(self.cfg), group=self.cfg.tracking.group, job=self.cfg.job.name,
                 config=redact_tree(self.cfg.to_dict())))
-        if not self.state["described"]:
-            self._each(lambda s: s.describe(run_name(self.cfg), redact_tree(self.cfg.to_dict())))
-            self.state["described"] = True
+        # per sink: a run resumed with W&B turned on describes the W&B run, though TensorBoard was described
+        # (an older state's True stands for every sink)
+        described = self.state["described"]
+        done = set(described) if isinstance(described, list) else {s.name for s in self.sinks} if described else set()
+        self._each(lambda s: s.describe(run_name(self.cfg), redact_tree(self.cfg.to_dict())),
+                   only=lambda s: s.name not in done)
+        self.state["described"] = sorted(done | {s.name for s in self.sinks})
         if self.sinks:
             self.say("tracking: " + "; ".join(self._where(s, mode) for s in self.sinks))
 
@@ -331,9 +335,9 @@ class Tracker:
         except Exception as exc:   # noqa: BLE001 - a third-party library's failure of any kind must not end the run
             self.say(f"tracking: {name} could not start ({type(exc).__name__}: {exc}); the run goes on without it")
 
-    def _each(self, act: Callable) -> None:
-        """``act(sink)`` for every sink; a sink that raises is reported once and dropped."""
-        for sink in list(self.sinks):
+    def _each(self, act: Callable, only: Callable = lambda sink: True) -> None:
+        """``act(sink)`` for every sink (that ``only`` admits); a sink that raises is reported once and dropped."""
+        for sink in [s for s in self.sinks if only(s)]:
             try:
                 act(sink)
             except Exception as exc:   # noqa: BLE001 - wandb or the disk may fail any way; metrics.jsonl has it all
