@@ -35,6 +35,17 @@ def open_output(path: str | Path):
     return f
 
 
+def output_tail(path: str | Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a process's raw output since its latest start (what a failure message
+    quotes), or "(no output)"."""
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no output)"
+    starts = [i for i, line in enumerate(text) if OUTPUT_START in line]
+    return "\n".join(text[starts[-1] + 1 if starts else 0:][-lines:]) or "(no output)"
+
+
 def configure(log_dir: Path | None, name: str, *, console: bool = True, level: int = logging.INFO):
     """Route structlog to a JSON file (and the console); returns a bound logger."""
     handlers: list[logging.Handler] = []

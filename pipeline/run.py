@@ -40,7 +40,7 @@ import msgpack
 import redis
 
 from pipeline import manifest as manifest_mod
-from pipeline.logs import STDERR, open_output
+from pipeline.logs import STDERR, open_output, output_tail
 from pipeline.config import Config
 from pipeline.control.allocation import live_agents
 from pipeline.control.allocator import AdmissionError
@@ -243,7 +243,7 @@ class Orchestrator:
             if code == 0:
                 continue  # the feeder ends by itself once training is done
             if code is not None and c.restarts >= CHILD_RESTARTS:
-                tail = _tail(self.run_dir / "logs" / f"{c.worker_id}.out")
+                tail = output_tail(self.run_dir / "logs" / f"{c.worker_id}.out")
                 raise RunFailed(f"{c.worker_id} exited with code {code} ({c.restarts} restarts); last output:\n{tail}")
             if code is not None:   # the feeder's cursor and counters are in Redis: a new one goes on from there
                 self.say(f"{c.worker_id} exited with code {code}; restarting it")
@@ -265,7 +265,7 @@ class Orchestrator:
             base = self.crash_base[worker] = min(self.crash_base.get(worker, b["failures"] if first else 0),
                                                  b["failures"])
             if b["failures"] - base >= limit:
-                tail = _tail(self.run_dir / "logs" / f"{worker}.out")
+                tail = output_tail(self.run_dir / "logs" / f"{worker}.out")
                 raise RunFailed(f"{worker} failed {b['failures'] - base} times in a row (exit code {b['code']}; "
                                 f"its agent restarts it with back-off). Fix the cause and resume with: "
                                 f"libra-ctl resume {self.run_dir}\nits last output:\n{tail}")
@@ -465,13 +465,6 @@ def crash_records(r: redis.Redis, job: str, run_dir: Path) -> dict[str, dict]:
             if owner == job and os.path.realpath(b.get("run_dir", "")) == os.path.realpath(run_dir):
                 out[worker] = {"failures": b.get("failures", 0), "code": b.get("code")}
     return out
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no output)"
 
 
 def success_text(rate: float, judged: int | None) -> str:

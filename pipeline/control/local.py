@@ -29,7 +29,7 @@ from pathlib import Path
 from pipeline.control.agent import SlotError, detect_slots
 from pipeline.dataplane.lifeline import spawn
 from pipeline.dataplane.redisconn import ENV_URL
-from pipeline.logs import open_output
+from pipeline.logs import open_output, output_tail
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
@@ -84,7 +84,7 @@ class LocalControl:
         log = self.run_dir / "logs" / f"{s.name}.out"
         if len(s.exits) > MAX_RESTARTS:
             raise RuntimeError(f"{s.name} exited {len(s.exits)} times within {RESTART_WINDOW_S:.0f}s, last with "
-                               f"code {s.proc.returncode}; see {log}; last output:\n{_tail(log)}")
+                               f"code {s.proc.returncode}; see {log}; last output:\n{output_tail(log)}")
         first, longest = BACKOFF_S
         wait = min(first * 2 ** (len(s.exits) - 1), longest)
         s.restart_at = now + wait
@@ -109,13 +109,6 @@ def _start(name: str, argv: list[str], env: dict, run_dir: Path) -> subprocess.P
         # start_new_session: a Ctrl-C reaches the run alone, which stops its children in order
         return spawn([sys.executable, "-m", "pipeline.cli", *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
                      start_new_session=True)
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no output)"
 
 
 def cpu_slots(cfg) -> int:
