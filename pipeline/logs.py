@@ -9,7 +9,9 @@ files are created 0600.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -33,6 +35,23 @@ def open_output(path: str | Path):
     f.write(f"{lead}{OUTPUT_START} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} ---\n".encode())
     f.flush()
     return f
+
+
+def json_safe(o):
+    """``o`` with every infinite or NaN float as None: JSON has no such numbers (``Infinity`` breaks jq and
+    ``JSON.parse``)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [json_safe(v) for v in o]
+    return o
+
+
+def json_line(obj) -> str:
+    """One line of JSON that every reader accepts (``json_safe``)."""
+    return json.dumps(json_safe(obj), allow_nan=False)
 
 
 def output_tail(path: str | Path, lines: int = 15) -> str:

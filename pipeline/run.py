@@ -48,7 +48,7 @@ from pipeline.control.job import check_admission
 from pipeline.control.local import own_slots, start_local_control
 from pipeline.dataplane.keys import AGENTS, CONTROLLER_LEASE, JOBS, JobKeys, agent_backoff
 from pipeline.observe.audit import last_checkpoint_state
-from pipeline.observe.measures import write_json
+from pipeline.observe.measures import success_text, write_json
 from pipeline.observe.metrics import start_sampler
 from pipeline.observe.report import write_report
 from pipeline.observe.tracking import start_tracker
@@ -465,13 +465,6 @@ def crash_records(r: redis.Redis, job: str, run_dir: Path) -> dict[str, dict]:
             if owner == job and os.path.realpath(b.get("run_dir", "")) == os.path.realpath(run_dir):
                 out[worker] = {"failures": b.get("failures", 0), "code": b.get("code")}
     return out
-
-
-def success_text(rate: float, judged: int | None) -> str:
-    """A held-out success rate, or what it is when the reward judged none of the episodes (not a 0%)."""
-    if judged == 0:
-        return "none judged (the reward could not judge an episode: see the rollout workers' logs)"
-    return f"{rate:.1%}"
 
 
 def format_summary(summary: dict, run_dir: Path) -> str:

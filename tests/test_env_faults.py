@@ -246,7 +246,7 @@ def test_an_eval_scores_with_the_reward_entry_the_run_trains_on(r):
 
 def test_a_held_out_rate_the_reward_judged_nothing_of_reads_none_judged_not_zero():
     """The run's start line and summary give a rate over no judged episode as such, not as 0.0%."""
-    from pipeline.run import success_text
+    from pipeline.observe.measures import success_text
 
     assert success_text(0.0, 0).startswith("none judged")
     assert success_text(0.0, 200) == "0.0%" and success_text(0.425, None) == "42.5%"

@@ -49,6 +49,7 @@ from pipeline.dataplane.lineage import Lineage, load_segments, record_line, rest
 from pipeline.dataplane.lookahead import COUNTER as AHEAD_COUNTER
 from pipeline.dataplane.lookahead import InHand, limit_groups
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
+from pipeline.logs import json_line
 from pipeline.observe.measures import tool_stats
 from pipeline.observe.trace import span
 from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
@@ -878,7 +879,7 @@ class Learner:
         if held:
             self.ctx.r.xclaim(self.ctx.keys.scored, GROUP_LEARNER, self.ctx.worker_id, 0, held, justid=True)
         with open(self.ctx.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"kind": "learner_step", **metrics}) + "\n")
+            f.write(json_line({"kind": "learner_step", **metrics}) + "\n")   # a skipped step's inf: null
         self.ctx.count(metrics["trajectories"])
 
     def run(self) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import math
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import redis
 
 from pipeline.control.job import JobInfo
 from pipeline.dataplane.keys import JobKeys
+from pipeline.logs import json_line
 
 EVENTS_MAXLEN = 10_000
 
@@ -26,7 +26,7 @@ def record_event(r: redis.Redis, job: JobInfo | str, event: dict) -> None:
     """Append a decision event to the job's stream and, where this host sees it, ``runs/<id>/events.jsonl``."""
     name = job.name if isinstance(job, JobInfo) else job
     event = {"at": time.time(), "job": name, **event}
-    line = json.dumps(_finite(event), allow_nan=False)
+    line = json_line(event)
     r.xadd(JobKeys(name).control_events, {"data": line}, maxlen=EVENTS_MAXLEN, approximate=True)
     if isinstance(job, JobInfo) and job.run_dir:
         try:
@@ -34,17 +34,6 @@ def record_event(r: redis.Redis, job: JobInfo | str, event: dict) -> None:
                 f.write(line + "\n")
         except OSError:
             pass   # the run directory lives on another machine
-
-
-def _finite(o):
-    """``o`` with every infinite or NaN float as None: JSON has no such numbers (``Infinity`` breaks jq)."""
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_finite(v) for v in o]
-    return o
 
 
 def read_events(r: redis.Redis, job: str, last: int = 50) -> list[dict]:

@@ -76,7 +76,7 @@ def eval_curve(evals: list[dict], steps: list[dict], t0: float) -> list[dict]:
     points, seen = [], set()
     for e in sorted(evals, key=lambda e: e["version"]):
         v = e["version"]
-        if v in seen:
+        if v in seen or e.get("n") == 0:   # an evaluation that judged no episode has no success to plot
             continue
         if v == 0:
             t, n = 0.0, 0
@@ -155,7 +155,9 @@ def run_figures(summary: dict, steps: list[dict], samples: list[dict]) -> dict:
         "reward_queue": _mean(q.get("reward_queue") for q in queues),
         "learner_wait": (wait / (wait + train) if wait + train > 0
                          else _mean(q.get("learner_wait_ratio") for q in queues)),
-        "success_start": summary.get("success_rate_start"), "success_final": summary.get("success_rate_end"),
+        # an evaluation that judged no episode (eval_prompts 0) has no success: None, never a 0%
+        "success_start": None if summary.get("eval_prompts_start") == 0 else summary.get("success_rate_start"),
+        "success_final": None if summary.get("eval_prompts") == 0 else summary.get("success_rate_end"),
         "reward_final": (sum(s.get("reward_mean", 0.0) * s.get("trajectories", 0) for s in last) / weights
                          if weights else _mean(s.get("reward_mean") for s in last)),
         "diversity": div,
@@ -206,7 +208,7 @@ def spread(values) -> dict:
 
 def noise(values) -> float | None:
     """The seed-to-seed spread of a figure: sd from 3 seeds on, half the range with 2, None with fewer."""
-    vals = [float(v) for v in values if v is not None]
+    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     if len(vals) >= 3:
         return statistics.stdev(vals)
     if len(vals) == 2:

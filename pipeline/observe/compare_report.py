@@ -42,7 +42,9 @@ def group_series(groups: list[dict], curve: str, align: str, x: str, y: str) -> 
 
 
 def _kwargs(time_axis: bool, x_label: str, y_label: str, target: float | None, key: str) -> dict:
-    kw = {"y_label": y_label, "y_min": 0, "x_time": time_axis, "x_label": x_label}
+    # success is a share (floor 0); a reward may be negative (a reward model's raw logit)
+    kw = {"y_label": y_label, "y_min": 0 if key.startswith("success") else None, "x_time": time_axis,
+          "x_label": x_label}
     if target is not None and key.startswith("success"):
         kw["hlines"] = [(target, f"target {target:.1%}")]
     return kw

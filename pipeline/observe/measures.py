@@ -48,8 +48,8 @@ def rates(prev: dict, now: dict, dt_s: float) -> dict:
 def _weighted_mean(pairs: Iterable[tuple[float | None, float]]) -> float | None:
     num = den = 0.0
     for value, weight in pairs:
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            continue
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            continue   # a step skipped for a non-finite loss or gradient says nothing of the window
         num += value * weight
         den += weight
     return num / den if den > 0 else None
@@ -110,7 +110,7 @@ def tool_stats(groups) -> dict:
         "tool_calls": calls,
         "tool_timeouts": sum(t.tool_timeouts for g in groups for t in g.trajectories),
         "tool_latency_mean_s": sum(lat) / len(lat) if lat else None,
-        "tool_latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
+        "tool_latency_p95_s": lat[max(0, math.ceil(0.95 * len(lat)) - 1)] if lat else None,   # nearest rank
     }
 
 
@@ -197,18 +197,41 @@ def write_json(path: Path, doc) -> None:
     os.replace(tmp, path)
 
 
+def success_text(rate: float | None, judged: int | None) -> str:
+    """A held-out success rate, or what it is when the reward judged none of the episodes (not a 0%)."""
+    if judged == 0 or rate is None:
+        return "none judged (the reward could not judge an episode: see the rollout workers' logs)"
+    return f"{rate:.1%}"
+
+
 def read_jsonl(path: Path | str, kind: str | None = None) -> list[dict]:
     """Lines of a JSONL file (``metrics.jsonl``, ``events.jsonl``), optionally of one kind; bad lines skipped."""
     out = []
     try:
-        with open(path) as f:
+        # damaged bytes become U+FFFD: their line fails to parse and is skipped, the file is still read
+        with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
-                    continue  # a line cut short by a crash
+                    row = _after_cut(line)   # a line cut short by a crash, maybe with the next writer's after it
                 if isinstance(row, dict) and (kind is None or row.get("kind") == kind):
                     out.append(row)
     except FileNotFoundError:
         return []
     return out
+
+
+def _after_cut(line: str) -> dict | None:
+    """The whole record that ends ``line`` after a cut one (a writer that died mid-line leaves no newline,
+    and the next writer's line follows it), else None."""
+    decoder = json.JSONDecoder()
+    at = line.find("{", 1)
+    while at > 0:
+        try:
+            row, end = decoder.raw_decode(line, at)
+        except json.JSONDecodeError:
+            at = line.find("{", at + 1)
+            continue
+        return row if isinstance(row, dict) and not line[end:].strip() else None
+    return None

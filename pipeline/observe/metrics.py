@@ -26,6 +26,7 @@ import structlog
 
 from pipeline.dataplane.keys import JobKeys
 from pipeline.dataplane.worker import this_node
+from pipeline.logs import json_line
 from pipeline.observe.measures import aggregate_steps, append_line, rates, slot_busy
 from pipeline.observe.resources import ResourceProbe, live_on
 from pipeline.observe.status import job_status
@@ -136,7 +137,7 @@ class MetricsSampler:
         }
 
     def write(self, sample: dict) -> None:
-        line = json.dumps(sample)
+        line = json_line(sample)   # a skipped step's inf loss is null, not Infinity (not JSON)
         self.r.xadd(self.keys.metric_samples, {"data": line}, maxlen=SAMPLES_MAXLEN, approximate=True)
         if self.run_dir is not None:
             append_line(self.run_dir / "metrics.jsonl", line)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
 from pipeline.observe.charts import SELF_CHECK, Series, bar_chart, esc, line_chart
+from pipeline.observe.measures import success_text
 from pipeline.observe.status import format_pool
 from pipeline.redaction import redact_tree
 
@@ -288,7 +289,8 @@ def headline(d: RunData) -> list[tuple[str, str]]:
             # a job configured pinned starts outside the pool (a pin by libra-ctl scale shows in its events)
             ("pool", format_pool(manifest_pool(m), _manifest_control(m).get("mode", "auto")))]
     if s:
-        rows += [("held-out success", f"{s.get('success_rate_start', 0):.1%} → {s.get('success_rate_end', 0):.1%}"),
+        rows += [("held-out success", f"{success_text(s.get('success_rate_start'), s.get('eval_prompts_start'))} → "
+                                      f"{success_text(s.get('success_rate_end'), s.get('eval_prompts'))}"),
                  ("trajectories trained", str(s.get("trajectories_trained"))),
                  ("trajectories/s", str(s.get("trajectories_per_s"))), ("wall time", f"{s.get('wall_s', 0):.0f} s"),
                  ("dropped as stale", str(s.get("dropped_stale"))), ("dead-lettered", str(s.get("dead_lettered")))]
@@ -449,7 +451,8 @@ def _outcome_row(d: RunData, timeline, markers, traj: list[Series], tp_src: str)
         timeline("reward", "Reward", [step_series(d, "reward_mean", "reward mean", PALETTE[1]),
                                       step_series(d, "success_rate", "success rate", PALETTE[0]),
                                       step_series(d, "reward_std", "reward std", PALETTE[6])],
-                 y_label="per learner step", y_min=0, markers=markers, empty="no learner steps"),
+                 # no floor at 0: a reward model's score is a raw logit, often negative
+                 y_label="per learner step", y_min=None, markers=markers, empty="no learner steps"),
         timeline("diversity", "Diversity", diversity_series(d), y_label="share", y_min=0, y_max=1,
                  markers=markers, empty="no learner steps",
                  note="" if any(s.get("diversity_groups") for s in d.steps) else
