@@ -645,13 +645,19 @@ def _run_and_summarise(orch: Orchestrator, resumed: bool) -> None:
 def _stop(orch: Orchestrator | None, embedded: EmbeddedRedis | None) -> None:
     """Stop the children first, then the embedded Redis they were using."""
     if orch is not None:
+        done = False
         try:
-            # Any phase but running/trained tells the controller and agent the job is over.
+            # Any phase but running/trained tells the controller and agent the job is over; "stopping" also
+            # tells another run of the job name that this one still owns it until its workers are down.
             done = orch.r.hget(orch.keys.state, "phase") == b"trained"
-            orch.r.hset(orch.keys.state, "phase", "done" if done else "stopped")
+            orch.r.hset(orch.keys.state, "phase", "stopping")
         except redis.RedisError:
             pass
         orch.stop_children()
+        try:
+            orch.r.hset(orch.keys.state, "phase", "done" if done else "stopped")
+        except redis.RedisError:
+            pass
     if embedded:
         embedded.stop()
 
@@ -665,8 +671,8 @@ def check_resumable(r: redis.Redis, keys: JobKeys, run_dir: Path) -> None:
     recorded = state.get(b"run_dir", b"").decode()
     if recorded and Path(recorded).resolve() != run_dir.resolve():
         raise RunFailed(f"job {keys.job!r} in this Redis belongs to run {recorded}, not {run_dir}")
-    if state.get(b"phase") == b"running" and live_owner(state):
-        raise RunFailed(f"job {keys.job!r} is still running (pid {state[b'pid'].decode()})")
+    if state.get(b"phase") in (b"running", b"stopping") and live_owner(state):
+        raise RunFailed(f"job {keys.job!r} is still {state[b'phase'].decode()} (pid {state[b'pid'].decode()})")
     if not r.exists(keys.policy):
         raise RunFailed(f"nothing to resume: job {keys.job!r} has no state in this Redis "
                         f"(a Redis without persistence loses it on restart)")

@@ -24,7 +24,8 @@ class JobRunning(RuntimeError):
 def reset_job(r: redis.Redis, keys: JobKeys) -> None:
     """A new run of a job starts from empty streams; JobRunning if another run of it is live."""
     state = r.hgetall(keys.state)
-    if state.get(b"phase") in (b"running", b"trained") and live_owner(state):
+    # stopping: its owner is still stopping its workers, who write into these keys until they are down
+    if state.get(b"phase") in (b"running", b"trained", b"stopping") and live_owner(state):
         raise JobRunning(f"job {keys.job!r} is already running (pid {state[b'pid'].decode()} on "
                          f"{state[b'host'].decode()}); stop it or choose another job.name")
     clear_job(r, keys.pattern)

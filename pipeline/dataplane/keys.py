@@ -77,7 +77,7 @@ class JobKeys:
         return self._k("issued")
 
     @property
-    def state(self) -> str:  # hash: phase (running|trained|stopping|done), run_dir, started_at
+    def state(self) -> str:  # hash: phase (running|trained|stopping|done|stopped), run_dir, started_at
         return self._k("state")
 
     @property

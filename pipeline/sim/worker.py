@@ -59,7 +59,7 @@ from pipeline.dataplane.lookahead import COUNTER as AHEAD_COUNTER
 from pipeline.dataplane.lookahead import InHand, limit_groups
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
 from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
-                                        run_stage, trajectories_of)
+                                        run_stage, trajectories_of, trim)
 from pipeline.dataplane.worker import CostMeter, claim_policy, dedup_for, finish_worker, room_downstream, start_worker
 from pipeline.sim.workload import Workload, load_workload
 
@@ -506,6 +506,8 @@ class SimLearner:
 
         # once, even when the EXEC reply is lost (a retry would count the step twice); waits out an outage
         execute_with_backpressure(build, self.ctx.log, self.ctx.stopping)
+        # the acknowledged entries go, as the real learner trims after its checkpoint (never what is pending)
+        self.outage.call(trim, r, k.scored)
         self.step, self.version = m["step"], m["policy_version"]
         if m["published"]:
             self.published_step = self.step
