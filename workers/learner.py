@@ -848,7 +848,8 @@ class Learner:
                 outage.call(self.ctx.r.hdel, self.ctx.keys.learner_suspects, *self.unacked)
                 for entry_id in self.unacked:
                     self.suspects.pop(entry_id, None)
-        trim(self.ctx.r, self.ctx.keys.scored)
+        # safe to repeat, and the checkpoint is durable already: an outage here is waited out, not a crash
+        Outage(self.ctx.log, stop=self.ctx.stopping).call(trim, self.ctx.r, self.ctx.keys.scored)
         self.meter.add(pause_s=time.monotonic() - t0)
         self.ctx.log.info("checkpointed", step=self.step, acked=len(self.unacked))
         self.unacked, self.consumed, self.dropped, self.dropped_branch = [], [], [], []
@@ -876,8 +877,9 @@ class Learner:
                                   self.ctx.log, self.ctx.stopping)
         # Entries held until the next checkpoint: refresh the claim so no one reclaims them.
         held = self.unacked + sorted(self.ahead.ids())
-        if held:
-            self.ctx.r.xclaim(self.ctx.keys.scored, GROUP_LEARNER, self.ctx.worker_id, 0, held, justid=True)
+        if held:   # safe to repeat: an outage here is waited out (the step is committed already)
+            Outage(self.ctx.log, stop=self.ctx.stopping).call(
+                self.ctx.r.xclaim, self.ctx.keys.scored, GROUP_LEARNER, self.ctx.worker_id, 0, held, justid=True)
         with open(self.ctx.run_dir / "metrics.jsonl", "a") as f:
             f.write(json_line({"kind": "learner_step", **metrics}) + "\n")   # a skipped step's inf: null
         self.ctx.count(metrics["trajectories"])
