@@ -160,13 +160,17 @@ def wait_for_redis(explicit: str | None, data_dir: str | Path, timeout_s: float,
 
 def cmd_redis(args) -> int:
     """``libra-ctl redis``: the Redis of a Procfile, in the foreground; ``--wait [-- CMD]``: wait for it."""
+    then = args.then[1:] if args.then[:1] == ["--"] else args.then
+    if then and not args.wait:   # a Procfile line missing --wait would start a second server, not CMD
+        print(f"libra-ctl redis: a command to run ({' '.join(then)}) needs --wait: libra-ctl redis --wait -- CMD",
+              file=sys.stderr)
+        return 2
     if args.wait:
         url = wait_for_redis(args.redis, args.dir, args.timeout)
         if url is None:
             where = shared_redis_url(args.redis, args.dir) or f"{args.dir}/redis.url (libra-ctl redis writes it)"
             print(f"libra-ctl redis: no Redis answered at {redact(where)} within {args.timeout:g}s", file=sys.stderr)
             return 1
-        then = args.then[1:] if args.then[:1] == ["--"] else args.then
         if then:
             try:
                 os.execvpe(then[0], then, {**os.environ, ENV_URL: url})

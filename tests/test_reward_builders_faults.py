@@ -210,3 +210,13 @@ def test_a_rebuilt_directory_replaces_the_old_one_whole(tmp_path):
         (d / "config.json").write_text("v2")
     assert (final / "config.json").read_text() == "v2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]   # no temporary or old copy left
+
+
+@pytest.mark.parametrize("field", ["warmup_steps", "eval_every", "batch_size"])
+def test_a_warm_start_setting_below_one_is_refused_naming_it(field):
+    """WarmStart refuses a count below 1, naming it. Before, warmup_steps = 0 or eval_every = 0 ended the warm
+    start in a ZeroDivisionError after its first evaluation."""
+    from workers.warmstart import WarmStart
+
+    with pytest.raises(ValueError, match=f"WarmStart {field} = 0"):
+        WarmStart(**{field: 0})

@@ -269,3 +269,10 @@ def test_chaos_replay_makes_the_config_absolute_wherever_it_is_on_the_line(tmp_p
                  ["real", "--kills", "learner=1", "job.toml"]):
         replay = shlex.split(replay_command(argv, 3, cwd=tmp_path))
         assert str(tmp_path / "job.toml") in replay, replay
+
+
+def test_redis_with_a_command_but_no_wait_is_refused():
+    """`libra-ctl redis -- CMD` (a Procfile line missing --wait) is refused naming --wait, exit 2. Before, the
+    command was ignored and a second embedded server started in its place."""
+    done = _run([*CTL, "redis", "--", "echo", "hi"], timeout=30)
+    assert done.returncode == 2 and "needs --wait" in done.stderr, (done.returncode, done.stderr[-400:])

@@ -43,6 +43,12 @@ class WarmStart:
     max_turns: int = 8
     seed: int = 0
 
+    def __post_init__(self):
+        for name in ("max_steps", "batch_size", "warmup_steps", "eval_every", "eval_size", "max_tokens_per_turn",
+                     "max_turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"WarmStart {name} = {getattr(self, name)}: give at least 1")
+
 
 def batches(env, fmt, tokenizer, tasks: list[Task], ws: WarmStart) -> Iterator[tuple[list, list, list]]:
     """Endless shuffled batches of demonstration sequences (of every task, where there are fewer than a batch)."""
