@@ -645,7 +645,7 @@ def _run_and_summarise(orch: Orchestrator, resumed: bool) -> None:
 def _stop(orch: Orchestrator | None, embedded: EmbeddedRedis | None) -> None:
     """Stop the children first, then the embedded Redis they were using."""
     if orch is not None:
-        done = False
+        done = None
         try:
             # Any phase but running/trained tells the controller and agent the job is over; "stopping" also
             # tells another run of the job name that this one still owns it until its workers are down.
@@ -655,6 +655,8 @@ def _stop(orch: Orchestrator | None, embedded: EmbeddedRedis | None) -> None:
             pass
         orch.stop_children()
         try:
+            if done is None:   # the first read failed: the phase is still what the run left (trained or not)
+                done = orch.r.hget(orch.keys.state, "phase") == b"trained"
             orch.r.hset(orch.keys.state, "phase", "done" if done else "stopped")
         except redis.RedisError:
             pass

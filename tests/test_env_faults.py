@@ -283,7 +283,7 @@ def test_a_tool_that_fails_on_the_last_turn_loses_nothing_and_the_group_is_train
     [(_id, fields)] = r.xrange(keys.rollouts)
     group = m.decode(fields[m.FIELD], 1 << 30)
     assert [t.finish for t in group.trajectories] == ["max_turns", "max_turns"]
-    assert [t.tool_calls for t in group.trajectories] == [2, 2]
+    assert [t.tool_calls for t in group.trajectories] == [1, 1]   # the last turn counts no call, as on success
     r.delete(keys.rollouts, keys.prompts, keys.dead_letters)
     reasons = _run_rollout_stage(r, _stage(r, _FailsOnTurn(1)))           # the first turn's: its reply was needed
     assert len(reasons) == 1 and "tool service down" in reasons[0]

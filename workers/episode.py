@@ -130,8 +130,7 @@ class Loop:
         going = []
         for k, (ep, out, reply) in enumerate(zip(episodes, outs, replies)):
             if reply.error and last_turn:   # no turn left to read its reply: the failure loses nothing
-                _count_call(ep, reply)
-                ep.finish = "max_turns"
+                ep.finish = "max_turns"     # and, as a last turn's reply that worked, it is not counted
                 continue
             if reply.error:   # the tool failed on every try, or ran late: the episode ends, its group dead-lettered
                 _count_call(ep, reply)

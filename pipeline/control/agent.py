@@ -412,6 +412,8 @@ class Agent:
                 if cut_off:
                     # A control job the outage cut off is in rq's intermediate list or started registry, where
                     # nothing would run it again before a restart: no job of ours runs now, so put it back.
+                    # The node's lock first: an agent that took the node meanwhile owns its queue (we exit).
+                    self.heartbeat(force=True)
                     self.jobs.recover()
                     cut_off = False
                 self.step()

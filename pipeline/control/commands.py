@@ -107,7 +107,7 @@ def _wait_for_counts(r: redis.Redis, job: str, want: dict, timeout_s: float) -> 
             print(f"{job}: running " + " ".join(f"{k}={v}" for k, v in sorted(running.items())))
             return 0
         phase = (r.hget(JobKeys(job).state, "phase") or b"").decode()
-        if phase in ("trained", "done"):
+        if phase in ("trained", "stopping", "done", "stopped"):
             print(f"{job}: the job ended (phase {phase}) before the counts were running: {running}", file=sys.stderr)
             return 1
         time.sleep(0.2)

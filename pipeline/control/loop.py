@@ -78,7 +78,7 @@ class JobControl:
     sent: dict = field(default_factory=dict)     # (node, worker) -> (the last action's digest, when it was sent)
     last_reason: str = ""
     finished: bool = False
-    unwritten: dict | None = None   # an event decided and acted on whose write failed: written next tick
+    unwritten: list = field(default_factory=list)   # events acted on whose write failed: written first next time
 
 
 @dataclass
@@ -192,15 +192,19 @@ class Controller:
         phase = (self.r.hget(JobKeys(name).state, "phase") or b"").decode()
         jc = self.jobs.get(name)
         if jc is None or jc.info.run_dir != (self.r.hget(JobKeys(name).state, "run_dir") or b"").decode():
+            if jc is not None:
+                self.write_events(jc)   # the earlier run's, before its memory goes
             info = load_job(self.r, name)
             if info is None:
                 return None
             jc = self.jobs[name] = JobControl(info, Observer(info))
         if phase not in ("running", "trained"):
             if not jc.finished:
+                self.write_events(jc)   # what the last tick did, before the job's end
                 self.finish(jc)
             return None
         if jc.finished:   # resumed after we saw it end: observed afresh, not across its stop; nothing sent yet
+            self.write_events(jc)
             info = load_job(self.r, name)
             if info is None:
                 return None
@@ -269,16 +273,19 @@ class Controller:
         orders = self.act(jc, new, nodes) + self.drain_external(jc, view.ext, target)
         placements[name] = new
         self.commit(jc, view.alloc, cur, new, target, now, drained)
-        if jc.unwritten is not None:   # the last tick acted, then could not say so (Redis went away)
-            record_event(self.r, jc.info, jc.unwritten)
-            jc.unwritten = None
         if event is not None or orders or drained:
-            jc.unwritten = {**(event or {"kind": "drain" if drained else "repair"}), "epoch": self.lease.epoch,
-                            "actions": orders, "drained": drained,
-                            **({"external": view.ext_n} if view.ext_n else {})}
-            record_event(self.r, jc.info, jc.unwritten)
-            jc.unwritten = None
+            jc.unwritten.append({**(event or {"kind": "drain" if drained else "repair"}), "epoch": self.lease.epoch,
+                                 "actions": orders, "drained": drained,
+                                 **({"external": view.ext_n} if view.ext_n else {})})
+        self.write_events(jc)
         self.adapt_publish(view, now, moving=target != {**jc.info.initial, **view.alloc["target"]})
+
+    def write_events(self, jc: JobControl) -> None:
+        """Write the job's events not yet written, oldest first: a tick that acted and then lost Redis before
+        saying so is said on the next one (the target it committed leaves nothing new to decide)."""
+        while jc.unwritten:
+            record_event(self.r, jc.info, jc.unwritten[0])
+            jc.unwritten.pop(0)
 
     def adapt_publish(self, view: "JobView", now: float, moving: bool = False) -> None:
         """The job's publish cadence, written where its learner reads it: an auto job's from

@@ -392,9 +392,9 @@ def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: st
         return [], "0-0"
     ids = [_as_bytes(info["message_id"]) for info in idle]
     next_cursor = "(" + ids[-1].decode() if len(ids) == count else "0-0"
-    claimed = r.xclaim(source, group, consumer, policy.min_idle_ms, ids)
+    ids = _dead_letter_deleted(r, keys, source, group, ids, log, stop)
+    claimed = r.xclaim(source, group, consumer, policy.min_idle_ms, ids) if ids else []
     got = [(i, (f or {}).get(messages.FIELD, b"")) for i, f in claimed if i is not None and f is not None]
-    _dead_letter_deleted(r, keys, source, group, [i for i in ids if i not in {g for g, _p in got}], log, stop)
     if not got:
         return [], next_cursor
     keep = _within_deliveries(r, keys, source, group, consumer, policy, got, log, stop)
@@ -404,32 +404,36 @@ def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: st
 
 
 def _dead_letter_deleted(r: redis.Redis, keys: JobKeys, source: str, group: str, ids: list[bytes], log,
-                         stop: Callable[[], bool]) -> None:
-    """Dead-letter the ``ids`` a reclaim asked for that are gone from the stream (an XDEL while pending).
+                         stop: Callable[[], bool]) -> list[bytes]:
+    """Of the idle pending ``ids`` a reclaim is about to claim, the ones still in the stream; those gone from it
+    (an XDEL while pending) are dead-lettered, before any XCLAIM.
 
-    Redis 6.2 answers nil for such an entry and leaves it pending, so the
-    stream's trim point stops at it; 7 drops it from the pending list. On
-    either, the group it stood for would stay in flight for good: it is
-    dead-lettered (no payload) and acknowledged, as the learner does. An id
-    missing because another consumer claimed it first is still in the stream
-    and is left alone.
+    Redis 6.2's XCLAIM answers nil for such an entry and leaves it pending,
+    so the stream's trim point stops at it; 7's drops it from the pending
+    list without a word. On either, the group it stood for would stay in
+    flight for good: it is dead-lettered (no payload), as the learner does.
+    Its XACK comes first, alone, and only the worker whose XACK removed it
+    writes the dead letter: two reclaimers never count it twice. (A kill
+    between the two loses that dead letter; the entry is gone all the same.)
     """
     gone = [i for i in ids if not r.xrange(source, i, i)]
     if not gone:
-        return
+        return ids
     group_size = job_group_size(r, keys)
+    mine = [i for i in gone if r.xack(source, group, i) == 1]
 
     def build():
         pipe = r.pipeline(transaction=True)
-        for entry_id in gone:
+        for entry_id in mine:
             dead_letter(pipe, keys, source, entry_id, "deleted from the stream while pending", b"",
                         trajectories=group_size)
-            pipe.xack(source, group, entry_id)
         return pipe
 
-    execute_with_backpressure(build, log, stop)
-    if log:
-        log.warning("dead_lettered_deleted", entries=len(gone))
+    if mine:
+        execute_with_backpressure(build, log, stop)
+        if log:
+            log.warning("dead_lettered_deleted", entries=len(mine))
+    return [i for i in ids if i not in gone]
 
 
 def replay_own(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: str, policy: ClaimPolicy,

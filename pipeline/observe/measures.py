@@ -225,13 +225,14 @@ def read_jsonl(path: Path | str, kind: str | None = None) -> list[dict]:
 def _after_cut(line: str) -> dict | None:
     """The whole record that ends ``line`` after a cut one (a writer that died mid-line leaves no newline,
     and the next writer's line follows it), else None."""
-    decoder = json.JSONDecoder()
+    decoder, last = json.JSONDecoder(), len(line.rstrip())
     at = line.find("{", 1)
     while at > 0:
         try:
             row, end = decoder.raw_decode(line, at)
+            if end == last and isinstance(row, dict):   # the rest of the line, whole
+                return row
         except json.JSONDecodeError:
-            at = line.find("{", at + 1)
-            continue
-        return row if isinstance(row, dict) and not line[end:].strip() else None
+            pass
+        at = line.find("{", at + 1)   # a nested object of the cut record ends before the line does
     return None

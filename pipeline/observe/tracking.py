@@ -120,10 +120,14 @@ def sample_scalars(sample: dict) -> dict[str, float]:
 
 
 def eval_scalars(fields: dict) -> tuple[int, dict[str, float], float | None]:
-    """(policy version, scalars, unix time) of an ``eval_results`` entry."""
+    """(policy version, scalars, unix time) of an ``eval_results`` entry; an evaluation that judged no
+    episode (``n`` 0) has no success rate to log, only its count."""
     at = fields.get(b"at")
+    n = fields.get(b"n")
+    judged = n is None or int(n) > 0
     return (int(fields[b"version"]),
-            {"eval/success_rate": float(fields[b"success_rate"]), "eval/prompts": float(fields.get(b"n", 0))},
+            {**({"eval/success_rate": float(fields[b"success_rate"])} if judged else {}),
+             "eval/prompts": float(n or 0)},
             float(at) if at else None)
 
 
@@ -301,6 +305,7 @@ class Tracker:
 
     def open(self) -> None:
         self.opened = True
+        before = self._described_before()   # looked at before this start's sinks add files of their own
         if self.cfg.tracking.tensorboard:
             self._add_sink("tensorboard", lambda: TensorBoardSink(self.run_dir / "tensorboard"))
         mode = wandb_mode(self.cfg.tracking.wandb, self.env)
@@ -314,14 +319,23 @@ class Tracker:
                 name=run_name(self.cfg), group=self.cfg.tracking.group, job=self.cfg.job.name,
                 config=redact_tree(self.cfg.to_dict())))
         # per sink: a run resumed with W&B turned on describes the W&B run, though TensorBoard was described
-        # (an older state's True stands for every sink)
         described = self.state["described"]
-        done = set(described) if isinstance(described, list) else {s.name for s in self.sinks} if described else set()
+        done = set(described) if isinstance(described, list) else before if described else set()
         self._each(lambda s: s.describe(run_name(self.cfg), redact_tree(self.cfg.to_dict())),
                    only=lambda s: s.name not in done)
         self.state["described"] = sorted(done | {s.name for s in self.sinks})
         if self.sinks:
             self.say("tracking: " + "; ".join(self._where(s, mode) for s in self.sinks))
+
+    def _described_before(self) -> set[str]:
+        """What an older state's ``described: true`` stood for: it was set at the first start whatever sinks
+        ran then, so a sink counts as described only where it left files (event files, a W&B run id)."""
+        done = set()
+        if any((self.run_dir / "tensorboard").glob("events.out.tfevents.*")):
+            done.add("tensorboard")
+        if self.state.get("wandb_id"):
+            done.add("wandb")
+        return done
 
     def _where(self, sink, mode: str | None) -> str:
         if sink.name == "tensorboard":
