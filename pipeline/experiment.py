@@ -118,6 +118,13 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text.replace("=", "-")).strip("_") or "run"
 
 
+def short_slug(label: str, most: int = 100) -> str:
+    """``slug(label)``, cut to ``most`` characters with a hash of the whole when longer: a file name, never one
+    the file system refuses (a long varied value, a path)."""
+    name = slug(label)
+    return name if len(name) <= most else f"{name[:most]}-{hashlib.sha1(label.encode()).hexdigest()[:8]}"
+
+
 def default_parallel(per_run: int, devices: list[str], cpus: int) -> int:
     """How many runs fit at once: the GPUs over a run's slots, else the cores over ``CORES_PER_RUN``."""
     if devices:
@@ -166,7 +173,7 @@ def plan_runs(config: str, sets: list[str], groups: list[tuple[str, str | None, 
     check_counts(repeat, parallel)
     specs = []
     port_off = parallel > 1 and not any(s.partition("=")[0].strip() == "control.metrics_port" for s in sets)
-    slugs = [slug(label) for label, _value, _extra in groups]
+    slugs = [short_slug(label) for label, _value, _extra in groups]
     for (label, value, extra), name_of in zip(groups, slugs):
         if slugs.count(name_of) > 1:   # data/a_b and data/a/b: one directory and one log each, not shared
             name_of += "-" + hashlib.sha1(label.encode()).hexdigest()[:8]
@@ -179,6 +186,7 @@ def plan_runs(config: str, sets: list[str], groups: list[tuple[str, str | None, 
                                        f"tracking.group={json.dumps(exp_id)}"]
             if port_off:   # every run starts its own controller: one port each would collide
                 run_sets.append("control.metrics_port=0")
+            config_mod.load(config, run_sets)   # the run's own settings (its seed, its paths): bad ones stop here
             specs.append(RunSpec(label, value, seed, run_sets, name, home,
                                  exp_dir / "logs" / f"{name_of}-seed{seed}.log", cfg.job.steps))
     return specs
@@ -190,9 +198,18 @@ def make_plan(config: str, sets: list[str], groups, repeat: int, exp_id: str, ex
     shared = any(resolve_url(c.redis.url) is not None for c in cfgs)
     devices = [] if shared else visible_devices()
     parallel, groups_of_devices, notes = choose_parallel(asked, max(c.slots_at_start() for c in cfgs), devices,
-                                                        os.cpu_count() or 1, shared)
+                                                        usable_cpus(), shared)
+    parallel = min(parallel, len(groups) * repeat)   # a run alone keeps its metrics port
     specs = plan_runs(config, sets, groups, repeat, exp_id, exp_dir, parallel)
-    return Plan(config, specs, min(parallel, len(specs)), groups_of_devices, notes)
+    return Plan(config, specs, parallel, groups_of_devices, notes)
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (a cpuset or ``taskset`` allows fewer than the machine has)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:   # not on Linux
+        return os.cpu_count() or 1
 
 
 def experiment_dir(out: str | None, cfg: Config, what: str) -> tuple[Path, str]:
@@ -202,7 +219,7 @@ def experiment_dir(out: str | None, cfg: Config, what: str) -> tuple[Path, str]:
         if (path / "experiment.json").exists() or (path / "baseline.json").exists():
             raise ExperimentError(f"{path} already holds an experiment; choose another --out")
         path.mkdir(parents=True, exist_ok=True)
-        return path, path.name
+        return path, path.resolve().name   # "--out ." names the directory it is, not ""
     base = Path(cfg.run.runs_dir) / "experiments" / slug(f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.job.name}-{what}")
     path, n = base, 1
     while True:
@@ -348,7 +365,11 @@ def stop_runs(procs: list[subprocess.Popen], wait_s: float | None = None) -> lis
     for proc in procs:
         try:
             codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            codes.append(proc.wait())
+        except KeyboardInterrupt:   # the second Ctrl-C: every group still there goes now, not one per Ctrl-C
+            deadline = 0.0
             _signal_group(proc, signal.SIGKILL)
             codes.append(proc.wait())
     return codes
@@ -400,7 +421,14 @@ class Runner:
     def _start_ready(self) -> None:
         while self.pending and self.free:
             (i, spec), dev = self.pending.popleft(), self.free.pop(0)
-            self.running[i] = (spec, start_run(self.plan.config, spec, dev), time.monotonic(), dev)
+            try:
+                proc = start_run(self.plan.config, spec, dev)
+            except OSError as exc:   # its directory or log cannot be made: recorded as a failed run, the rest go on
+                self.free.append(dev)
+                self.outcomes[i] = Outcome(spec, 127, 0.0)
+                self.progress.say(f"FAILED {spec.tag}: could not start ({exc.strerror or exc})")
+                continue
+            self.running[i] = (spec, proc, time.monotonic(), dev)
             self.progress.say(f"started {spec.tag}" + (f" on GPUs {','.join(dev)}" if dev else "")
                               + f" (log: {spec.log})")
 
@@ -501,6 +529,7 @@ def baseline(config: str, sets: list[str], *, repeat: int = 3, out: str | None =
     """The whole of ``libra-ctl baseline``; returns the exit code."""
     stdout, err = stdout or sys.stdout, err or sys.stderr
     check_counts(repeat, parallel)
+    check_effect(effect)
     cfg = config_mod.load(config, sets)
     exp_dir, exp_id = experiment_dir(out, cfg, "baseline")
     plan = make_plan(config, sets, [("baseline", None, [])], repeat, exp_id, exp_dir, parallel)
@@ -542,7 +571,7 @@ def load_baseline(path: str) -> dict:
         raise ExperimentError(f"--baseline {path}: no baseline.json there (libra-ctl baseline writes it)") from None
     except json.JSONDecodeError as exc:
         raise ExperimentError(f"--baseline {path}: {f} is not JSON: {exc}") from None
-    if doc.get("kind") != "baseline" or not isinstance(doc.get("runs"), list):
+    if not isinstance(doc, dict) or doc.get("kind") != "baseline" or not isinstance(doc.get("runs"), list):
         raise ExperimentError(f"--baseline {path}: {f} is not a baseline recorded by libra-ctl baseline")
     return doc
 
@@ -595,6 +624,12 @@ def check_target(target: float | None) -> None:
         raise ExperimentError(f"--target {target:g}: a held-out success rate in (0, 1], e.g. 0.5")
 
 
+def check_effect(effect: float) -> None:
+    if not (math.isfinite(effect) and 0.0 < effect <= 1.0):
+        raise ExperimentError(f"--effect {effect:g}: the smallest change in success worth detecting, in (0, 1], "
+                              "e.g. 0.05")
+
+
 def check_counts(repeat: int, parallel: int | None) -> None:
     """--repeat and --parallel, checked before the experiment's directory is made (none is left behind)."""
     if repeat < 1:
@@ -610,7 +645,11 @@ def experiment(config: str, sets: list[str], vary: str, *, repeat: int = 1, base
     stdout, err = stdout or sys.stdout, err or sys.stderr
     check_target(target)
     check_counts(repeat, parallel)
+    check_effect(effect)
     key, values = parse_vary(vary)
+    if key in PER_RUN_KEYS - {"job.seed"}:   # a varied seed is where each value's seeds start
+        raise ExperimentError(f"--vary {key}: the experiment sets it for every run (paths, names, ports), so its "
+                              "values would never reach the runs; vary another key")
     recorded = load_baseline(baseline_dir) if baseline_dir else None
     cfg = config_mod.load(config, sets)
     for v in values:   # a bad value fails here, before the experiment's directory exists
@@ -690,8 +729,13 @@ def rejudge(exp_dir: str, target: float | None = None, stdout=None) -> int:
     path = home / "experiment.json"
     if not path.is_file():
         raise ExperimentError(f"{home} holds no experiment.json: give a directory libra-ctl experiment wrote")
-    doc = json.loads(path.read_text())
-    if doc.get("kind") != "experiment" or not doc.get("groups"):
+    try:
+        doc = json.loads(path.read_text(errors="replace"))
+    except json.JSONDecodeError as exc:
+        raise ExperimentError(f"{path} is not JSON ({exc}): cut short or damaged") from None
+    if (not isinstance(doc, dict) or doc.get("kind") != "experiment" or not isinstance(doc.get("groups"), list)
+            or not doc["groups"] or not all(isinstance(g, dict) and isinstance(g.get("runs"), list)
+                                            for g in doc["groups"])):
         raise ExperimentError(f"{path} is not an experiment's record")
     check_target(target)
     if target is not None:
