@@ -51,12 +51,16 @@ class Lineage:
     """The version tree: line start -> (updates at that version, parent version or None)."""
 
     segments: dict[int, tuple[int, int | None]] = field(default_factory=lambda: {0: (0, None)})
+    # the line starts in order, sorted again only when a line was added (staleness asks for every group in hand)
+    _starts: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
 
     # --- reading the tree -------------------------------------------------------------------------
 
     def start_of(self, version: int) -> int | None:
         """The first version of the line ``version`` belongs to (None below the first line)."""
-        starts = sorted(self.segments)
+        if len(self._starts) != len(self.segments):   # lines are only ever added
+            self._starts = sorted(self.segments)
+        starts = self._starts
         i = bisect.bisect_right(starts, version) - 1
         return starts[i] if i >= 0 else None
 
