@@ -86,6 +86,7 @@ class Outcome:
     spec: RunSpec
     code: int | None    # None: never started (interrupted first)
     wall_s: float = 0.0
+    error: str | None = None   # why it could not start (no log was written)
 
 
 @dataclass
@@ -425,8 +426,9 @@ class Runner:
                 proc = start_run(self.plan.config, spec, dev)
             except OSError as exc:   # its directory or log cannot be made: recorded as a failed run, the rest go on
                 self.free.append(dev)
-                self.outcomes[i] = Outcome(spec, 127, 0.0)
-                self.progress.say(f"FAILED {spec.tag}: could not start ({exc.strerror or exc})")
+                why = f"could not start: {exc.strerror or exc}"
+                self.outcomes[i] = Outcome(spec, 127, 0.0, why)
+                self.progress.say(f"FAILED {spec.tag}: {why}")
                 continue
             self.running[i] = (spec, proc, time.monotonic(), dev)
             self.progress.say(f"started {spec.tag}" + (f" on GPUs {','.join(dev)}" if dev else "")
@@ -478,7 +480,7 @@ def run_record(o: Outcome) -> dict:
     if o.code is None:
         rec["error"] = "not run (interrupted)"
     elif o.code != 0:
-        rec["error"] = tail(spec.log)
+        rec["error"] = o.error or tail(spec.log)
     elif summary_path is None or not summary_path.exists():
         rec["error"] = f"exit 0 but no summary.json under {spec.home}"
     else:

@@ -370,3 +370,38 @@ def test_a_stage_stopped_while_redis_is_full_survives_its_cost_meter(server):
     finally:
         r.config_set("maxmemory", 0)
     assert group_pending(r, keys.rollouts, GROUP_REWARD) == 1 and r.xlen(keys.scored) == 0
+
+
+def test_an_entry_deleted_while_pending_is_never_acknowledged_without_its_dead_letter(server):
+    """A reclaim that finds an entry deleted from the stream while pending dead-letters it in one script with
+    its XACK. A worker stopping while Redis is full (the script refused) leaves the entry pending, for a later
+    reclaim; once memory is back it is dead-lettered once. Before (this session's first version), the XACK
+    went first, alone: a stopping worker on a full Redis acknowledged the entry and gave up its dead letter,
+    its group in flight for good."""
+    from pipeline.dataplane import messages as m
+    from pipeline.dataplane.keys import GROUP_REWARD
+    from pipeline.dataplane.streams import ClaimPolicy, ensure_groups, read, reclaim
+    from tests.test_streams import unscored_group
+
+    r, keys = connect(server.url), JobKeys("fulldel")
+    ensure_groups(r, keys)
+    r.hset(keys.feeder, "group_size", 2)
+    entry = r.xadd(keys.rollouts, {m.FIELD: m.encode(unscored_group("0"))})
+    read(r, keys.rollouts, GROUP_REWARD, "reward-0", 1, 10)   # reward-0 holds it, then dies
+    r.xdel(keys.rollouts, entry)
+    time.sleep(0.05)
+    policy = ClaimPolicy(min_idle_ms=10, max_deliveries=5)
+    r.config_set("maxmemory", 1)
+    try:   # the script runs whole (a write in it lets the rest through) or is refused whole: never half
+        reclaim(r, keys, keys.rollouts, GROUP_REWARD, "reward-1", policy, 1, "0-0", stop=lambda: True)
+    except redis.ResponseError:
+        pass
+    finally:
+        r.config_set("maxmemory", 0)
+    pending = [p["message_id"] for p in r.xpending_range(keys.rollouts, GROUP_REWARD, "-", "+", 10)]
+    dead = [f[b"id"] for _i, f in r.xrange(keys.dead_letters)]
+    assert (pending, dead) in (([entry], []), ([], [entry])), (pending, dead)
+    reclaim(r, keys, keys.rollouts, GROUP_REWARD, "reward-1", policy, 1, "0-0")
+    assert [f[b"id"] for _i, f in r.xrange(keys.dead_letters)] == [entry]
+    assert not r.xpending_range(keys.rollouts, GROUP_REWARD, "-", "+", 10)
+    assert int(r.hget(keys.counters, "dead_lettered")) == 2

@@ -115,6 +115,9 @@ class Controller:
         self.log = log or structlog.get_logger("controller")
         self.lease = Lease(r, CONTROLLER_LEASE, ttl_s=max(3 * interval_s, 5.0), epoch_key=CONTROLLER_EPOCH)
         self.jobs: dict[str, JobControl] = {}
+        # events of jobs whose memory went (a lease lost) before they could be written: (job, event), written
+        # first by the next tick that reaches Redis, lease or not (each carries its own epoch and time)
+        self.orphans: list[tuple[JobInfo, dict]] = []
         self.stop_event = threading.Event()
 
     def run(self) -> None:
@@ -148,12 +151,20 @@ class Controller:
                 self.r.delete(CONTROLLER_WAKE)
                 return
 
+    def forget_jobs(self) -> None:
+        """Drop the jobs' memory, keeping the events it had not written yet (``orphans``)."""
+        self.orphans += [(jc.info, e) for jc in self.jobs.values() for e in jc.unwritten]
+        self.jobs.clear()
+
     def tick(self) -> bool:
         """Reconcile every job if we hold (or can take) the lease; returns whether we acted."""
+        while self.orphans:   # what a tick did before its lease lapsed (an outage), said before anything new
+            record_event(self.r, *self.orphans[0])
+            self.orphans.pop(0)
         if not self.lease.renew():
             if self.jobs:   # lapsed, even if taken back at once: another controller may have acted meanwhile
                 self.log.warning("lease_lost")
-                self.jobs.clear()   # start afresh
+                self.forget_jobs()   # start afresh
             if not self.lease.acquire():
                 return False
         nodes = live_agents(self.r)
@@ -166,7 +177,7 @@ class Controller:
                 view = self.observe(name, nodes, placements, now)
             except LeaseLost as exc:   # finishing a job drains with the lease: a lost one ends the tick
                 self.log.warning("lease_lost", job=name, error=str(exc))
-                self.jobs.clear()
+                self.forget_jobs()
                 return False
             except (redis.ResponseError, ValueError, KeyError) as exc:
                 self.log.error("reconcile_failed", job=name, error=str(exc))
@@ -180,7 +191,7 @@ class Controller:
                 self.reconcile(view, nodes, placements, pool, now)
             except LeaseLost as exc:
                 self.log.warning("lease_lost", job=view.jc.info.name, error=str(exc))
-                self.jobs.clear()   # another controller may act now; start afresh if we get it back
+                self.forget_jobs()   # another controller may act now; start afresh if we get it back
                 return False
             except (redis.ResponseError, ValueError, KeyError) as exc:
                 self.log.error("reconcile_failed", job=view.jc.info.name, error=str(exc))
@@ -274,7 +285,9 @@ class Controller:
         placements[name] = new
         self.commit(jc, view.alloc, cur, new, target, now, drained)
         if event is not None or orders or drained:
-            jc.unwritten.append({**(event or {"kind": "drain" if drained else "repair"}), "epoch": self.lease.epoch,
+            # "at": the decision's time, also when the write comes a tick late
+            jc.unwritten.append({"at": time.time(), **(event or {"kind": "drain" if drained else "repair"}),
+                                 "epoch": self.lease.epoch,
                                  "actions": orders, "drained": drained,
                                  **({"external": view.ext_n} if view.ext_n else {})})
         self.write_events(jc)

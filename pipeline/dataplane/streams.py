@@ -412,28 +412,36 @@ def _dead_letter_deleted(r: redis.Redis, keys: JobKeys, source: str, group: str,
     so the stream's trim point stops at it; 7's drops it from the pending
     list without a word. On either, the group it stood for would stay in
     flight for good: it is dead-lettered (no payload), as the learner does.
-    Its XACK comes first, alone, and only the worker whose XACK removed it
-    writes the dead letter: two reclaimers never count it twice. (A kill
-    between the two loses that dead letter; the entry is gone all the same.)
+    One script per entry acknowledges it and, only if that XACK removed it,
+    writes the dead letter: two reclaimers never count it twice, and a write
+    that cannot happen (Redis full while stopping, a kill) leaves it pending,
+    for a later reclaim, never acknowledged without its dead letter.
     """
     gone = [i for i in ids if not r.xrange(source, i, i)]
     if not gone:
         return ids
     group_size = job_group_size(r, keys)
-    mine = [i for i in gone if r.xack(source, group, i) == 1]
-
-    def build():
-        pipe = r.pipeline(transaction=True)
-        for entry_id in mine:
-            dead_letter(pipe, keys, source, entry_id, "deleted from the stream while pending", b"",
-                        trajectories=group_size)
-        return pipe
-
-    if mine:
-        execute_with_backpressure(build, log, stop)
-        if log:
-            log.warning("dead_lettered_deleted", entries=len(mine))
+    wait, outage = FullRedisWait(log, stop), Outage(log, stop=stop)
+    written = 0
+    for entry_id in gone:
+        written += _waiting_out_redis(lambda e=entry_id: r.eval(
+            _DEAD_LETTER_DELETED, 3, source, keys.dead_letters, keys.counters, group, e,
+            "deleted from the stream while pending", group_size, time.time()), wait, outage)
+    if written and log:
+        log.warning("dead_lettered_deleted", entries=written)
     return [i for i in ids if i not in gone]
+
+
+# KEYS: the source stream, the dead letters, the counters; ARGV: group, entry id, reason, trajectories, time.
+# The fields of ``dead_letter``'s record, written only by the XACK that removed the entry (safe to run again).
+_DEAD_LETTER_DELETED = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], '*', 'reason', ARGV[3], 'stream', KEYS[1], 'id', ARGV[2], 'deliveries', 1,
+           'trajectories', ARGV[4], 'payload', '', 'at', ARGV[5])
+redis.call('HINCRBY', KEYS[3], 'dead_lettered', ARGV[4])
+redis.call('HINCRBY', KEYS[3], 'dead_letter_messages', 1)
+return 1
+"""
 
 
 def replay_own(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: str, policy: ClaimPolicy,
