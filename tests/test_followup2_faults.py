@@ -127,3 +127,30 @@ def test_a_run_that_could_not_start_records_why(tmp_path, fake_runs, capsys, mon
 
 
 # --- a stage's reclaim of a deleted entry, stopping while Redis is full: the entry is acked, never dead-lettered
+
+
+def test_an_event_redis_refuses_for_good_is_given_up_not_retried_by_every_tick(r, redis_url, tmp_path, monkeypatch):
+    """An event whose write Redis refuses for a reason that will not pass (a WRONGTYPE, not an outage or a full
+    Redis) is logged and given up: the next ticks write their own events. Kept in the job's memory, it would
+    be tried first by every tick and stop each one's events behind it."""
+    from pipeline.control import loop as loop_mod
+
+    sim_job(r, redis_url, tmp_path, control={"mode": "pinned"})
+    agent = fake_agent(r, "n1", 4)
+    ctl = Controller(r, interval_s=1.0)
+    ctl.tick()
+    agent.run_pending()
+    real, refused = loop_mod.record_event, []
+
+    def refused_for_good(rr, info, event):   # this one event can never be written
+        if event.get("kind") == "pinned" and event.get("to", {}).get("rollout") == 2:
+            refused.append(1)
+            raise redis_mod.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+        return real(rr, info, event)
+
+    monkeypatch.setattr(loop_mod, "record_event", refused_for_good)
+    pin(r, JOB, {"rollout": 2, "learner": 1})
+    ctl.tick()
+    pin(r, JOB, {"rollout": 3, "learner": 1})
+    ctl.tick()
+    assert _pinned(r, 3) and not ctl.jobs[JOB].unwritten

@@ -58,6 +58,7 @@ from pipeline.dataplane.keys import (AGENTS, CONTROLLER_EPOCH, CONTROLLER_LEASE,
                                      JobKeys, agent_desired, agent_procs)
 from pipeline.dataplane.keys import ROLES
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
+from pipeline.dataplane.streams import redis_full
 
 # Redis 6.2 (the embedded server) truncates a BLPOP timeout to whole milliseconds and reads 0 as "block
 # forever": a wait with less than this left returns instead of hanging until the socket timeout (15 s)
@@ -159,7 +160,7 @@ class Controller:
     def tick(self) -> bool:
         """Reconcile every job if we hold (or can take) the lease; returns whether we acted."""
         while self.orphans:   # what a tick did before its lease lapsed (an outage), said before anything new
-            record_event(self.r, *self.orphans[0])
+            self._record(*self.orphans[0])
             self.orphans.pop(0)
         if not self.lease.renew():
             if self.jobs:   # lapsed, even if taken back at once: another controller may have acted meanwhile
@@ -297,8 +298,18 @@ class Controller:
         """Write the job's events not yet written, oldest first: a tick that acted and then lost Redis before
         saying so is said on the next one (the target it committed leaves nothing new to decide)."""
         while jc.unwritten:
-            record_event(self.r, jc.info, jc.unwritten[0])
+            self._record(jc.info, jc.unwritten[0])
             jc.unwritten.pop(0)
+
+    def _record(self, info: JobInfo, event: dict) -> None:
+        """``record_event``; an event Redis refuses for good (not an outage, which raises: written later) is
+        logged and given up, so that it does not stop every tick after it."""
+        try:
+            record_event(self.r, info, event)
+        except redis.ResponseError as exc:
+            if redis_full(exc):
+                raise   # backpressure: written once memory frees
+            self.log.error("event_not_written", job=info.name, kind=event.get("kind"), error=str(exc))
 
     def adapt_publish(self, view: "JobView", now: float, moving: bool = False) -> None:
         """The job's publish cadence, written where its learner reads it: an auto job's from
