@@ -154,3 +154,28 @@ def test_an_event_redis_refuses_for_good_is_given_up_not_retried_by_every_tick(r
     pin(r, JOB, {"rollout": 3, "learner": 1})
     ctl.tick()
     assert _pinned(r, 3) and not ctl.jobs[JOB].unwritten
+
+
+def test_orphaned_events_wait_out_a_full_redis_and_the_controller_goes_on(r, redis_url, tmp_path, monkeypatch):
+    """Events kept from a lost lease are written first by the next tick; Redis full then, they wait for a
+    later tick and the tick goes on. Before, the full Redis's refusal escaped tick() (outside its handlers)
+    and ended the controller."""
+    from pipeline.control import loop as loop_mod
+
+    sim_job(r, redis_url, tmp_path, control={"mode": "pinned"})
+    fake_agent(r, "n1", 4)
+    ctl = Controller(r, interval_s=1.0)
+    ctl.tick()
+    info = ctl.jobs[JOB].info
+    ctl.orphans.append((info, {"at": time.time(), "kind": "pinned", "to": {"rollout": 9}, "actions": []}))
+    real = loop_mod.record_event
+
+    def full(rr, i, event):
+        raise redis_mod.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+
+    monkeypatch.setattr(loop_mod, "record_event", full)
+    ctl.tick()                                    # no exception: the orphan waits
+    assert len(ctl.orphans) == 1
+    monkeypatch.setattr(loop_mod, "record_event", real)
+    ctl.tick()
+    assert not ctl.orphans and _pinned(r, 9)

@@ -37,8 +37,10 @@ def record_event(r: redis.Redis, job: JobInfo | str, event: dict) -> None:
 
 
 def read_events(r: redis.Redis, job: str, last: int = 50) -> list[dict]:
+    """The job's newest ``last`` events, by their time (a controller writes an event a tick late, after an
+    outage, with the time of its decision: the stream's order is not always the events' order)."""
     entries = r.xrevrange(JobKeys(job).control_events, count=last)
-    return [json.loads(f[b"data"]) for _id, f in reversed(entries)]
+    return sorted((json.loads(f[b"data"]) for _id, f in reversed(entries)), key=lambda e: e.get("at", 0))
 
 
 def merged_events(r: redis.Redis, jobs: list[str], last: int = 50) -> list[dict]:

@@ -108,6 +108,14 @@ def _growth(view: JobView, pool: allocator.PoolDecision | None) -> int:
     return pool.shares[view.jc.info.name] - view.metrics.allocation.total
 
 
+# Refusals of a write that pass (a failover, a failing save, a long script, a server loading): an event kept
+# through them is written later; any other refusal of an event (WRONGTYPE) is for good.
+# (redis-py raises its own class for some, the code stripped from the message; the rest keep their code)
+PASSING_REFUSALS = {"READONLY", "MISCONF", "BUSY", "NOREPLICAS", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "LOADING"}
+PASSING_ERRORS = (redis.exceptions.ReadOnlyError, redis.exceptions.BusyLoadingError, redis.exceptions.TryAgainError,
+                  redis.exceptions.ClusterDownError, redis.exceptions.MasterDownError)
+
+
 class Controller:
     """The reconcile loop; ``tick()`` is one pass over the jobs (when the lease is held)."""
 
@@ -160,7 +168,11 @@ class Controller:
     def tick(self) -> bool:
         """Reconcile every job if we hold (or can take) the lease; returns whether we acted."""
         while self.orphans:   # what a tick did before its lease lapsed (an outage), said before anything new
-            self._record(*self.orphans[0])
+            try:
+                self._record(*self.orphans[0])
+            except redis.ResponseError as exc:   # Redis full, or refusing for a while: kept for a later tick
+                self.log.warning("events_waiting", events=len(self.orphans), error=str(exc))
+                break
             self.orphans.pop(0)
         if not self.lease.renew():
             if self.jobs:   # lapsed, even if taken back at once: another controller may have acted meanwhile
@@ -307,8 +319,8 @@ class Controller:
         try:
             record_event(self.r, info, event)
         except redis.ResponseError as exc:
-            if redis_full(exc):
-                raise   # backpressure: written once memory frees
+            if redis_full(exc) or isinstance(exc, PASSING_ERRORS) or str(exc).split(" ", 1)[0] in PASSING_REFUSALS:
+                raise   # backpressure, a failover, a save or script in the way: written on a later tick
             self.log.error("event_not_written", job=info.name, kind=event.get("kind"), error=str(exc))
 
     def adapt_publish(self, view: "JobView", now: float, moving: bool = False) -> None:
