@@ -54,15 +54,21 @@ def json_line(obj) -> str:
     return json.dumps(json_safe(obj), allow_nan=False)
 
 
+def output_lines(path: str | Path) -> list[str]:
+    """The lines of a process's raw output since its latest start line (all of them in a file without one);
+    OSError when it cannot be read."""
+    text = Path(path).read_text(errors="replace").splitlines()
+    starts = [i for i, line in enumerate(text) if OUTPUT_START in line]
+    return text[starts[-1] + 1 if starts else 0:]
+
+
 def output_tail(path: str | Path, lines: int = 15) -> str:
     """The last ``lines`` lines of a process's raw output since its latest start (what a failure message
     quotes), or "(no output)"."""
     try:
-        text = Path(path).read_text(errors="replace").splitlines()
+        return "\n".join(output_lines(path)[-lines:]) or "(no output)"
     except OSError:
         return "(no output)"
-    starts = [i for i, line in enumerate(text) if OUTPUT_START in line]
-    return "\n".join(text[starts[-1] + 1 if starts else 0:][-lines:]) or "(no output)"
 
 
 def configure(log_dir: Path | None, name: str, *, console: bool = True, level: int = logging.INFO):

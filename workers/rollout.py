@@ -155,10 +155,10 @@ class Rollout:
         if version is None or step is None or int(version) != self.ctx.policy_version:
             return   # newer weights are published: evaluate those once loaded
         bucket = int(step) // every
-        if bucket > self.evaluated_bucket and 0 < int(step) < self.ctx.cfg.job.steps:
-            if self.run_eval("periodic", claim=f"p{bucket}"):
-                self.evaluated_bucket = bucket
-        elif bucket > self.evaluated_bucket:
+        if bucket <= self.evaluated_bucket:
+            return
+        # a bucket another live worker holds is looked at again next round (run_eval False)
+        if not 0 < int(step) < self.ctx.cfg.job.steps or self.run_eval("periodic", claim=f"p{bucket}"):
             self.evaluated_bucket = bucket
 
     def run_eval(self, tag: str, claim: str) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import argtypes
-from pipeline.logs import OUTPUT_START
+from pipeline.logs import output_lines
 from pipeline.observe.doctor_checks import CHECKS, SCALE, SEVERITY, STEPS, Diagnosis, Thresholds, Window, get_in
 
 
@@ -79,10 +79,8 @@ def read_logs(run_dir: Path | None, since: float | None = None, out_tail: int = 
                if since is None or (unix_time(r.get("timestamp")) or since) >= since]
     raw = []
     for path in sorted((run_dir / "logs").glob("*.out")):
-        lines = path.read_text(errors="replace").splitlines()
         # the output of the process's latest start only: a restarted worker appends to the same file
-        starts = [i for i, line in enumerate(lines) if OUTPUT_START in line]
-        lines = lines[starts[-1] + 1 if starts else 0:][-out_tail:]
+        lines = output_lines(path)[-out_tail:]
         raw += [f"{path.stem}: {line}" for line in lines if line.strip()]
     return records + raw
 
