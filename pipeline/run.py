@@ -266,7 +266,9 @@ class Orchestrator:
                                                  b["failures"])
             if b["failures"] - base >= limit:
                 tail = output_tail(self.run_dir / "logs" / f"{worker}.out")
-                raise RunFailed(f"{worker} failed {b['failures'] - base} times in a row (exit code {b['code']}; "
+                how = (f"killed by the kernel's out-of-memory killer (exit code {b['code']}): give it more "
+                       f"memory or less work" if b["oom"] else f"exit code {b['code']}")
+                raise RunFailed(f"{worker} failed {b['failures'] - base} times in a row ({how}; "
                                 f"its agent restarts it with back-off). Fix the cause and resume with: "
                                 f"libra-ctl resume {self.run_dir}\nits last output:\n{tail}")
 
@@ -463,7 +465,7 @@ def crash_records(r: redis.Redis, job: str, run_dir: Path) -> dict[str, dict]:
             owner, _sep, worker = key.decode().partition("/")
             b = json.loads(raw)
             if owner == job and os.path.realpath(b.get("run_dir", "")) == os.path.realpath(run_dir):
-                out[worker] = {"failures": b.get("failures", 0), "code": b.get("code")}
+                out[worker] = {"failures": b.get("failures", 0), "code": b.get("code"), "oom": b.get("oom", False)}
     return out
 
 

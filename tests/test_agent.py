@@ -319,7 +319,8 @@ def test_a_worker_whose_every_start_fails_fails_its_run_and_a_kill_does_not_coun
                                                                                     stop_agents):
     """The agent counts the exits in a row with an error code; ``libra-ctl run`` fails on a worker that has
     made ``CRASH_LOOP`` of them (its agent would restart it forever, and the run wait forever), with the
-    worker's last output. A SIGKILL (chaos, the OOM killer) is not such an exit: it resets the count."""
+    worker's last output. A SIGKILL (chaos) is not such an exit: it resets the count (one by the OOM killer is:
+    ``test_agent_faults``)."""
     from pipeline import config as config_mod
     from pipeline.run import CRASH_LOOP, Orchestrator, RunFailed, crash_records
 

@@ -131,8 +131,7 @@ def test_an_agent_whose_node_lock_was_taken_over_starts_no_worker(r, redis_url, 
 
 
 def test_the_back_off_of_a_long_crash_looping_worker_stays_at_its_longest(r, redis_url, stop_agents):
-    """A worker killed again and again before ``STABLE_S`` (the OOM killer's SIGKILL, which does not fail the
-    run) waits the longest back-off before each restart, whatever the count. Before, ``2 ** restarts`` was
+    """A worker killed again and again before ``STABLE_S`` (a SIGKILL, which does not fail the run) waits the longest back-off before each restart, whatever the count. Before, ``2 ** restarts`` was
     computed before the minimum: at about 1,100 restarts OverflowError escaped ``reap()`` and killed the
     agent, and each successor, which loaded the same count."""
     a = Agent(r, redis_url, NODE, [Slot(0, None)], grace_s=5.0).start()
@@ -269,3 +268,51 @@ def test_a_worker_adopted_while_draining_is_not_restarted_as_a_crash_when_it_exi
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_worker_the_oom_killer_kills_at_every_start_fails_its_run(r, redis_url, tmp_path, stop_agents):
+    """A SIGKILL while the kernel's OOM count goes up (this agent's memory cgroup's, else the machine's) is
+    booked as a failure: ``libra-ctl run`` fails after ``CRASH_LOOP`` of them in a row, naming the OOM killer.
+    A SIGKILL with no OOM kill meanwhile (chaos, a user) still resets the count. Before, every SIGKILL reset
+    it: a worker out of host memory at every start was restarted forever and its run never ended. The
+    count is read from a file here, as the kernel writes it (``oom_kill N``): no test can make a real OOM."""
+    from pipeline import config as config_mod
+    from pipeline.run import CRASH_LOOP, Orchestrator, RunFailed
+
+    assert isinstance(agent_mod.oom_kills(agent_mod.oom_counter()), int)   # this Linux tells its count
+    counter = tmp_path / "memory.events"
+    counter.write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n")
+    run_dir = sim_job(r, redis_url, tmp_path)
+    a = Agent(r, redis_url, NODE, [Slot(0, None)], grace_s=5.0, backoff_s=(0.05, 0.1)).start()
+    stop_agents.append(a)
+    a.oom_counter = counter
+    actions.ensure(r, NODE, spec(run_dir, "rollout-n1-0", [0]))
+    key = worker_key(JOB, "rollout-n1-0")
+    orch = Orchestrator(config_mod.load(None, [f"job.name={JOB}"]), Path(run_dir), r, redis_url)
+    orch.check_crash_loops()
+
+    def kill(oom: bool) -> None:
+        deadline = time.monotonic() + 60
+        while (p := a.procs.get(key)) is None or not p.alive():
+            assert time.monotonic() < deadline, "the worker never started"
+            a.step()
+            time.sleep(0.05)
+        if oom:
+            kills = agent_mod.oom_kills(counter)
+            counter.write_text(f"low 0\nhigh 0\nmax 0\noom 1\noom_kill {kills + 1}\n")
+        os.kill(p.pid, signal.SIGKILL)
+        while key in a.procs:
+            assert time.monotonic() < deadline, "the kill was never seen"
+            a.step()
+            time.sleep(0.05)
+
+    kill(oom=True)
+    assert a.backoff[key].failures == 1 and a.backoff[key].oom
+    kill(oom=False)   # chaos: not a failure
+    assert a.backoff[key].failures == 0 and not a.backoff[key].oom
+    for n in range(1, CRASH_LOOP + 1):
+        kill(oom=True)
+        assert a.backoff[key].failures == n
+    with pytest.raises(RunFailed, match=r"rollout-n1-0 failed \d+ times in a row \(killed by the kernel's "
+                                        r"out-of-memory killer \(exit code -9\)"):
+        orch.check_crash_loops()

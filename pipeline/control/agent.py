@@ -81,6 +81,43 @@ GPUS_ENV = "LIBRA_GPUS"
 SLOTS_ENV = "LIBRA_SLOTS"
 
 
+def oom_counter() -> Path | None:
+    """The file where the kernel counts the processes its out-of-memory killer killed (``oom_kill N``):
+    this process's memory cgroup where it can be read (v2 ``memory.events``, v1 ``memory.oom_control``; a
+    worker's cgroup is its agent's), else the machine's ``/proc/vmstat``; None where none can be read."""
+    groups = {}
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _n, controllers, path = line.split(":", 2)
+            for c in controllers.split(",") or [""]:
+                groups[c] = path
+    except (OSError, ValueError):
+        pass
+    cgroup = Path("/sys/fs/cgroup")
+    candidates = []
+    if "" in groups:   # v2: the path as the host sees it, then the root of a namespaced mount
+        candidates += [cgroup / groups[""].lstrip("/") / "memory.events", cgroup / "memory.events"]
+    if "memory" in groups:
+        candidates += [cgroup / "memory" / groups["memory"].lstrip("/") / "memory.oom_control",
+                       cgroup / "memory" / "memory.oom_control"]
+    candidates.append(Path("/proc/vmstat"))
+    return next((c for c in candidates if oom_kills(c) is not None), None)
+
+
+def oom_kills(path: Path | None) -> int | None:
+    """The ``oom_kill`` count in ``path`` (see ``oom_counter``); None when it cannot be read."""
+    if path is None:
+        return None
+    try:
+        for line in path.read_text().splitlines():
+            name, _sep, value = line.partition(" ")
+            if name == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 class SlotError(ValueError):
     """The agent cannot tell which slots it has; the message says the fix."""
 
@@ -153,6 +190,7 @@ class Proc:
     popen: subprocess.Popen | None = None
     term_at: float | None = None
     killed: bool = False
+    oom_base: int | None = None   # the kernel's count of OOM kills when it started (``oom_kills``)
 
     @property
     def slots(self) -> list[int]:
@@ -231,8 +269,9 @@ class Backoff:
     restarts: int = 0
     next_at: float = 0.0  # time.time() of the earliest restart (wall clock: it outlives the agent's process)
     run_dir: str = ""     # the run whose worker crashed: a later run's worker of the same id starts afresh
-    failures: int = 0     # of those restarts, the exits in a row with an error code (a signal resets it)
+    failures: int = 0     # of those restarts, the exits in a row with an error code or by the OOM killer
     code: int | None = None   # the last exit code (None: an adopted process's, unknown)
+    oom: bool = False     # the last exit was a SIGKILL while the kernel's OOM killer killed (``oom_kills``)
 
 
 class ControlJobRunner:
@@ -355,6 +394,7 @@ class Agent:
         self.r, self.url, self.node, self.slots = r, url, node, list(slots)
         self.grace_s, self.backoff_s = grace_s, backoff_s
         self.cwd = cwd
+        self.oom_counter = oom_counter()
         self.log = log or structlog.get_logger("agent").bind(node=node)
         self.procs: dict[str, Proc] = {}
         self.backoff: dict[str, Backoff] = {}
@@ -497,11 +537,12 @@ class Agent:
             # read before the process is forgotten: a Redis error here leaves it to the next pass
             done = ended and (code == 0 or (code is None and self.finished_training(p)))
             del self.procs[key]
-            self.event("exited", p, code=code, ran_s=round(ran, 2))
+            oom = self.oom_killed(p)
+            self.event("exited", p, code=code, ran_s=round(ran, 2), **({"oom": True} if oom else {}))
             if done:
                 self.completed[key] = d["seq"]     # finished its work (the learner's last step)
             elif ended:
-                self.book_restart(key, ran, d["run_dir"], code)
+                self.book_restart(key, ran, d["run_dir"], code, oom)
             if p.spec["role"] in ("rollout", "reward"):
                 try:
                     hand_over_pending(self.r, p.spec["job"], p.spec["role"], p.spec["worker"], self.log)
@@ -520,14 +561,24 @@ class Agent:
             return False
         return self.job_run(p.spec["job"], {})[0] in ("trained", "stopping", "done")
 
-    def book_restart(self, key: str, ran_s: float, run_dir: str, code: int | None = None) -> None:
+    def oom_killed(self, p: Proc) -> bool:
+        """Whether ``p`` died of a SIGKILL we did not send while the kernel's OOM killer killed: its count
+        (this agent's memory cgroup's, else the machine's) went up since ``p`` started."""
+        if p.exit_code != -signal.SIGKILL or p.killed or p.oom_base is None:
+            return False
+        now = oom_kills(self.oom_counter)
+        return now is not None and now > p.oom_base
+
+    def book_restart(self, key: str, ran_s: float, run_dir: str, code: int | None = None,
+                     oom: bool = False) -> None:
         """Wait before the next start, longer after each crash; count the exits in a row with an error code
-        (what ``libra-ctl run`` fails on: a worker whose every start fails; a kill, a signal, is not one)."""
+        or by the OOM killer (what ``libra-ctl run`` fails on: a worker whose every start fails; another
+        kill, a signal, is not one: chaos, or a user)."""
         b = self.backoff.setdefault(key, Backoff())
         if ran_s > STABLE_S or b.run_dir != run_dir:
             b.restarts = b.failures = 0
-        b.run_dir, b.code = run_dir, code
-        b.failures = b.failures + 1 if code is not None and code > 0 else 0
+        b.run_dir, b.code, b.oom = run_dir, code, oom
+        b.failures = b.failures + 1 if oom or (code is not None and code > 0) else 0
         first, longest = self.backoff_s
         wait = min(first * 2 ** min(b.restarts, 30), longest)   # a long crash loop: the longest, no overflow
         b.restarts += 1
@@ -608,6 +659,7 @@ class Agent:
                                   "CUDA_VISIBLE_DEVICES": ",".join(devices), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
         argv = worker_argv(d["backend"], d["role"], d["run_dir"], d["worker"])
         out = _log_file(d["run_dir"], d["worker"])
+        oom_base = oom_kills(self.oom_counter)
         try:
             popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd,
                                      start_new_session=True)
@@ -618,7 +670,7 @@ class Agent:
         start = process_start(popen.pid) or 0
         spec = {k: d[k] for k in ("job", "worker", "role", "slots", "run_dir", "backend")}
         spec["generation"] = d.get("generation", 0)
-        p = Proc(key, spec, popen.pid, start, time.time(), popen)
+        p = Proc(key, spec, popen.pid, start, time.time(), popen, oom_base=oom_base)
         self.procs[key] = p
         self.event("spawned", p)
         self.publish(force=True)
