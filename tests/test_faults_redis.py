@@ -405,3 +405,30 @@ def test_an_entry_deleted_while_pending_is_never_acknowledged_without_its_dead_l
     assert [f[b"id"] for _i, f in r.xrange(keys.dead_letters)] == [entry]
     assert not r.xpending_range(keys.rollouts, GROUP_REWARD, "-", "+", 10)
     assert int(r.hget(keys.counters, "dead_lettered")) == 2
+
+
+def test_a_controller_event_whose_write_is_sent_again_is_read_once(server):
+    """A controller event whose XADD reply is lost is sent again by the next tick (the controller keeps it
+    unwritten): the stream holds it twice, and ``libra-ctl events``, the live benchmark's move
+    count and the report's timeline read it once, by its ``eid``. Before, it was read twice: one move
+    counted as two."""
+    from pipeline.control.events import new_event_id, read_events, record_event
+
+    proxy = ExecDropper(server.port, trigger=b"XADD\r\n")
+    try:
+        r = connect(f"redis://127.0.0.1:{proxy.port}/0")
+        record_event(r, "blip", {"kind": "decision", "from": {"rollout": 1}, "to": {"rollout": 2}})
+        proxy.armed.set()
+        # as the controller keeps it (``unwritten``): the same event, written again until a write returns
+        event = {"at": time.time(), "eid": new_event_id(), "kind": "decision", "from": {"rollout": 2},
+                 "to": {"rollout": 3}}
+        with pytest.raises(redis.ConnectionError):
+            record_event(r, "blip", event)
+        assert proxy.dropped.is_set()
+        record_event(r, "blip", event)
+        direct = connect(server.url)
+        assert direct.xlen(JobKeys("blip").control_events) == 3   # the second one sent twice
+        events = read_events(direct, "blip")
+        assert [e["to"]["rollout"] for e in events] == [2, 3]
+    finally:
+        proxy.close()

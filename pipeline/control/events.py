@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import json
 import time
+import uuid
 from pathlib import Path
 
 import redis
@@ -23,9 +24,13 @@ EVENTS_MAXLEN = 10_000
 
 
 def record_event(r: redis.Redis, job: JobInfo | str, event: dict) -> None:
-    """Append a decision event to the job's stream and, where this host sees it, ``runs/<id>/events.jsonl``."""
+    """Append a decision event to the job's stream and, where this host sees it, ``runs/<id>/events.jsonl``.
+
+    An event carries an ``eid``: a write sent twice (its reply lost, a later
+    tick sends it again) is one event to the readers. A caller that
+    may write an event again gives it its ``eid`` (``new_event_id``)."""
     name = job.name if isinstance(job, JobInfo) else job
-    event = {"at": time.time(), "job": name, **event}
+    event = {"at": time.time(), "job": name, "eid": new_event_id(), **event}
     line = json_line(event)
     r.xadd(JobKeys(name).control_events, {"data": line}, maxlen=EVENTS_MAXLEN, approximate=True)
     if isinstance(job, JobInfo) and job.run_dir:
@@ -36,11 +41,22 @@ def record_event(r: redis.Redis, job: JobInfo | str, event: dict) -> None:
             pass   # the run directory lives on another machine
 
 
+def new_event_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
 def read_events(r: redis.Redis, job: str, last: int = 50) -> list[dict]:
     """The job's newest ``last`` events, by their time (a controller writes an event a tick late, after an
-    outage, with the time of its decision: the stream's order is not always the events' order)."""
+    outage, with the time of its decision: the stream's order is not always the events' order), each once
+    (a write sent again after its reply was lost is the same ``eid``)."""
     entries = r.xrevrange(JobKeys(job).control_events, count=last)
-    return sorted((json.loads(f[b"data"]) for _id, f in reversed(entries)), key=lambda e: e.get("at", 0))
+    seen, events = set(), []
+    for _id, f in reversed(entries):
+        e = json.loads(f[b"data"])
+        if e.get("eid") is None or e["eid"] not in seen:
+            seen.add(e.get("eid"))
+            events.append(e)
+    return sorted(events, key=lambda e: e.get("at", 0))
 
 
 def merged_events(r: redis.Redis, jobs: list[str], last: int = 50) -> list[dict]:

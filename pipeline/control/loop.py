@@ -48,7 +48,7 @@ from pipeline.control.actions import STATE_RUN, worker_key
 from pipeline.control.allocation import (counts_of, external_counts, external_workers, get_allocation, live_agents,
                                          read_placement, drain_requests)
 from pipeline.control.allocator import Allocation
-from pipeline.control.events import record_event
+from pipeline.control.events import new_event_id, record_event
 from pipeline.control.job import JobInfo, load_job, plan_config, role_bounds
 from pipeline.control.lease import Lease
 from pipeline.control.observer import Observer
@@ -299,7 +299,9 @@ class Controller:
         self.commit(jc, view.alloc, cur, new, target, now, drained)
         if event is not None or orders or drained:
             # "at": the decision's time, also when the write comes a tick late
-            jc.unwritten.append({"at": time.time(), **(event or {"kind": "drain" if drained else "repair"}),
+            # "eid": one event, though its write may be sent again (``record_event``)
+            jc.unwritten.append({"at": time.time(), "eid": new_event_id(),
+                                 **(event or {"kind": "drain" if drained else "repair"}),
                                  "epoch": self.lease.epoch,
                                  "actions": orders, "drained": drained,
                                  **({"external": view.ext_n} if view.ext_n else {})})
