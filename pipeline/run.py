@@ -675,7 +675,7 @@ def check_resumable(r: redis.Redis, keys: JobKeys, run_dir: Path) -> None:
     recorded = state.get(b"run_dir", b"").decode()
     if recorded and Path(recorded).resolve() != run_dir.resolve():
         raise RunFailed(f"job {keys.job!r} in this Redis belongs to run {recorded}, not {run_dir}")
-    if state.get(b"phase") in (b"running", b"stopping") and live_owner(state):
+    if state.get(b"phase") in (b"starting", b"running", b"stopping") and live_owner(state):
         raise RunFailed(f"job {keys.job!r} is still {state[b'phase'].decode()} (pid {state[b'pid'].decode()})")
     if not r.exists(keys.policy):
         raise RunFailed(f"nothing to resume: job {keys.job!r} has no state in this Redis "

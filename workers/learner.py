@@ -141,6 +141,7 @@ class Learner:
         # Where the next look over our own pending list starts (XPENDING range), None while reading new
         # entries; "-" at the start, at every step and after a read that found nothing (see read_entries).
         self.replay_from: str | None = "-"
+        self.delivered: dict[bytes, int] = {}   # the deliveries of the ids ``pending_unheld`` returned last
         self.trained_total = 0
         self.dropped_total = 0
         self.dropped_branch_total = 0
@@ -437,18 +438,23 @@ class Learner:
         return entries
 
     def pending_unheld(self, count: int, held: set[bytes]) -> list[bytes]:
-        """Up to ``count`` ids pending at us and not ``held``, oldest first, from ``replay_from`` on."""
+        """Up to ``count`` ids pending at us and not ``held``, oldest first, from ``replay_from`` on; their
+        deliveries so far go to ``self.delivered`` (a dead letter says them)."""
         r, stream, me = self.ctx.r, self.ctx.keys.scored, self.ctx.worker_id
         out: list[bytes] = []
+        delivered: dict[bytes, int] = {}
         while len(out) < count:
-            page = [_as_bytes(p["message_id"]) for p in r.xpending_range(
-                stream, GROUP_LEARNER, min=self.replay_from, max="+", count=PENDING_PAGE, consumername=me)]
+            infos = r.xpending_range(stream, GROUP_LEARNER, min=self.replay_from, max="+", count=PENDING_PAGE,
+                                     consumername=me)
+            page = [_as_bytes(p["message_id"]) for p in infos]
+            delivered.update((_as_bytes(p["message_id"]), int(p["times_delivered"])) for p in infos)
             out += [i for i in page if i not in held][:count - len(out)]
             if len(page) < PENDING_PAGE:
                 break
             self.replay_from = "(" + page[-1].decode()
         if out:
             self.replay_from = "(" + out[-1].decode()
+        self.delivered = {i: delivered[i] for i in out}
         return out
 
     def replay_unheld(self, count: int, held: set[bytes]) -> list:
@@ -462,8 +468,8 @@ class Learner:
         # Pending, but deleted from the stream (XDEL): Redis 6.2 answers nil, 7 drops it from the pending list.
         gone = set(ids) - {i for i, _p in entries}
         if gone:
-            self.dead_letter_bad([(i, b"", "deleted from the stream while pending", self.ctx.cfg.rollout.group_size)
-                                  for i in sorted(gone)])
+            self.dead_letter_bad([(i, b"", "deleted from the stream while pending", self.ctx.cfg.rollout.group_size,
+                                   self.delivered.get(i, 1)) for i in sorted(gone)])
         return entries
 
     def ack_judged_pending(self) -> None:
@@ -493,16 +499,19 @@ class Learner:
         """A transaction of small writes, waiting while Redis is full (backpressure, never a crash)."""
         transact(self.ctx.r, queue, self.ctx.log, self.ctx.stopping)
 
-    def dead_letter_bad(self, bad) -> None:
-        """Dead-letter and acknowledge ``(entry id, payload, reason, trajectories it stood for)``."""
+    def dead_letter_bad(self, bad, also=None) -> None:
+        """Dead-letter and acknowledge ``(entry id, payload, reason, trajectories it stood for[, deliveries])``;
+        ``also(pipe)`` queues more writes into the same transaction."""
         def queue(pipe):
-            for entry_id, payload, reason, trajectories in bad:
+            for entry_id, payload, reason, trajectories, *deliveries in bad:
                 dead_letter(pipe, self.ctx.keys, self.ctx.keys.scored, entry_id, reason, payload,
-                            trajectories=trajectories)
+                            deliveries=deliveries[0] if deliveries else 1, trajectories=trajectories)
                 pipe.xack(self.ctx.keys.scored, GROUP_LEARNER, entry_id)
+            if also is not None:
+                also(pipe)
 
         self.write(queue)
-        for _id, _payload, reason, _n in bad:
+        for _id, _payload, reason, *_n in bad:
             self.ctx.log.warning("dead_lettered", reason=reason)
 
     # --- training ------------------------------------------------------------------------------
@@ -670,9 +679,11 @@ class Learner:
     def let_go_of_batch(self) -> None:
         """On a drain before the batch trained, the counters of what it held go back to 0, if Redis takes it now:
         its drops and groups without signal are judged again by the next learner, and until then the
-        feeder must count them in flight, not over-issue."""
+        feeder must count them in flight, not over-issue. The groups read ahead stay counted: pending here,
+        outside the scored stream's lag, they wait for the next learner as lag would (the feeder's hold)."""
         try:
-            self.ctx.r.hset(self.ctx.keys.counters, mapping={"dropped_held": 0, "filtered_held": 0, AHEAD_COUNTER: 0})
+            self.ctx.r.hset(self.ctx.keys.counters, mapping={"dropped_held": 0, "filtered_held": 0,
+                                                             AHEAD_COUNTER: len(self.ahead)})
         except redis.RedisError as exc:
             self.ctx.log.warning("held_counters_left", error=str(exc))   # the next learner's start resets them
 
@@ -786,9 +797,15 @@ class Learner:
                 if entry_of.get(g.prompt_id) not in errors]
         batch.groups, batch.staleness = [g for g, _ in kept], [s for _, s in kept]
         batch.entry_ids = [i for i in batch.entry_ids if i not in errors]
+        # a group without signal was counted as filtered when admitted: from now on it is a dead letter only
+        flat = sum(len(g.trajectories) for g in failed.values() if no_signal(g.rewards))
+        batch.no_signal -= flat
+        dyn = self.cfg.dynamic_sampling
         gs = self.ctx.cfg.rollout.group_size
         self.dead_letter_bad([(i, batch.raw.get(i, b""), f"learner: {error}",
-                               trajectories_of(failed.get(i), gs)) for i, error in errors.items()])
+                              trajectories_of(failed.get(i), gs)) for i, error in errors.items()],
+                             also=(lambda pipe: pipe.hset(self.ctx.keys.counters, "filtered_held", batch.no_signal))
+                             if dyn and flat else None)
         self.write(lambda pipe: (pipe.hdel(self.ctx.keys.learner_attempts, *errors),
                                  pipe.hdel(self.ctx.keys.learner_suspects, *errors)))
         for entry_id in errors:

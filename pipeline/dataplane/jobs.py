@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 
 import redis
 
@@ -21,14 +22,33 @@ class JobRunning(RuntimeError):
     """Another live run owns the job name."""
 
 
+# phases whose owner, while alive, holds the job name; stopping: its owner is still stopping its workers, who
+# write into these keys until they are down; starting: a run between its reset and its first step's state
+LIVE_PHASES = (b"starting", b"running", b"trained", b"stopping")
+
+
 def reset_job(r: redis.Redis, keys: JobKeys) -> None:
-    """A new run of a job starts from empty streams; JobRunning if another run of it is live."""
-    state = r.hgetall(keys.state)
-    # stopping: its owner is still stopping its workers, who write into these keys until they are down
-    if state.get(b"phase") in (b"running", b"trained", b"stopping") and live_owner(state):
-        raise JobRunning(f"job {keys.job!r} is already running (pid {state[b'pid'].decode()} on "
-                         f"{state[b'host'].decode()}); stop it or choose another job.name")
-    clear_job(r, keys.pattern)
+    """A new run of a job starts from empty streams; JobRunning if another run of it is live.
+
+    The check, the delete and the claim are one transaction (WATCH on the
+    job's state): the job is left in phase ``starting``, owned by this
+    process, so a second run of the name started meanwhile is refused until
+    this one's owner exits (the run then writes its own state over it)."""
+    def reset(pipe) -> None:
+        state = pipe.hgetall(keys.state)
+        ours = state.get(b"pid") == str(os.getpid()).encode() and state.get(b"host") == socket.gethostname().encode()
+        if state.get(b"phase") in LIVE_PHASES and live_owner(state) and not (ours and state[b"phase"] == b"starting"):
+            raise JobRunning(f"job {keys.job!r} belongs to a live run (phase {state[b'phase'].decode()}, pid "
+                             f"{state[b'pid'].decode()} on {state[b'host'].decode()}); stop it or choose another "
+                             f"job.name")
+        doomed = list(pipe.scan_iter(match=keys.pattern, count=1000))
+        pipe.multi()
+        if doomed:
+            pipe.delete(*doomed)
+        pipe.hset(keys.state, mapping={"phase": "starting", "pid": os.getpid(), "host": socket.gethostname(),
+                                       "started_at": time.time()})
+
+    r.transaction(reset, keys.state)
     forget_desired_workers(r, keys.job)
 
 

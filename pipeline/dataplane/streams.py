@@ -392,7 +392,8 @@ def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: st
         return [], "0-0"
     ids = [_as_bytes(info["message_id"]) for info in idle]
     next_cursor = "(" + ids[-1].decode() if len(ids) == count else "0-0"
-    ids = _dead_letter_deleted(r, keys, source, group, ids, log, stop)
+    delivered = {_as_bytes(info["message_id"]): int(info["times_delivered"]) for info in idle}
+    ids = _dead_letter_deleted(r, keys, source, group, ids, log, stop, delivered)
     claimed = r.xclaim(source, group, consumer, policy.min_idle_ms, ids) if ids else []
     got = [(i, (f or {}).get(messages.FIELD, b"")) for i, f in claimed if i is not None and f is not None]
     if not got:
@@ -404,15 +405,15 @@ def reclaim(r: redis.Redis, keys: JobKeys, source: str, group: str, consumer: st
 
 
 def _dead_letter_deleted(r: redis.Redis, keys: JobKeys, source: str, group: str, ids: list[bytes], log,
-                         stop: Callable[[], bool]) -> list[bytes]:
+                         stop: Callable[[], bool], delivered: dict[bytes, int]) -> list[bytes]:
     """Of the idle pending ``ids`` a reclaim is about to claim, the ones still in the stream; those gone from it
     (an XDEL while pending) are dead-lettered, before any XCLAIM.
 
     Redis 6.2's XCLAIM answers nil for such an entry and leaves it pending,
     so the stream's trim point stops at it; 7's drops it from the pending
     list without a word. On either, the group it stood for would stay in
-    flight for good: it is dead-lettered (no payload), as the learner does.
-    One script per entry acknowledges it and, only if that XACK removed it,
+    flight for good: it is dead-lettered (no payload), as the learner does,
+    with the deliveries XPENDING counted (``delivered``). One script per entry acknowledges it and, only if that XACK removed it,
     writes the dead letter: two reclaimers never count it twice, and a write
     that cannot happen (Redis full while stopping, a kill) leaves it pending,
     for a later reclaim, never acknowledged without its dead letter.
@@ -426,17 +427,18 @@ def _dead_letter_deleted(r: redis.Redis, keys: JobKeys, source: str, group: str,
     for entry_id in gone:
         written += _waiting_out_redis(lambda e=entry_id: r.eval(
             _DEAD_LETTER_DELETED, 3, source, keys.dead_letters, keys.counters, group, e,
-            "deleted from the stream while pending", group_size, time.time()), wait, outage)
+            "deleted from the stream while pending", group_size, time.time(), delivered.get(e, 1)), wait, outage)
     if written and log:
         log.warning("dead_lettered_deleted", entries=written)
     return [i for i in ids if i not in gone]
 
 
-# KEYS: the source stream, the dead letters, the counters; ARGV: group, entry id, reason, trajectories, time.
-# The fields of ``dead_letter``'s record, written only by the XACK that removed the entry (safe to run again).
+# KEYS: the source stream, the dead letters, the counters; ARGV: group, entry id, reason, trajectories, time,
+# deliveries. The fields of ``dead_letter``'s record, written only by the XACK that removed the entry (safe to run
+# again).
 _DEAD_LETTER_DELETED = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('XADD', KEYS[2], '*', 'reason', ARGV[3], 'stream', KEYS[1], 'id', ARGV[2], 'deliveries', 1,
+redis.call('XADD', KEYS[2], '*', 'reason', ARGV[3], 'stream', KEYS[1], 'id', ARGV[2], 'deliveries', ARGV[6],
            'trajectories', ARGV[4], 'payload', '', 'at', ARGV[5])
 redis.call('HINCRBY', KEYS[3], 'dead_lettered', ARGV[4])
 redis.call('HINCRBY', KEYS[3], 'dead_letter_messages', 1)
