@@ -37,6 +37,7 @@ the sampled ones (mask 1): environment replies are not generated.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -51,6 +52,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import structlog
 
 from pipeline import config as config_mod
@@ -61,7 +63,7 @@ from pipeline.dataplane.lifeline import spawn
 from pipeline.dataplane.redisconn import ENV_URL, EmbeddedRedis, connect
 from pipeline.dataplane.worker import WorkerContext
 from pipeline.redaction import redact_tree
-from pipeline.run import prepare_policy
+from pipeline.run import RunFailed, prepare_policy
 
 # The workers' modules are imported where they are used: some load torch, and the CLI imports this module
 # to build its parser for every command.
@@ -103,10 +105,22 @@ class Sink:
     calls: dict = field(default_factory=dict)
     worker_pid: int | None = None   # set once the worker is started
     error: BaseException | None = None
+    digests: dict = field(default_factory=dict)   # prompt id -> ``group_digest`` of what the worker generated
 
     @property
     def tokens(self) -> int:
         return sum(c[0] for c in self.calls.values())
+
+
+def group_digest(samples) -> str:
+    """One group's tokens as a digest: ``(sample index, completion tokens, mask)`` of each of its samples, in
+    sample order. The two paths generated the same tokens for a prompt exactly when the digests agree."""
+    h = hashlib.sha256()
+    for idx, tokens, mask in sorted(samples, key=lambda s: s[0]):
+        h.update(f"{idx}:".encode())
+        h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+        h.update(np.asarray(mask, dtype=np.uint8).tobytes())
+    return h.hexdigest()[:16]
 
 
 def bench_config(spec: RolloutBenchSpec, job: str) -> config_mod.Config:
@@ -163,11 +177,14 @@ def _direct(cfg: config_mod.Config, policy_dir: str, tasks: list, cpus: tuple[in
     env, chat_template = env_from_config(cfg), chat_template_setting(cfg)
     per_call = cfg.rollout.groups_per_call
     calls = []   # (seconds, policy tokens, trajectories, CPU seconds) per engine call
+    samples: dict = {}   # prompt id -> its samples, for ``group_digest``
     for k in range(0, len(tasks), per_call):
         t, cpu = time.perf_counter(), process_cpu_s(os.getpid())
         episodes = play_groups(engine, tokenizer, env, chat_template, cfg, tasks[k:k + per_call])
         calls.append((time.perf_counter() - t, sum(int(sum(e.completion_mask)) for e in episodes), len(episodes),
                       process_cpu_s(os.getpid()) - cpu))
+        for e in episodes:
+            samples.setdefault(e.prompt_id, []).append((e.sample_idx, e.completion_tokens, e.completion_mask))
     # The first call is a warm-up, left out as in the pipeline run.
     seconds, measured = sum(c[0] for c in calls[1:]), calls[1:]
     tokens, trajectories = sum(c[1] for c in measured), sum(c[2] for c in measured)
@@ -176,7 +193,8 @@ def _direct(cfg: config_mod.Config, policy_dir: str, tasks: list, cpus: tuple[in
             "tokens_per_s": round(tokens / seconds, 1), "cpu_s": round(cpu_s, 2),
             "tokens_per_cpu_s": round(tokens / cpu_s, 1) if cpu_s else None, "all_tokens": sum(c[1] for c in calls),
             "warmup_s": round(calls[0][0], 3), "load_s": round(load_s, 1),
-            "call_s": [round(c[0], 3) for c in calls], "affinity": sorted(os.sched_getaffinity(0))}
+            "call_s": [round(c[0], 3) for c in calls], "affinity": sorted(os.sched_getaffinity(0)),
+            "group_digests": {pid: group_digest(ss) for pid, ss in samples.items()}}
 
 
 def run_direct(cfg: config_mod.Config, policy_dir: str, tasks: list, cpus: tuple[int, ...], timeout_s: float,
@@ -260,6 +278,8 @@ def sink(r, keys: JobKeys, cfg: config_mod.Config, out: Sink, want_groups: int, 
                     out.bad += 1
                     continue
                 out.trajectory_ids.update((group.prompt_id, t.sample_idx) for t in group.trajectories)
+                out.digests[group.prompt_id] = group_digest((t.sample_idx, t.completion, t.mask)
+                                                            for t in group.trajectories)
                 seen.append(group)
                 trained += len(group.trajectories)
             pipe = r.pipeline(transaction=True)
@@ -387,7 +407,8 @@ def pipeline_figures(out: Sink, spans: dict, t0: float, load_s: float, issued: i
            "exactly_once": {"issued_groups": issued, "received_groups": len(out.groups),
                             "entries": out.entries, "distinct_trajectories": len(out.trajectory_ids),
                             "duplicate_trajectories": out.trajectories - len(out.trajectory_ids), "bad": out.bad,
-                            "dead_lettered": dead_lettered}}
+                            "dead_lettered": dead_lettered},
+           "group_digests": dict(out.digests)}
     if publisher:
         res["versions"] = publisher.version
         res["publish_s"] = [round(x, 4) for x in publisher.publish_s]
@@ -528,7 +549,10 @@ def run_bench(spec: RolloutBenchSpec, say=lambda line: None) -> dict:
     cpus, rest = engine_cpus(spec)
     problems = job_problems(cfg)
     say(f"engine on CPU {','.join(map(str, cpus))}; Redis, feeder and sink on {','.join(map(str, rest)) or 'it too'}")
-    policy_dir = prepare_policy(cfg, sys.stderr)
+    try:
+        policy_dir = prepare_policy(cfg, sys.stderr)
+    except RunFailed as exc:   # the policy the config names is not there, or does not fit: bad input (exit 2)
+        raise ValueError(str(exc)) from None
     tasks = first_tasks(cfg, problems, spec.prompts)
     rounds, switch = [], None
     with (pinned(rest), tempfile.TemporaryDirectory(prefix="libra-bench-rollout-") as tmp,
@@ -586,6 +610,7 @@ def summarise(spec: RolloutBenchSpec, cfg: config_mod.Config, cpus: tuple[int, .
         rd["cpu_ratio"] = (round(pl["tokens_per_cpu_s"] / d["tokens_per_cpu_s"], 3)
                            if pl["tokens_per_cpu_s"] and d["tokens_per_cpu_s"] else None)
         rd["overhead_share"] = round(pl["other_s"] / pl["seconds"], 4)
+        rd["same_tokens"] = same_tokens(d, pl)
     med = statistics.median
     pipe_traj_s = med(rd["pipeline"]["trajectories_per_s"] for rd in rounds)
     batch = cfg.learner.batch_size
@@ -600,11 +625,11 @@ def summarise(spec: RolloutBenchSpec, cfg: config_mod.Config, cpus: tuple[int, .
         "cpu_ratio": _median_or_none([rd["cpu_ratio"] for rd in rounds]),
         # The pipeline's wall time outside its engine calls: reads, decoding, encoding, writes, waits.
         "overhead_share": round(med(rd["overhead_share"] for rd in rounds), 4),
-        "same_tokens": all(rd["direct"]["all_tokens"] == rd["pipeline"]["all_tokens"] for rd in rounds),
+        "same_tokens": all(rd["same_tokens"] for rd in rounds),
         "step": {"batch_size": batch, "seconds": round(step_s, 3),
                  "definition": "the pipeline's time to generate one batch of learner.batch_size trajectories "
                                "at its measured rate (the median round's)"},
-        "rounds": rounds,
+        "rounds": [{side: _no_digests(run) for side, run in rd.items()} for rd in rounds],
         "exactly_once": _exactly_once([rd["pipeline"] for rd in rounds] + ([switch] if switch else [])),
         "targets": {"ratio_at_least": TARGET_RATIO, "switch_share_below": TARGET_SWITCH_SHARE},
         "engine": {"groups_per_call": cfg.rollout.groups_per_call, "group_size": cfg.rollout.group_size,
@@ -619,13 +644,25 @@ def summarise(spec: RolloutBenchSpec, cfg: config_mod.Config, cpus: tuple[int, .
         reloads = switch["reload_s"]
         mean = statistics.fmean(reloads) if reloads else 0.0
         share = mean / step_s
-        res["switch"] = {**switch, "reloads": len(reloads), "reload_s_mean": round(mean, 4),
+        res["switch"] = {**_no_digests(switch), "reloads": len(reloads), "reload_s_mean": round(mean, 4),
                          "reload_s_max": round(max(reloads, default=0.0), 4),
                          "publish_s_mean": round(statistics.fmean(switch["publish_s"] or [0.0]), 4),
                          "share_of_step": round(share, 4)}
         met = met and bool(reloads) and share < TARGET_SWITCH_SHARE
     res["targets"]["met"] = met
     return res
+
+
+def same_tokens(direct: dict, pipeline: dict) -> bool:
+    """Whether the pipeline generated, for every group it delivered, exactly the direct run's tokens (a
+    dead-lettered group is compared on neither side)."""
+    got, want = pipeline.get("group_digests") or {}, direct.get("group_digests") or {}
+    return bool(got) and all(want.get(pid) == d for pid, d in got.items())
+
+
+def _no_digests(run: dict) -> dict:
+    """A run's figures without its per-group digests (hundreds of lines in the JSON, compared already)."""
+    return {k: v for k, v in run.items() if k != "group_digests"} if isinstance(run, dict) else run
 
 
 def _median_or_none(xs: list) -> float | None:
@@ -639,9 +676,10 @@ def _exactly_once(runs: list[dict]) -> dict:
     issued = sum(e["issued_groups"] for e in eo)
     received = sum(e["received_groups"] for e in eo)
     dupes = sum(e["duplicate_trajectories"] for e in eo)
+    dead = sum(e["dead_lettered"] for e in eo)   # accounted for: the environment's error, in its dead letter
     return {"issued_groups": issued, "received_groups": received,
             "distinct_trajectories": sum(e["distinct_trajectories"] for e in eo), "duplicate_trajectories": dupes,
-            "dead_lettered": sum(e["dead_lettered"] for e in eo), "ok": received == issued and dupes == 0}
+            "dead_lettered": dead, "ok": received + dead == issued and dupes == 0}
 
 
 # --- command line ------------------------------------------------------------------------------------------

@@ -73,9 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.warm_start:
             warm = args.out_dir / f"{arch}-{name}"
             ws = WarmStart(seed=args.seed, target=args.target, noise=args.noise)
-            result = warm_start(out, warm, env, train=env.make_tasks(args.seed, 4000, "train"),
-                                held_out=env.make_tasks(args.seed, ws.eval_size, "eval"), ws=ws,
-                                progress=lambda line, a=arch: print(f"{a} warm start: {line}", flush=True))
+            try:
+                result = warm_start(out, warm, env, train=env.make_tasks(args.seed, 4000, "train"),
+                                    held_out=env.make_tasks(args.seed, ws.eval_size, "eval"), ws=ws,
+                                    progress=lambda line, a=arch: print(f"{a} warm start: {line}", flush=True))
+            except ValueError as exc:   # an evaluation that judged nothing: no figure to give
+                print(f"{arch}: warm start failed: {exc}", file=sys.stderr, flush=True)
+                return 1
             print(f"{arch}: warm start {result['steps']} steps, held-out success {result['success']:.2f} "
                   f"in {result['seconds']:.0f}s", flush=True)
             built.append(warm)

@@ -127,8 +127,9 @@ def build_policy(
         bos_token_id=None,
         dtype="float32",
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    with torch.random.fork_rng(devices=[]):   # seeded weights, the caller's RNG left as it was
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
     # generation_config.json must carry no sampling defaults: vLLM would apply them.
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -483,7 +484,7 @@ def warm_start(
     rng = random.Random(seed)
     tokenizer, model = load_tokenizer(model_dir), load_model(model_dir)
     check, pool = problems[:check_problems], problems[check_problems:]
-    with torch_threads(threads):
+    with torch_threads(threads), torch.random.fork_rng(devices=[]):   # the caller's RNG left as it was
         torch.manual_seed(seed)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -572,6 +573,7 @@ def ensure_policy(cache_dir: str | Path, spec: dict, *, progress: Progress | Non
     if (final / "spec.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    clear_dead_siblings(final)
     tmp = _sibling(final, "tmp")
     started = time.monotonic()
     try:
@@ -590,6 +592,39 @@ def _sibling(final: Path, kind: str) -> Path:
     return final.parent / f".{final.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
+DEAD_SIBLING_S = 3600.0   # a sibling untouched this long, of a pid not alive here, is a killed builder's
+
+
+def clear_dead_siblings(final: Path) -> list[Path]:
+    """Remove what killed builders left beside ``final`` (``_sibling``'s names: a SIGKILL skips their
+    cleanup), returning what went. Only a sibling whose pid is not alive on this host and whose newest file is
+    over ``DEAD_SIBLING_S`` old: a live builder, here or on another host of a shared cache, keeps its own."""
+    gone = []
+    for path in final.parent.glob(f".{final.name}.*-*-*"):
+        kind_pid, _sep, _tag = path.name[len(final.name) + 2:].rpartition("-")
+        kind, _sep, pid = kind_pid.rpartition("-")
+        if kind not in ("tmp", "old") or not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        try:
+            newest = max((f.stat().st_mtime for f in [path, *path.rglob("*")]), default=0.0)
+        except OSError:
+            continue   # going away under us
+        if time.time() - newest > DEAD_SIBLING_S:
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path)
+    return gone
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def built_whole(final: str | Path):
     """Build a model directory in a temporary sibling, then put it at ``final`` in one rename.
@@ -601,6 +636,7 @@ def built_whole(final: str | Path):
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    clear_dead_siblings(final)
     tmp = _sibling(final, "tmp")
     tmp.mkdir()
     try:

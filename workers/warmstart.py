@@ -23,7 +23,7 @@ import torch
 
 from workers.chat import ChatFormat
 from workers.envs.base import Environment, Task
-from workers.episode import demonstration_episode, evaluate
+from workers.episode import demonstration_episode, evaluate, unjudged
 from workers.tiny_policy import TorchGenerator, built_whole, load_model, load_tokenizer, save_weights, sft_loss
 
 
@@ -65,19 +65,36 @@ def batches(env, fmt, tokenizer, tasks: list[Task], ws: WarmStart) -> Iterator[t
 
 
 def greedy_success(model, tokenizer, env: Environment, tasks: list[Task], ws: WarmStart) -> float:
+    """Greedy success on ``tasks``; ValueError when the environment's reward judged none of them (its rate
+    would read 0.0, a figure nothing measured, and the warm start would train on to ``max_steps`` for it)."""
     model.eval()
     with torch.no_grad():
-        rate, _ = evaluate(TorchGenerator(model, tokenizer), tokenizer, tasks, env=env, max_turns=ws.max_turns,
-                           max_tokens_per_turn=ws.max_tokens_per_turn, tool_timeout_s=5.0)
+        rate, episodes = evaluate(TorchGenerator(model, tokenizer), tokenizer, tasks, env=env,
+                                  max_turns=ws.max_turns, max_tokens_per_turn=ws.max_tokens_per_turn,
+                                  tool_timeout_s=5.0)
     model.train()
+    if unjudged(episodes) == len(episodes):
+        errors = sorted({ep.error for ep in episodes})
+        raise ValueError(f"the warm start's evaluation judged none of its {len(tasks)} held-out tasks: "
+                         f"{errors[0] if errors else 'no episode'}")
     return rate
 
 
 def warm_start(model_dir: str | Path, out_dir: str | Path, env: Environment, *, train: list[Task],
                held_out: list[Task], ws: WarmStart = WarmStart(),
                progress: Callable[[str], None] = lambda line: None) -> dict:
-    """Train ``model_dir``'s policy on ``env``'s demonstrations into ``out_dir``; returns what happened."""
-    torch.manual_seed(ws.seed)
+    """Train ``model_dir``'s policy on ``env``'s demonstrations into ``out_dir``; returns what happened.
+
+    Seeded by ``ws.seed``; the caller's torch RNG is left as it was."""
+    if not held_out:
+        raise ValueError("the warm start needs held-out tasks to measure its success on (held_out is empty)")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(ws.seed)
+        return _warm_start(model_dir, out_dir, env, train, held_out, ws, progress)
+
+
+def _warm_start(model_dir, out_dir, env: Environment, train: list[Task], held_out: list[Task], ws: WarmStart,
+                progress: Callable[[str], None]) -> dict:
     model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
     fmt = ChatFormat.for_tokenizer(tokenizer, env.reply_role)
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
