@@ -42,6 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline import cgroup
 from pipeline import config as config_mod
 from pipeline.config import Config, check_path
 from pipeline.dataplane.lifeline import spawn
@@ -54,7 +55,7 @@ STOP_WAIT_S = 120.0     # a run stopped with SIGINT has this long to stop its wo
 POLL_S = 0.5
 PLAIN_EVERY_S = 30.0    # a progress line this often when stderr is not a terminal
 LOG_TAIL = 15           # lines of a failed run's log shown and recorded
-STEP_TAIL_BYTES = 65536  # the end of metrics.jsonl read for the current step
+STEP_READ_BYTES = 1 << 20   # metrics.jsonl is read for the current step this much at a time
 # Keys that differ between the runs of an experiment and its recorded baseline by design.
 PER_RUN_KEYS = {"job.seed", "run.runs_dir", "tracking.run_name", "tracking.group", "control.metrics_port"}
 
@@ -206,11 +207,14 @@ def make_plan(config: str, sets: list[str], groups, repeat: int, exp_id: str, ex
 
 
 def usable_cpus() -> int:
-    """The cores this process may run on (a cpuset or ``taskset`` allows fewer than the machine has)."""
+    """The cores this process may run on: fewer than the machine has under a cpuset or ``taskset``, or a CPU
+    quota (``docker --cpus``, a Kubernetes CPU limit: ``cgroup.cpu_quota``, rounded up)."""
     try:
-        return len(os.sched_getaffinity(0)) or 1
+        cores = len(os.sched_getaffinity(0)) or 1
     except AttributeError:   # not on Linux
         return os.cpu_count() or 1
+    quota = cgroup.cpu_quota()
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
 
 
 def experiment_dir(out: str | None, cfg: Config, what: str) -> tuple[Path, str]:
@@ -270,22 +274,41 @@ def progress_line(done: int, total: int, running: list[str], elapsed: float, eta
             f"{fmt_duration(elapsed)} elapsed · ETA {fmt_duration(eta)}")
 
 
+_STEPS: dict[Path, tuple[int, int]] = {}   # metrics.jsonl -> (bytes read, the last learner step in them)
+
+
 def current_step(home: Path) -> int | None:
-    """The last learner step of the run under ``home``, from the end of its metrics.jsonl."""
+    """The last learner step of the run under ``home`` (0 before its first), from its metrics.jsonl.
+
+    Each call reads only what was appended since the last one (whole lines;
+    the line being written is read next time): a step logged long before the
+    sampler's latest lines is still found, and a long file is read once."""
     for path in home.glob("*/metrics.jsonl"):
+        offset, step = _STEPS.get(path, (0, 0))
         try:
             with open(path, "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - STEP_TAIL_BYTES))
-                tail = f.read().decode(errors="replace").splitlines()
+                if f.seek(0, os.SEEK_END) < offset:   # written again from the start
+                    offset, step = 0, 0
+                f.seek(offset)
+                while chunk := f.read(STEP_READ_BYTES):
+                    whole = chunk.rfind(b"\n") + 1
+                    if whole == 0 and len(chunk) == STEP_READ_BYTES:   # one line longer than a read
+                        chunk += f.readline()
+                        whole = chunk.rfind(b"\n") + 1
+                    for line in chunk[:whole].splitlines():
+                        if b'"learner_step"' in line:
+                            try:
+                                step = int(json.loads(line)["step"])
+                            except (ValueError, KeyError, TypeError):
+                                continue
+                    offset += whole
+                    if whole < len(chunk):
+                        break   # a line still being written
+                    f.seek(offset)
         except OSError:
             return None
-        for line in reversed(tail):
-            if '"learner_step"' in line:
-                try:
-                    return int(json.loads(line)["step"])
-                except (ValueError, KeyError):
-                    continue
-        return 0
+        _STEPS[path] = (offset, step)
+        return step
     return None
 
 

@@ -59,7 +59,7 @@ from pathlib import Path
 import redis
 import structlog
 
-from pipeline import argtypes
+from pipeline import argtypes, cgroup
 from pipeline.control import actions
 from pipeline.control.actions import STATE_DRAIN, STATE_GONE, STATE_RUN
 from pipeline.dataplane.keys import (AGENTS, ROLES, JobKeys, agent_backoff, agent_desired, agent_lock, agent_log,
@@ -85,23 +85,8 @@ def oom_counter() -> Path | None:
     """The file where the kernel counts the processes its out-of-memory killer killed (``oom_kill N``):
     this process's memory cgroup where it can be read (v2 ``memory.events``, v1 ``memory.oom_control``; a
     worker's cgroup is its agent's), else the machine's ``/proc/vmstat``; None where none can be read."""
-    groups = {}
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _n, controllers, path = line.split(":", 2)
-            for c in controllers.split(",") or [""]:
-                groups[c] = path
-    except (OSError, ValueError):
-        pass
-    cgroup = Path("/sys/fs/cgroup")
-    candidates = []
-    if "" in groups:   # v2: the path as the host sees it, then the root of a namespaced mount
-        candidates += [cgroup / groups[""].lstrip("/") / "memory.events", cgroup / "memory.events"]
-    if "memory" in groups:
-        candidates += [cgroup / "memory" / groups["memory"].lstrip("/") / "memory.oom_control",
-                       cgroup / "memory" / "memory.oom_control"]
-    candidates.append(Path("/proc/vmstat"))
-    return next((c for c in candidates if oom_kills(c) is not None), None)
+    found = cgroup.candidates("memory.events", "memory", "memory.oom_control") + [Path("/proc/vmstat")]
+    return next((c for c in found if oom_kills(c) is not None), None)
 
 
 def oom_kills(path: Path | None) -> int | None:

@@ -72,7 +72,8 @@ def aggregate_steps(steps: list[dict]) -> dict:
     busy = sum(s.get("train_s", 0.0) for s in steps)
     calls = sum(s.get("tool_calls", 0) for s in steps)
     div = next((s for s in reversed(steps) if s.get("diversity_groups")), {})
-    p95 = [s["tool_latency_p95_s"] for s in steps if s.get("tool_latency_p95_s") is not None]
+    p95 = [(s["tool_latency_p95_s"], max(s.get("tool_calls", 0), 1)) for s in steps
+           if s.get("tool_latency_p95_s") is not None]
     return {
         "steps": len(steps),
         "step": steps[-1].get("step") if steps else None,
@@ -98,8 +99,23 @@ def aggregate_steps(steps: list[dict]) -> dict:
         "tool_timeouts": sum(s.get("tool_timeouts", 0) for s in steps),
         "tool_latency_mean_s": _weighted_mean((s.get("tool_latency_mean_s"), s.get("tool_calls", 0))
                                               for s in steps),
-        "tool_latency_p95_s": max(p95) if p95 else None,
+        "tool_latency_p95_s": weighted_p95(p95),
     }
+
+
+def weighted_p95(values: list[tuple[float, int]]) -> float | None:
+    """A window's p95 from its steps' ``(p95, calls)``: the nearest-rank 95th percentile of the steps' p95s,
+    each counted as many times as its step made calls. The steps' calls themselves are not kept; this is the
+    closest figure their p95s give (one step's lone slow call no longer becomes the window's p95)."""
+    if not values:
+        return None
+    total, seen = sum(n for _v, n in values), 0
+    rank = math.ceil(0.95 * total)
+    for value, n in sorted(values):
+        seen += n
+        if seen >= rank:
+            return value
+    return max(v for v, _n in values)
 
 
 def tool_stats(groups) -> dict:
