@@ -55,7 +55,7 @@ from pipeline.observe.tracking import start_tracker
 from pipeline.dataplane.lifeline import own_runs, spawn
 from pipeline.dataplane.redisconn import (ENV_OUTAGE, ENV_URL, UNAVAILABLE, EmbeddedRedis, Outage, RedisUnavailable,
                                          connect, resolve_url)
-from pipeline.dataplane.jobs import JobRunning, live_owner, reset_job
+from pipeline.dataplane.jobs import JobRunning, live_owner, release_claim, reset_job
 from pipeline.dataplane.streams import ensure_groups
 from pipeline.redaction import is_redacted, redact, write_private
 
@@ -516,7 +516,7 @@ def run_job(cfg: Config, argv: list[str], out=STDERR, resume_dir: Path | None = 
         _forget_unstarted(run_dir, resume_dir)
         print("\ninterrupted before the run started", file=out)
         return 130
-    orch, embedded = None, None
+    orch, embedded, claimed = None, None, None
     try:
         url, embedded = _choose_redis(cfg, run_dir, resume_dir)
         url = _start_redis(embedded, url, run_dir, out)
@@ -528,6 +528,7 @@ def run_job(cfg: Config, argv: list[str], out=STDERR, resume_dir: Path | None = 
             if _refused(cfg, out, r):    # again: the pool may have changed while the policy was prepared
                 _forget_unstarted(run_dir, resume_dir)
                 return 2
+            claimed = r   # reset_job's claim of the job name: released below if no run takes it over
             _start_new_job(r, cfg, run_dir, argv=argv, redis_url=url, embedded=bool(embedded),
                            policy_dir=policy_dir, bad_prompt_lines=bad_lines)
         # Nothing else can be on an embedded server we just started: a controller lease or agent record
@@ -548,6 +549,8 @@ def run_job(cfg: Config, argv: list[str], out=STDERR, resume_dir: Path | None = 
         print(f"\ninterrupted; stopping workers. resume with: libra-ctl resume {run_dir}", file=out)
         return 130
     finally:
+        if orch is None and claimed is not None:   # ended before a run owned the job: its name is free again
+            release_claim(claimed, JobKeys(cfg.job.name))
         _stop(orch, embedded)
 
 

@@ -576,8 +576,15 @@ def ensure_policy(cache_dir: str | Path, spec: dict, *, progress: Progress | Non
     clear_dead_siblings(final)
     tmp = _sibling(final, "tmp")
     started = time.monotonic()
+
+    def touching(msg: str) -> None:   # a build in progress stays fresh: clear_dead_siblings elsewhere leaves it
+        with contextlib.suppress(OSError):
+            os.utime(tmp)
+        if progress:
+            progress(msg)
+
     try:
-        _build_into(tmp, spec, progress)
+        _build_into(tmp, spec, touching)
         _publish(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a rename

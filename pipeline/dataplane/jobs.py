@@ -52,6 +52,25 @@ def reset_job(r: redis.Redis, keys: JobKeys) -> None:
     forget_desired_workers(r, keys.job)
 
 
+def release_claim(r: redis.Redis, keys: JobKeys) -> bool:
+    """Undo ``reset_job``'s claim when the run that made it ends before it owned the job (its first state):
+    the state goes, as the reset left it, if it is still this process's ``starting``. Returns whether it
+    went; a Redis error leaves it (this host frees a dead pid's claim; another host waits for it to go)."""
+    def release(pipe) -> bool:
+        state = pipe.hgetall(keys.state)
+        if (state.get(b"phase") != b"starting" or state.get(b"pid") != str(os.getpid()).encode()
+                or state.get(b"host") != socket.gethostname().encode()):
+            return False
+        pipe.multi()
+        pipe.delete(keys.state)
+        return True
+
+    try:
+        return r.transaction(release, keys.state, value_from_callable=True)
+    except redis.RedisError:
+        return False
+
+
 def forget_desired_workers(r: redis.Redis, job: str) -> int:
     """Delete ``job``'s records from every agent's desired hash; returns how many went.
 
