@@ -66,7 +66,12 @@ def cmd_resume(args) -> int:
 def cmd_status(args) -> int:
     from pipeline.observe.status import format_status, status
 
-    st = status(connect(find_redis_url(args.redis)), args.job)
+    r = connect(find_redis_url(args.redis))
+    if args.job:
+        from pipeline.control.commands import known_job
+
+        known_job(r, args.job)   # a typo is said, not shown as "no jobs"
+    st = status(r, args.job)
     print(json.dumps(st, indent=2) if args.json else format_status(st))
     return 0
 

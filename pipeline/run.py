@@ -185,6 +185,7 @@ class Orchestrator:
         self.rate_samples: collections.deque = collections.deque()
         self.t0 = time.monotonic()
         self.started_at = time.time()   # wall clock of t0: summary.json puts learner steps and evals on it
+        self.resumed_at: float | None = None   # a resumed run's own start (started_at is then the first one's)
         self.tty = out.isatty()
         self.outage = Outage(_Say(out))
 
@@ -405,11 +406,15 @@ class Orchestrator:
 
     def run(self) -> dict:
         self.r.sadd(JOBS, self.cfg.job.name)
-        phase = (self.r.hget(self.keys.state, "phase") or b"running").decode()
+        phase, first = self.r.hmget(self.keys.state, ["phase", "started_at"])
+        phase = (phase or b"running").decode()
+        if phase != "starting" and first:   # a resume: the run's clock (its steps, its evals) starts at its first start
+            self.resumed_at, self.started_at = self.started_at, float(first)
         self.r.hset(self.keys.state, mapping={"phase": "trained" if phase == "trained" else "running",
                                               "run_dir": str(self.run_dir.resolve()),
                                               "started_at": self.started_at, "pid": os.getpid(),
-                                              "host": socket.gethostname()})
+                                              "host": socket.gethostname(),
+                                              **({"resumed_at": self.resumed_at} if self.resumed_at else {})})
         ensure_groups(self.r, self.keys)
         resumed = self.eval_result("start") is not None
         if not resumed:
@@ -432,6 +437,7 @@ class Orchestrator:
                   "at": float(f.get(b"at", 0.0))} for _i, f in self.r.xrange(self.keys.eval_results)]
         return {
             "run_id": self.run_dir.name, "job": self.cfg.job.name, "started_at": self.started_at,
+            **({"resumed_at": self.resumed_at} if self.resumed_at else {}),
             "success_rate_start": start["success_rate"], "success_rate_end": end["success_rate"],
             "eval_prompts": end["n"], "eval_prompts_start": start["n"], "evals": evals,
             "trajectories_trained": c.get("trained", 0), "trajectories_generated": c.get("generated", 0),
@@ -708,4 +714,12 @@ def resume_job(run_dir: Path, argv: list[str], out=STDERR) -> int:
     except (ValueError, KeyError, TypeError) as exc:   # JSONDecodeError is a ValueError
         raise RunFailed(f"{manifest} is damaged ({type(exc).__name__}: {exc}); it cannot be resumed") from None
     validate(cfg)
+    try:   # written once the run's last step and final evaluation are done: a finished run has nothing to resume
+        done = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        done = None
+    if isinstance(done, dict) and int(done.get("steps") or 0) >= cfg.job.steps:
+        print(f"run {run_dir.name} already finished ({done['steps']} of {cfg.job.steps} steps; its figures are in "
+              f"{run_dir / 'summary.json'}): nothing to resume", file=out)
+        return 0
     return run_job(cfg, argv, out, resume_dir=run_dir)

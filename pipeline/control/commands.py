@@ -23,8 +23,8 @@ import redis
 from pipeline import argtypes
 from pipeline.config import BadInput
 from pipeline.control import actions
-from pipeline.control.allocation import (allocation_status, external_workers, get_allocation, pin, read_placement,
-                                         unpin)
+from pipeline.control.allocation import (allocation_status, counts_of, external_workers, get_allocation,
+                                         live_agents, pin, read_placement, unpin)
 from pipeline.control.events import merged_events
 from pipeline.dataplane.keys import CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, JobKeys
 from pipeline.dataplane.redisconn import connect, find_redis_url
@@ -92,9 +92,33 @@ def cmd_scale(args) -> int:
         return 2
     pinned = get_allocation(r, job)["pinned"]
     print(f"{job}: pinned " + " ".join(f"{k}={v}" for k, v in sorted(pinned.items())))
+    need, room, held = pin_room(r, job, pinned)
+    if need > room:
+        print(f"libra-ctl scale: note: these counts need {need} agent slots and the live agents offer {job} "
+              f"{room} ({room + held} in all, {held} held by other jobs): the controller fits the counts to the "
+              "slots there are (libra-ctl status shows what runs) until more agents join", file=sys.stderr)
     if args.wait:
         return _wait_for_counts(r, job, pinned, args.wait)
     return 0
+
+
+def pin_room(r: redis.Redis, job: str, pinned: dict) -> tuple[int, int, int]:
+    """(agent slots ``pinned`` needs, slots the live agents offer the job, slots other jobs hold on them).
+
+    The job's external workers hold their own; reward holds slots only with
+    ``control.reward_on_slots``."""
+    from pipeline.control.job import load_job
+
+    info = load_job(r, job)
+    on_slots = bool(info and info.control.reward_on_slots)
+    ext: dict[str, int] = {}
+    for rec in external_workers(r, job).values():
+        ext[rec["role"]] = ext.get(rec["role"], 0) + 1
+    need = sum(counts_of({k: max(0, n - ext.get(k, 0)) for k, n in pinned.items()}, on_slots).values())
+    total = sum(len(rec["slots"]) for rec in live_agents(r).values())
+    held = sum(len(rec["slots"]) for other in running_jobs(r) if other != job
+               for rec in read_placement(r, other).values())
+    return need, max(total - held, 0), held
 
 
 def _wait_for_counts(r: redis.Redis, job: str, want: dict, timeout_s: float) -> int:

@@ -382,9 +382,12 @@ class Controller:
         info, ctl = jc.info, jc.info.control
         base = {**info.initial, **alloc["target"]}
         if alloc["mode"] == "pinned":   # else the job is an auto one, in the pool plan
-            target = fit({**base, **alloc["pinned"]}, slots, view.bounds, ctl.reward_on_slots, learner_room)
-            reason = "pinned"
-            event = {"kind": "pinned", "mode": "pinned", "reason": reason, "from": alloc["target"], "to": target}
+            asked = {**base, **alloc["pinned"]}
+            target = fit(asked, slots, view.bounds, ctl.reward_on_slots, learner_room)
+            # counts the slots cannot hold are cut (fit): the event says what was asked
+            reason = "pinned" if target == asked else "pinned_trimmed"
+            event = {"kind": "pinned", "mode": "pinned", "reason": reason, "from": alloc["target"], "to": target,
+                     **({"asked": asked, "slots": slots} if target != asked else {})}
         else:
             d = pool.decisions[info.name]
             planned = {**base, **{r: d.allocation.get(r) for r in ROLES if r != "reward" or ctl.reward_on_slots}}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 
 import redis
 
@@ -45,8 +44,7 @@ def reset_job(r: redis.Redis, keys: JobKeys) -> None:
         pipe.multi()
         if doomed:
             pipe.delete(*doomed)
-        pipe.hset(keys.state, mapping={"phase": "starting", "pid": os.getpid(), "host": socket.gethostname(),
-                                       "started_at": time.time()})
+        pipe.hset(keys.state, mapping={"phase": "starting", "pid": os.getpid(), "host": socket.gethostname()})
 
     r.transaction(reset, keys.state)
     forget_desired_workers(r, keys.job)

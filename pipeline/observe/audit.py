@@ -28,6 +28,7 @@ a dead letter that cannot be read for what its record says it carried.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -490,18 +491,33 @@ def _client(args):
     return connect(find_redis_url(args.redis))
 
 
+def _known(r: redis.Redis, job: str) -> None:
+    """A mistyped ``--job`` (no key of it on this Redis) exits 2 naming the jobs, as ``events`` and ``scale``
+    do; a job with a state or dead letters is known, whether or not a ``libra-ctl run`` listed it."""
+    from pipeline.control.commands import known_job
+
+    keys = JobKeys(job)
+    if not r.exists(keys.state, keys.dead_letters):
+        known_job(r, job)
+
+
 def cmd_audit(args) -> int:
-    a = audit(_client(args), args.job, args.run)
+    r = _client(args)
+    _known(r, args.job)
+    a = audit(r, args.job, args.run)
     print(json.dumps(a, indent=2) if args.json else format_audit(a))
     return 0 if a["ok"] else 1
 
 
 def cmd_dlq(args) -> int:
     r, keys = _client(args), JobKeys(args.job)
+    _known(r, args.job)
     if args.action == "list":
         entries = dlq_entries(r, keys)
         if args.json:
             print(json.dumps(entries, indent=2))
+        elif not entries:
+            print(f"no dead letters for job {args.job!r}", file=sys.stderr)
         for e in [] if args.json else entries:
             stamp = time.strftime("%H:%M:%S", time.localtime(e["at"]))
             print(f"{e['id']}  {stamp}  {e['stream'].rsplit(':', 1)[-1]:<9} x{e['deliveries']}  {e['reason']}")
@@ -529,6 +545,17 @@ def _one(args) -> str:
     return args.ids[0]
 
 
+class _IdsAnywhere(argparse.ArgumentParser):
+    """``dlq``'s parser: the ids may also come after the options (``dlq show --job J 1-0``, as the README
+    writes the command). argparse matches ``action`` and the ``ids`` list together, before the options, and
+    would refuse a later id as an unrecognized argument."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extra = super().parse_known_args(args, namespace)
+        ns.ids = [*ns.ids, *(x for x in extra if not x.startswith("-"))]
+        return ns, [x for x in extra if x.startswith("-")]
+
+
 def add_commands(sub) -> None:
     a = sub.add_parser("audit", help="account for every trajectory of a job; exit 1 when invariants fail")
     a.add_argument("--job", required=True)
@@ -537,6 +564,7 @@ def add_commands(sub) -> None:
     a.add_argument("--redis")
     a.set_defaults(func=cmd_audit)
     d = sub.add_parser("dlq", help="dead letters: list, show, replay, purge")
+    d.__class__ = _IdsAnywhere
     d.add_argument("action", choices=["list", "show", "replay", "purge"])
     d.add_argument("ids", nargs="*")
     d.add_argument("--job", required=True)

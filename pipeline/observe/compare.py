@@ -131,7 +131,10 @@ def run_figures(summary: dict, steps: list[dict], samples: list[dict]) -> dict:
     time (the field guide's "fluctuation"). A figure the run did not record
     is None.
     """
-    t0 = summary.get("started_at") or min((s["at"] for s in steps + samples if "at" in s), default=0.0)
+    # the run's first start; a resume's summary written before runs kept their first start named the resume's,
+    # and nothing the run recorded may come before its t0
+    ats = [s["at"] for s in steps + samples + (summary.get("evals") or []) if s.get("at")]
+    t0 = min([x for x in (summary.get("started_at"), *ats) if x], default=0.0)
     steps = standing_steps(steps)
     running = [s for s in samples if s.get("phase") == "running"] or samples
     busy = [_slot_busy(s) for s in training_window(samples)]

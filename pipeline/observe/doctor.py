@@ -244,7 +244,7 @@ def jobs_to_diagnose(r, job: str | None, run_dir: Path | None) -> list[str]:
 
     def started_at(name: str) -> float:
         try:
-            return float(r.hget(JobKeys(name).state, "started_at") or 0)
+            return max(float(x or 0) for x in r.hmget(JobKeys(name).state, ["started_at", "resumed_at"]))
         except ValueError:
             return 0.0
 

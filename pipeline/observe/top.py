@@ -162,7 +162,9 @@ def _sampled_rates(tp: dict) -> dict:
 
 def _jobs(r: redis.Redis, job: str | None) -> list[str]:
     if job:
-        return [job]
+        from pipeline.control.commands import known_job
+
+        return [known_job(r, job)]   # a typo is said, not drawn as a job that did nothing
     return sorted(n.decode() for n in r.smembers(JOBS))
 
 
