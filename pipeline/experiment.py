@@ -302,8 +302,8 @@ def current_step(home: Path) -> int | None:
                             except (ValueError, KeyError, TypeError):
                                 continue
                     offset += whole
-                    if len(chunk) < STEP_READ_BYTES and whole < len(chunk):
-                        break   # at the end: a line still being written, read whole next time
+                    if whole < len(chunk) and (len(chunk) < STEP_READ_BYTES or whole == 0):
+                        break   # at the end: a line still being written (any length), read whole next time
                     f.seek(offset)
         except OSError:
             return None

@@ -23,8 +23,9 @@ import redis
 from pipeline import argtypes
 from pipeline.config import BadInput
 from pipeline.control import actions
-from pipeline.control.allocation import (allocation_status, counts_of, external_workers, get_allocation,
-                                         live_agents, pin, read_placement, unpin)
+from pipeline.control.allocation import (allocation_status, counts_of, external_counts, external_workers,
+                                         get_allocation, live_agents, pin, read_placement, unpin)
+from pipeline.control.placement import agents_share
 from pipeline.control.events import merged_events
 from pipeline.dataplane.keys import CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, JobKeys
 from pipeline.dataplane.redisconn import connect, find_redis_url
@@ -111,13 +112,12 @@ def pin_room(r: redis.Redis, job: str, pinned: dict) -> tuple[int, int, int]:
 
     info = load_job(r, job)
     on_slots = bool(info and info.control.reward_on_slots)
-    ext: dict[str, int] = {}
-    for rec in external_workers(r, job).values():
-        ext[rec["role"]] = ext.get(rec["role"], 0) + 1
-    need = sum(counts_of({k: max(0, n - ext.get(k, 0)) for k, n in pinned.items()}, on_slots).values())
-    total = sum(len(rec["slots"]) for rec in live_agents(r).values())
+    # as the controller counts them: the external workers it counts, the slots of live agents
+    need = sum(counts_of(agents_share(pinned, external_counts(external_workers(r, job))), on_slots).values())
+    live = live_agents(r)
+    total = sum(len(rec["slots"]) for rec in live.values())
     held = sum(len(rec["slots"]) for other in running_jobs(r) if other != job
-               for rec in read_placement(r, other).values())
+               for rec in read_placement(r, other).values() if rec.get("node") in live)
     return need, max(total - held, 0), held
 
 
