@@ -14,7 +14,7 @@ server loses no acknowledged write) and then either
 
 A seeded schedule (``make_schedule``) says what happens when, in seconds
 after the learner's first step: ``kill ROLE`` (SIGKILL a live worker of that
-role, picked at random), ``kill controller``, ``kill agent`` (each must be
+role at work, past loading, picked at random), ``kill controller``, ``kill agent`` (each must be
 restarted by its supervisor and the run must go on), and ``restart redis``
 (SIGKILL the server, then start it again on the same directory and socket).
 The same seed gives the same schedule; a failed run prints the command that
@@ -633,7 +633,7 @@ class ChaosRun:
     def kill_worker(self, ev: Event) -> None:
         deadline = time.monotonic() + TARGET_WAIT_S
         while time.monotonic() < deadline:
-            live = self.backend.workers(self.r, ev.role)
+            live = [v for v in self.backend.workers(self.r, ev.role) if self.at_work(v)]
             if live:
                 victim, at = self.targets.choice(live), self.now()
                 if kill(victim):
@@ -643,6 +643,15 @@ class ChaosRun:
             self.tick()
             time.sleep(POLL_S)
         self.miss(ev, f"no live {ev.role} worker for {TARGET_WAIT_S:.0f}s")
+
+    def at_work(self, v: Victim) -> bool:
+        """Whether ``v`` has started its work: the worker table's record of its id is this process's and past
+        ``starting``. A kill due while a worker is down waits for its successor to load and run: killing a
+        process still loading tests only the agent's back-off, and with one worker of a role the back-off
+        grows to a minute and starves the job (a schedule of 10 rollout kills on one rollout slot did)."""
+        raw = self.r.hget(JobKeys(self.backend.job).workers, v.name)
+        rec = json.loads(raw) if raw else {}
+        return rec.get("pid") == v.pid and rec.get("state") not in (None, "starting")
 
     def kill_control(self, ev: Event) -> None:
         """Kill the controller or the agent, then wait until its supervisor has brought back one that works."""
