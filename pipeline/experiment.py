@@ -105,14 +105,35 @@ class Plan:
 
 
 def parse_vary(text: str) -> tuple[str, list[str]]:
-    """``KEY=v1,v2,...`` -> (key, values)."""
+    """``KEY=v1,v2,...`` -> (key, values); a comma inside a value's brackets, braces or quotes (a list or
+    a string, as ``--set`` takes them: ``KEY=[1,2],[3,4]``) does not split it."""
     key, sep, rest = text.partition("=")
-    values = [v.strip() for v in rest.split(",")] if sep else []
+    values = [v.strip() for v in split_top_level(rest)] if sep else []
     if not key.strip() or not values or any(not v for v in values):
         raise ExperimentError(f"--vary {text!r}: expected KEY=v1,v2,..., e.g. --vary learner.lr=5e-4,1e-3")
     if len(set(values)) != len(values):
         raise ExperimentError(f"--vary {text!r}: a value appears twice")
     return key.strip(), values
+
+
+def split_top_level(text: str, sep: str = ",") -> list[str]:
+    """``text`` split at each ``sep`` outside brackets, braces and quotes (an unclosed one keeps the rest
+    whole: the value's own parse then says what is wrong with it)."""
+    parts, depth, quote, start = [], 0, "", 0
+    for i, c in enumerate(text):
+        if quote:
+            if c == quote and text[i - 1] != "\\":
+                quote = ""
+        elif c in "\"'":
+            quote = c
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth = max(depth - 1, 0)
+        elif c == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
 
 
 def slug(text: str) -> str:

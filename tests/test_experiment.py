@@ -33,6 +33,10 @@ QUICK = str(ROOT / "examples" / "quickstart.toml")
 
 def test_parse_vary():
     assert ex.parse_vary("learner.lr=5e-4, 1e-3") == ("learner.lr", ["5e-4", "1e-3"])
+    # a comma inside a quoted string or a list is the value's own (before, it split the value)
+    assert ex.parse_vary('job.train_prompts="data/a,b.jsonl",data/c.jsonl') == (
+        "job.train_prompts", ['"data/a,b.jsonl"', "data/c.jsonl"])
+    assert ex.parse_vary("k=[1,2],[3, 4]") == ("k", ["[1,2]", "[3, 4]"])
     for bad in ("learner.lr", "learner.lr=", "=1,2", "learner.lr=1,,2", "learner.lr=1,1"):
         with pytest.raises(ex.ExperimentError):
             ex.parse_vary(bad)
