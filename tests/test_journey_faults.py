@@ -142,3 +142,13 @@ def test_audit_and_dlq_of_an_unknown_job_name_the_jobs(r, redis_url, capsys):
         assert "quickstart" in capsys.readouterr().err
     assert cli.main(["dlq", "list", "--job", "quickstart", "--redis", redis_url]) == 0
     assert "no dead letters for job 'quickstart'" in capsys.readouterr().err
+
+
+def test_a_resumed_run_that_missed_the_target_is_bounded_by_its_whole_time():
+    """A run that never reached the target took at least its whole time: for a resumed run that is the last
+    point of its curve on the run's clock, not the last process's wall time. Before, the bound was the
+    resumed process's ``wall_s`` (31 s here) though the run's evaluations went on to 126 s."""
+    fig = {"wall_s": 31.0, "curve": [{"t_s": 5.0, "success": 0.2, "trajectories": 0},
+                                     {"t_s": 126.0, "success": 0.3, "trajectories": 3072}]}
+    assert compare.with_target(fig, 0.9)["time_to_target_bound_s"] == 126.0
+    assert compare.with_target({"wall_s": 31.0, "curve": []}, 0.9)["time_to_target_bound_s"] == 31.0
