@@ -70,7 +70,7 @@ def parse_counts(items: list[str]) -> dict[str, int]:
     for item in items:
         role, sep, n = item.partition("=")
         if not sep or role not in ROLES or not n.isdigit():
-            raise BadInput(f"libra-ctl scale: {item!r}: write role=N with role in {', '.join(ROLES)}, "
+            raise BadInput(f"{item!r}: write role=N with role in {', '.join(ROLES)}, "
                              "e.g. rollout=2 learner=1")
         out[role] = int(n)
     return out

@@ -383,7 +383,9 @@ class Controller:
         base = {**info.initial, **alloc["target"]}
         if alloc["mode"] == "pinned":   # else the job is an auto one, in the pool plan
             asked = {**base, **alloc["pinned"]}
-            target = fit(asked, slots, view.bounds, ctl.reward_on_slots, learner_room)
+            # an external learner is the job's one learner process: the pin's other roles fit beside it
+            held = {"learner": ext["learner"]} if ext.get("learner") else {}
+            target = fit({**asked, **held}, slots, view.bounds, ctl.reward_on_slots, learner_room)
             # counts the slots cannot hold are cut (fit): the event says what was asked
             reason = "pinned" if target == asked else "pinned_trimmed"
             event = {"kind": "pinned", "mode": "pinned", "reason": reason, "from": alloc["target"], "to": target,

@@ -153,6 +153,9 @@ def cmd_sim_job(args) -> int:
     except SimJobEnded as exc:
         print(exc, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:   # the job is marked done on the way out (run_sim_job's finally)
+        print(f"\nsim-job: interrupted; job {args.job!r} marked done", file=sys.stderr)
+        return 130
     print(f"done: {run_dir} (libra-ctl events --job {args.job}; libra-ctl audit --job {args.job})")
     return 0
 
