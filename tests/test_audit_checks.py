@@ -68,13 +68,18 @@ def policy_dir():
 
 
 def start_learner_with(fault: str, tmp_path: Path, run_dir: Path, redis_url: str, **env) -> subprocess.Popen:
-    """The learner process, with ``fault`` run at its start-up (a sitecustomize first on its PYTHONPATH)."""
+    """The learner process, with ``fault`` run at its start-up (a sitecustomize first on its PYTHONPATH).
+
+    Started as ``workers.learner.main()``, not ``-m workers.learner``: ``-m`` runs a second copy of the
+    module as ``__main__``, so a fault that patches ``workers.learner`` itself (``NEVER_REPLAYS``) would
+    patch a copy the learner never runs, and the test would hold only while the learner happened not to
+    replay (it failed once in CI when it did)."""
     site = tmp_path / "fault"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(fault)
     path = os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, "-m", "workers.learner", "--run-dir", str(run_dir),
-                             "--worker-id", "learner-0"], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-c", "import workers.learner as ln; ln.main()", "--run-dir",
+                             str(run_dir), "--worker-id", "learner-0"], cwd=ROOT,
                             env=dict(os.environ, **{ENV_URL: redis_url, "LIBRA_SLOTS": "", "PYTHONPATH": path},
                                      **env))
 
