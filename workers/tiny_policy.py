@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging as hf_logging
 
+from pipeline.dataplane.lifeline import pid_alive
 from workers.episode import Episode, TurnOutput, demonstration_episode, evaluate
 from workers.chat import ChatFormat
 from workers.envs import load_env
@@ -610,7 +611,7 @@ def clear_dead_siblings(final: Path) -> list[Path]:
     for path in final.parent.glob(f".{final.name}.*-*-*"):
         kind_pid, _sep, _tag = path.name[len(final.name) + 2:].rpartition("-")
         kind, _sep, pid = kind_pid.rpartition("-")
-        if kind not in ("tmp", "old") or not pid.isdigit() or _pid_alive(int(pid)):
+        if kind not in ("tmp", "old") or not pid.isdigit() or pid_alive(int(pid)):
             continue
         try:
             newest = max((f.stat().st_mtime for f in [path, *path.rglob("*")]), default=0.0)
@@ -620,16 +621,6 @@ def clear_dead_siblings(final: Path) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             gone.append(path)
     return gone
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
 
 
 @contextlib.contextmanager

@@ -124,6 +124,20 @@ def watch_parent(on_orphan=None, exit_after_s: float | None = None) -> threading
     return t
 
 
+def pid_alive(pid) -> bool:
+    """Whether a process of this machine has ``pid`` (one we may not signal counts as alive, and so does a
+    pid reused since: what waits on it waits on)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
 def process_start(pid: int) -> int | None:
     """A live process's start time (clock ticks since boot, /proc/PID/stat field 22); None if gone or a zombie."""
     try:

@@ -34,7 +34,7 @@ import structlog
 
 from pipeline import config as config_mod, logs
 from pipeline.dataplane.keys import LEARNER, BadName, JobKeys, check_name
-from pipeline.dataplane.lifeline import ORPHAN_EXIT_S, watch_owner, watch_parent
+from pipeline.dataplane.lifeline import ORPHAN_EXIT_S, pid_alive, watch_owner, watch_parent
 from pipeline.dataplane.redisconn import ENV_OUTAGE, ENV_URL, UNAVAILABLE, Outage, connect
 from pipeline.dataplane.streams import redis_full
 
@@ -375,19 +375,6 @@ def claim_external_id(r: redis.Redis, keys: JobKeys, role: str, node: str, *, pi
     raise RuntimeError(f"could not register in {keys.workers}: it changed {CLAIM_TRIES} times in a row")
 
 
-def _pid_alive(pid) -> bool:
-    """Whether a process of this machine has ``pid`` (a pid reused since counts as alive: the id waits)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _pick_id(recs: dict[str, dict], role: str, node: str, pid: int, want: str | None,
              now: float) -> tuple[str, str]:
     """(id, state) of a claim: ``starting`` under a free id, or ``queued`` while the learner's is held."""
@@ -397,7 +384,7 @@ def _pick_id(recs: dict[str, dict], role: str, node: str, pid: int, want: str | 
                 or (wid == LEARNER and rec.get("state") == "drained")   # a drained learner gives way
                 # a process of this node that is gone (killed, its line restarted at once): its heartbeat is
                 # still fresh, but its id is free
-                or (rec.get("node") == node and node == this_node() and not _pid_alive(rec.get("pid"))))
+                or (rec.get("node") == node and node == this_node() and not pid_alive(rec.get("pid"))))
 
     if want or role == "learner":
         wid = want or LEARNER
