@@ -35,8 +35,7 @@ def reset_job(r: redis.Redis, keys: JobKeys) -> None:
     this one's owner exits (the run then writes its own state over it)."""
     def reset(pipe) -> None:
         state = pipe.hgetall(keys.state)
-        ours = state.get(b"pid") == str(os.getpid()).encode() and state.get(b"host") == socket.gethostname().encode()
-        if state.get(b"phase") in LIVE_PHASES and live_owner(state) and not (ours and state[b"phase"] == b"starting"):
+        if state.get(b"phase") in LIVE_PHASES and live_owner(state) and not our_claim(state):
             raise JobRunning(f"job {keys.job!r} belongs to a live run (phase {state[b'phase'].decode()}, pid "
                              f"{state[b'pid'].decode()} on {state[b'host'].decode()}); stop it or choose another "
                              f"job.name")
@@ -50,14 +49,19 @@ def reset_job(r: redis.Redis, keys: JobKeys) -> None:
     forget_desired_workers(r, keys.job)
 
 
+def our_claim(state: dict) -> bool:
+    """Whether a job's state is ``reset_job``'s claim made by this process (phase starting, our pid and host)."""
+    return (state.get(b"phase") == b"starting" and state.get(b"pid") == str(os.getpid()).encode()
+            and state.get(b"host") == socket.gethostname().encode())
+
+
 def release_claim(r: redis.Redis, keys: JobKeys) -> bool:
     """Undo ``reset_job``'s claim when the run that made it ends before it owned the job (its first state):
     the state goes, as the reset left it, if it is still this process's ``starting``. Returns whether it
     went; a Redis error leaves it (this host frees a dead pid's claim; another host waits for it to go)."""
     def release(pipe) -> bool:
         state = pipe.hgetall(keys.state)
-        if (state.get(b"phase") != b"starting" or state.get(b"pid") != str(os.getpid()).encode()
-                or state.get(b"host") != socket.gethostname().encode()):
+        if not our_claim(state):
             return False
         pipe.multi()
         pipe.delete(keys.state)
