@@ -54,8 +54,15 @@ def cmd_run(args) -> int:
 
 
 def cmd_resume(args) -> int:
+    from pipeline.experiment import INVOCATION, ExperimentError, resume
     from pipeline.run import RunFailed, resume_job
 
+    if (Path(args.run_dir) / INVOCATION).is_file():   # an experiment's or a baseline's directory
+        try:
+            return resume(args.run_dir)
+        except ExperimentError as exc:
+            print(f"libra-ctl resume: {exc}", file=sys.stderr)
+            return 2
     try:
         return resume_job(Path(check_path("run directory", args.run_dir)), sys.argv)
     except RunFailed as exc:
@@ -141,12 +148,16 @@ def shared_redis_url(explicit: str | None, data_dir: str | Path) -> str | None:
 
 
 def wait_for_redis(explicit: str | None, data_dir: str | Path, timeout_s: float,
-                   stop: threading.Event | None = None) -> str | None:
-    """The URL of ``shared_redis_url`` once that server answers PING; None after ``timeout_s`` or a stop."""
+                   stop: threading.Event | None = None, waiting=None) -> str | None:
+    """The URL of ``shared_redis_url`` once that server answers PING; None after ``timeout_s`` or a stop.
+
+    ``waiting(url)``, if given, is called once, when the first try finds no server (``url`` None: none named yet).
+    """
     import redis
 
     stop = stop or threading.Event()
     deadline = time.monotonic() + timeout_s
+    said = waiting is None
     while not stop.is_set():
         url = shared_redis_url(explicit, data_dir)
         if url:
@@ -157,6 +168,9 @@ def wait_for_redis(explicit: str | None, data_dir: str | Path, timeout_s: float,
                 raise   # it is up and refuses the URL's credentials: waiting changes nothing
             except redis.RedisError:
                 pass    # not up yet (the Procfile's redis line starts beside us)
+        if not said and timeout_s > 0:
+            waiting(url)
+            said = True
         if time.monotonic() >= deadline:
             return None
         stop.wait(0.2)
@@ -247,7 +261,12 @@ def cmd_worker(args) -> int:
 
     stop = _stop_on_signals()
     node = args.node or this_node()
-    url = wait_for_redis(args.redis, SHARED_REDIS_DIR, REDIS_WAIT_S, stop)
+    def waiting(url: str | None) -> None:
+        where = redact(url) if url else f"the URL in {SHARED_REDIS_DIR}/redis.url (libra-ctl redis writes it)"
+        print(f"worker: waiting up to {REDIS_WAIT_S:g}s for Redis at {where}; pass --redis URL or set {ENV_URL}",
+              flush=True)
+
+    url = wait_for_redis(args.redis, SHARED_REDIS_DIR, REDIS_WAIT_S, stop, waiting)
     if url is None:
         print(f"libra-ctl worker: no Redis answered within {REDIS_WAIT_S:g}s: pass --redis URL or set {ENV_URL}",
               file=sys.stderr)
@@ -316,8 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "(a Procfile) before starting the missing ones (default: join only what is there)")
     run.set_defaults(func=cmd_run)
 
-    rs = sub.add_parser("resume", help="continue a stopped or crashed run from its latest checkpoint")
-    rs.add_argument("run_dir", help="the run directory, runs/<id>")
+    rs = sub.add_parser("resume", help="continue a stopped or crashed run from its latest checkpoint, or the "
+                                       "unfinished runs of an experiment or baseline")
+    rs.add_argument("run_dir", help="the run directory, runs/<id>; or an experiment's or baseline's directory, "
+                                    "runs/experiments/<id>")
     rs.set_defaults(func=cmd_resume)
 
     st = sub.add_parser("status", help="jobs, stages (stream length, pending, lag, rate) and workers")

@@ -58,6 +58,7 @@ LOG_TAIL = 15           # lines of a failed run's log shown and recorded
 STEP_READ_BYTES = 1 << 20   # metrics.jsonl is read for the current step this much at a time
 # Keys that differ between the runs of an experiment and its recorded baseline by design.
 PER_RUN_KEYS = {"job.seed", "run.runs_dir", "tracking.run_name", "tracking.group", "control.metrics_port"}
+INVOCATION = "invocation.json"   # how an experiment was started: what ``libra-ctl resume DIR`` runs again
 
 
 class ExperimentError(ValueError):
@@ -76,7 +77,7 @@ class RunSpec:
     home: Path          # the run's own runs directory
     log: Path           # its output
     steps: int
-
+    resume_dir: Path | None = None   # set when an experiment resumes: the run directory it continues
     @property
     def tag(self) -> str:
         return f"{self.group} seed {self.seed}"
@@ -242,8 +243,9 @@ def experiment_dir(out: str | None, cfg: Config, what: str) -> tuple[Path, str]:
     """``--out`` or ``<runs_dir>/experiments/<time>-<job>-<what>``: a directory that holds no experiment yet."""
     if out:
         path = Path(out)
-        if (path / "experiment.json").exists() or (path / "baseline.json").exists():
-            raise ExperimentError(f"{path} already holds an experiment; choose another --out")
+        if any((path / f).exists() for f in ("experiment.json", "baseline.json", INVOCATION)):
+            raise ExperimentError(f"{path} already holds an experiment; choose another --out (or continue that "
+                                  f"one: libra-ctl resume {path})")
         path.mkdir(parents=True, exist_ok=True)
         return path, path.resolve().name   # "--out ." names the directory it is, not ""
     base = Path(cfg.run.runs_dir) / "experiments" / slug(f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.job.name}-{what}")
@@ -382,7 +384,10 @@ def tail(path: Path, lines: int = LOG_TAIL) -> str:
 
 
 def start_run(config: str, spec: RunSpec, devices: list[str] | None) -> subprocess.Popen:
-    """``libra-ctl run`` of one spec in its own process group, output to its log; it dies with us (lifeline)."""
+    """``libra-ctl run`` of one spec in its own process group, output to its log; it dies with us (lifeline).
+
+    A spec with ``resume_dir`` is ``libra-ctl resume`` of that run directory instead, its output added to the log.
+    """
     from pipeline.control.agent import GPUS_ENV
 
     spec.home.mkdir(parents=True, exist_ok=True)
@@ -391,7 +396,12 @@ def start_run(config: str, spec: RunSpec, devices: list[str] | None) -> subproce
     if devices:
         env[GPUS_ENV] = ",".join(devices)
     argv = [sys.executable, "-m", "pipeline.cli", "run", config, *sum((["--set", s] for s in spec.sets), [])]
-    with open(spec.log, "w") as log:
+    if spec.resume_dir is not None:
+        argv = [sys.executable, "-m", "pipeline.cli", "resume", str(spec.resume_dir)]
+    with open(spec.log, "a" if spec.resume_dir is not None else "w") as log:
+        if spec.resume_dir is not None:
+            print(f"\n--- libra-ctl resume {spec.resume_dir} ({time.strftime('%Y-%m-%d %H:%M:%S')}) ---", file=log,
+                  flush=True)
         # start_new_session: a Ctrl-C at the terminal reaches us alone; we pass it on as SIGINT to the group
         return spawn(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                      start_new_session=True)
@@ -434,13 +444,14 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 class Runner:
     """Runs a plan's specs, ``parallel`` at a time, reporting each end; ``run()`` returns every outcome."""
 
-    def __init__(self, plan: Plan, out=None):
+    def __init__(self, plan: Plan, out=None, kept: dict[int, Outcome] | None = None):
+        """``kept``: outcomes of runs that finished before the experiment was resumed (by plan index)."""
         self.plan, self.out = plan, out or sys.stderr   # looked up now: a test may have replaced sys.stderr
         self.progress = Progress(len(plan.specs), plan.parallel, self.out)
-        self.pending = deque(enumerate(plan.specs))
+        self.outcomes: dict[int, Outcome] = dict(kept or {})
+        self.pending = deque((i, s) for i, s in enumerate(plan.specs) if i not in self.outcomes)
         self.free: list[list[str] | None] = list(plan.devices) or [None] * plan.parallel   # GPUs of a free place
         self.running: dict[int, tuple[RunSpec, subprocess.Popen, float, list[str] | None]] = {}
-        self.outcomes: dict[int, Outcome] = {}
 
     def run(self) -> tuple[list[Outcome], bool]:
         """(outcomes in plan order, interrupted); a spec never started has ``code`` None."""
@@ -475,8 +486,8 @@ class Runner:
                 self.progress.say(f"FAILED {spec.tag}: {why}")
                 continue
             self.running[i] = (spec, proc, time.monotonic(), dev)
-            self.progress.say(f"started {spec.tag}" + (f" on GPUs {','.join(dev)}" if dev else "")
-                              + f" (log: {spec.log})")
+            self.progress.say(("resumed" if spec.resume_dir is not None else "started") + f" {spec.tag}"
+                              + (f" on GPUs {','.join(dev)}" if dev else "") + f" (log: {spec.log})")
 
     def _reap(self) -> None:
         for i, (spec, proc, started, dev) in list(self.running.items()):
@@ -504,6 +515,90 @@ class Runner:
 
 def _raise_interrupt(signum, _frame):
     raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+# --- resuming -----------------------------------------------------------------------------------------------
+
+
+def record_invocation(exp_dir: Path, kind: str, exp_id: str, config: str, sets: list[str], **options) -> None:
+    """What ``resume`` needs to plan the same runs again: the command's input, the directory it ran in, and a
+    digest of the config file (runs still to go must not take an edited one)."""
+    write_json(exp_dir / INVOCATION, {"kind": kind, "id": exp_id, "config": config, "cwd": os.getcwd(),
+                                      "config_sha256": _digest(Path(config)), "sets": sets, "options": options})
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def pick_up(plan: Plan) -> dict[int, Outcome]:
+    """The runs of a resumed experiment that finished before (kept as they are, by plan index); the ones that
+    started and did not finish are set to resume their run directory (``RunSpec.resume_dir``); the rest start
+    afresh."""
+    from pipeline.run import finished_summary
+
+    kept = {}
+    for i, spec in enumerate(plan.specs):
+        run_dir = run_dir_of(spec)
+        if run_dir is None:
+            continue
+        if finished_summary(run_dir, spec.steps) is not None:
+            kept[i] = Outcome(spec, 0)
+        else:
+            spec.resume_dir = run_dir
+    return kept
+
+
+def resume(exp_dir: str, stdout=None, err=None) -> int:
+    """``libra-ctl resume DIR`` of an experiment or baseline directory: its finished runs are kept, the ones it
+    stopped are resumed from their checkpoints (``libra-ctl resume``), the ones never started start; then the
+    whole is judged and written as if it had run at once. Returns the exit code."""
+    err = err or sys.stderr
+    home = Path(check_path("experiment directory", exp_dir)).resolve()
+    try:
+        inv = json.loads((home / INVOCATION).read_text())
+    except FileNotFoundError:
+        raise ExperimentError(f"{home} holds no {INVOCATION}: not a directory libra-ctl experiment or baseline "
+                              "wrote (or one from before experiments could be resumed)") from None
+    except ValueError as exc:
+        raise ExperimentError(f"{home / INVOCATION} is damaged ({exc}); the experiment cannot be resumed") from None
+    try:
+        os.chdir(inv["cwd"])   # the config and the paths in it are as the experiment saw them
+    except OSError as exc:
+        raise ExperimentError(f"the experiment ran in {inv['cwd']}, which is gone ({exc.strerror})") from None
+    config = inv["config"]
+    try:
+        same = _digest(Path(config)) == inv["config_sha256"]
+    except OSError as exc:
+        raise ExperimentError(f"the experiment's config {config} cannot be read ({exc.strerror})") from None
+    if not same:
+        raise ExperimentError(f"{config} changed since the experiment started: the runs still to go would not be "
+                              "the ones planned; put it back as it was, or start a new experiment")
+    record = home / ("baseline.json" if inv["kind"] == "baseline" else "experiment.json")
+    try:
+        last = json.loads(record.read_text())
+    except (OSError, ValueError):
+        last = None
+    runs = (last.get("runs") if inv["kind"] == "baseline" else
+            [r for g in last.get("groups", []) if g.get("label") != "baseline" or "recorded" not in g
+             for r in g.get("runs", [])]) if isinstance(last, dict) else None
+    if runs and not last.get("interrupted") and all(r.get("ok") for r in runs):
+        print(f"{inv['kind']} {inv['id']} already finished (every run; its figures are in {record}): nothing to "
+              "resume", file=err)
+        return 0
+    opts, at = inv["options"], (home, inv["id"])
+    if inv["kind"] == "baseline":
+        return baseline(config, inv["sets"], repeat=opts["repeat"], parallel=opts["parallel"], effect=opts["effect"],
+                        stdout=stdout, err=err, resuming=at)
+    return experiment(config, inv["sets"], opts["vary"], repeat=opts["repeat"], baseline_dir=opts["baseline_dir"],
+                      target=opts["target"], parallel=opts["parallel"], effect=opts["effect"], stdout=stdout,
+                      err=err, resuming=at)
+
+
+def say_resumed(plan: Plan, kept: dict[int, Outcome], err) -> None:
+    again = sum(1 for s in plan.specs if s.resume_dir is not None)
+    print(f"resuming: {len(kept)} run(s) finished before and kept, {again} to resume from their checkpoints, "
+          f"{len(plan.specs) - len(kept) - again} to start", file=err, flush=True)
 
 
 # --- figures of the finished runs --------------------------------------------------------------------------
@@ -563,6 +658,12 @@ def print_unfinished(records: list[dict], out) -> None:
         print(f"{how}: {r['group']} seed {r['seed']}: {last} (log: {r['log']})", file=out)
 
 
+def say_how_to_resume(records: list[dict], interrupted: bool, exp_dir: Path, out) -> None:
+    if interrupted or not all(r["ok"] for r in records):
+        print(f"to finish the runs that did not (finished ones are kept): libra-ctl resume {exp_dir}", file=out,
+              flush=True)
+
+
 def _exit_code(records: list[dict], interrupted: bool) -> int:
     return 130 if interrupted else 0 if all(r["ok"] for r in records) else 1
 
@@ -571,20 +672,29 @@ def _exit_code(records: list[dict], interrupted: bool) -> int:
 
 
 def baseline(config: str, sets: list[str], *, repeat: int = 3, out: str | None = None, parallel: int | None = None,
-             effect: float = compare.DEFAULT_EFFECT, stdout=None, err=None) -> int:
-    """The whole of ``libra-ctl baseline``; returns the exit code."""
+             effect: float = compare.DEFAULT_EFFECT, stdout=None, err=None,
+             resuming: tuple[Path, str] | None = None) -> int:
+    """The whole of ``libra-ctl baseline``; returns the exit code. ``resuming``: the directory and id of the
+    baseline ``resume`` continues."""
     stdout, err = stdout or sys.stdout, err or sys.stderr
     check_counts(repeat, parallel)
     check_effect(effect)
     cfg = config_mod.load(config, sets)
-    exp_dir, exp_id = experiment_dir(out, cfg, "baseline")
+    if resuming:
+        exp_dir, exp_id = resuming
+    else:
+        exp_dir, exp_id = experiment_dir(out, cfg, "baseline")
+        record_invocation(exp_dir, "baseline", exp_id, config, sets, repeat=repeat, parallel=parallel, effect=effect)
     plan = make_plan(config, sets, [("baseline", None, [])], repeat, exp_id, exp_dir, parallel)
+    kept = pick_up(plan) if resuming else {}
     seeds = [s.seed for s in plan.specs]
     print(f"baseline {exp_id}: {len(plan.specs)} runs of {config} (seeds {seeds[0]}..{seeds[-1]}), "
           f"{plan.parallel} at a time; in {exp_dir}", file=err, flush=True)
+    if resuming:
+        say_resumed(plan, kept, err)
     for note in plan.notes:
         print(f"note: {note}", file=err)
-    outcomes, interrupted = Runner(plan, err).run()
+    outcomes, interrupted = Runner(plan, err, kept).run()
     records = [run_record(o) for o in outcomes]
     agg = compare.aggregate(records)
     success = [r["success_final"] for r in records if r["ok"] and r.get("success_final") is not None]
@@ -603,6 +713,7 @@ def baseline(config: str, sets: list[str], *, repeat: int = 3, out: str | None =
     print_unfinished(records, stdout)
     print(f"\nrecorded: {exp_dir / 'baseline.json'}; compare against it with "
           f"libra-ctl experiment {config} --vary KEY=v1,v2 --baseline {exp_dir}", file=stdout, flush=True)
+    say_how_to_resume(records, interrupted, exp_dir, stdout)
     return _exit_code(records, interrupted)
 
 
@@ -686,8 +797,10 @@ def check_counts(repeat: int, parallel: int | None) -> None:
 
 def experiment(config: str, sets: list[str], vary: str, *, repeat: int = 1, baseline_dir: str | None = None,
                target: float | None = None, out: str | None = None, parallel: int | None = None,
-               effect: float = compare.DEFAULT_EFFECT, stdout=None, err=None) -> int:
-    """The whole of ``libra-ctl experiment``; returns the exit code."""
+               effect: float = compare.DEFAULT_EFFECT, stdout=None, err=None,
+               resuming: tuple[Path, str] | None = None) -> int:
+    """The whole of ``libra-ctl experiment``; returns the exit code. ``resuming``: the directory and id of the
+    experiment ``resume`` continues."""
     stdout, err = stdout or sys.stdout, err or sys.stderr
     check_target(target)
     check_counts(repeat, parallel)
@@ -700,9 +813,15 @@ def experiment(config: str, sets: list[str], vary: str, *, repeat: int = 1, base
     cfg = config_mod.load(config, sets)
     for v in values:   # a bad value fails here, before the experiment's directory exists
         config_mod.load(config, sets + [f"{key}={v}"])
-    exp_dir, exp_id = experiment_dir(out, cfg, key)
+    if resuming:
+        exp_dir, exp_id = resuming
+    else:
+        exp_dir, exp_id = experiment_dir(out, cfg, key)
+        record_invocation(exp_dir, "experiment", exp_id, config, sets, vary=vary, repeat=repeat,
+                          baseline_dir=baseline_dir, target=target, parallel=parallel, effect=effect)
     plan = make_plan(config, sets, [(f"{key}={v}", v, [f"{key}={v}"]) for v in values], repeat, exp_id, exp_dir,
                      parallel)
+    kept = pick_up(plan) if resuming else {}
     warnings = list(plan.notes)
     if recorded:
         diff = config_differences(recorded.get("resolved_config", {}),
@@ -713,9 +832,11 @@ def experiment(config: str, sets: list[str], vary: str, *, repeat: int = 1, base
           f"{plan.parallel} at a time; baseline: "
           f"{'recorded in ' + str(baseline_dir) if recorded else f'the first value ({key}={values[0]})'}; "
           f"in {exp_dir}", file=err, flush=True)
+    if resuming:
+        say_resumed(plan, kept, err)
     for w in warnings:
         print(f"note: {w}", file=err)
-    outcomes, interrupted = Runner(plan, err).run()
+    outcomes, interrupted = Runner(plan, err, kept).run()
     records = [run_record(o) for o in outcomes]
     groups = [{"label": f"{key}={v}", "value": v, "runs": [r for r in records if r["value"] == v]} for v in values]
     if recorded:
@@ -745,6 +866,7 @@ def experiment(config: str, sets: list[str], vary: str, *, repeat: int = 1, base
            "target": target, "target_source": target_source, "noisy": noisy, "noise": level, "effect": effect,
            "floor": compare.NO_WORSE_FLOOR, "warnings": warnings, "groups": groups}
     write_experiment(doc, exp_dir, stdout)
+    say_how_to_resume(records, interrupted, exp_dir, stdout)
     return _exit_code(records, interrupted)
 
 

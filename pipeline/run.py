@@ -714,12 +714,26 @@ def resume_job(run_dir: Path, argv: list[str], out=STDERR) -> int:
     except (ValueError, KeyError, TypeError) as exc:   # JSONDecodeError is a ValueError
         raise RunFailed(f"{manifest} is damaged ({type(exc).__name__}: {exc}); it cannot be resumed") from None
     validate(cfg)
-    try:   # written once the run's last step and final evaluation are done: a finished run has nothing to resume
-        done = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        done = None
-    if isinstance(done, dict) and int(done.get("steps") or 0) >= cfg.job.steps:
+    done = finished_summary(run_dir, cfg.job.steps)
+    if done is not None:
         print(f"run {run_dir.name} already finished ({done['steps']} of {cfg.job.steps} steps; its figures are in "
               f"{run_dir / 'summary.json'}): nothing to resume", file=out)
         return 0
     return run_job(cfg, argv, out, resume_dir=run_dir)
+
+
+def finished_summary(run_dir: Path, steps: int) -> dict | None:
+    """The run's summary.json once it trained all ``steps``, else None.
+
+    The summary is written once the run's last step and final evaluation are
+    done; an earlier one (a stopped run's) counts fewer steps. A finished run
+    has nothing to resume.
+    """
+    try:
+        done = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        return done if isinstance(done, dict) and int(done.get("steps") or 0) >= steps else None
+    except (TypeError, ValueError):   # a damaged summary: not a finished run
+        return None

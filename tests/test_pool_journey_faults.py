@@ -133,3 +133,24 @@ def test_pool_line_restarted_after_a_crash_gets_its_id_back(r):
         "id": "rollout-%s-ext0" % node, "role": "rollout", "pid": dead.pid, "node": node, "slots": [],
         "state": "running", "heartbeat": time.time() - 1.0, "managed": EXTERNAL}))
     assert claim_external_id(r, keys, "rollout", node) == "rollout-%s-ext0" % node
+
+
+def test_worker_says_it_waits_for_redis(monkeypatch, capsys):
+    """`libra-ctl worker rollout --job J` with no Redis up yet (a pool line started before the server).
+
+    It says at once what it waits for, where, and for how long, then fails with the way out.
+    Before: nothing at all for 120 s, then the failure.
+    """
+    import socket
+
+    from pipeline import cli
+
+    with socket.socket() as s:             # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(cli, "REDIS_WAIT_S", 0.5)
+    args = SimpleNamespace(node="n", redis=f"redis://127.0.0.1:{port}", job="j", role="rollout", worker_id=None)
+    assert cli.cmd_worker(args) == 1
+    out, err = capsys.readouterr()
+    assert out.count("waiting up to") == 1 and f"127.0.0.1:{port}" in out
+    assert "no Redis answered" in err

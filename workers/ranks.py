@@ -51,11 +51,10 @@ import torch.distributed as dist
 
 from pipeline import logs
 from pipeline.dataplane import messages
-from pipeline.dataplane.worker import load_run_config
+from pipeline.dataplane.worker import SLOTS_ENV, load_run_config
 from workers.checkpoint import read_optimizer
 from workers.update import Share, load_policy, make_optimizer, train_share
 
-SLOTS_ENV = "LIBRA_SLOTS"  # set by the node agent: the slots this worker holds, e.g. "2,3"
 FRAME_VERSION = 3  # 2: each group's staleness along the version tree; 3: mini-batches (mini, norms, actives)
 # The longest a step's collective waits for a slower rank, and rank 0 for its ranks to load their model.
 RANK_TIMEOUT_S = 600.0

@@ -66,7 +66,7 @@ from pipeline.dataplane.keys import (AGENTS, ROLES, JobKeys, agent_backoff, agen
                                      agent_procs)
 from pipeline.dataplane.lifeline import ORPHAN_EXIT_S, process_start, watch_parent
 from pipeline.dataplane.redisconn import ENV_URL, UNAVAILABLE, Outage, connect
-from pipeline.dataplane.worker import NODE_ENV, this_node
+from pipeline.dataplane.worker import NODE_ENV, SLOTS_ENV, this_node
 from pipeline.logs import open_output
 
 TICK_S = 0.2
@@ -78,7 +78,6 @@ HAND_OVER_PAGE = 10_000   # pending entries listed or claimed per command when a
 STABLE_S = 60.0           # a worker that ran this long starts its back-off afresh
 TOMBSTONE_S = 3600.0      # drained records are kept this long, so a late retried action stays ignored
 GPUS_ENV = "LIBRA_GPUS"
-SLOTS_ENV = "LIBRA_SLOTS"
 
 
 def oom_counter() -> Path | None:

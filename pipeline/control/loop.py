@@ -94,6 +94,16 @@ class JobView:
     metrics: allocator.Metrics | None = None   # auto mode only: what the allocator sees
 
 
+def _external_learner_draining(ext: dict[str, dict]) -> bool:
+    """Whether an external learner asked to drain still works under ``learner-0``, its batch in hand.
+
+    The agents' learner waits for it: a process started under that id now
+    would exit at once (``worker.register``), and its agent would count the
+    exit as a crash.
+    """
+    return any(rec["draining"] and rec["role"] == "learner" for rec in ext.values())
+
+
 def _pin_slots(view: JobView) -> int:
     """Agent slots a pinned job's pin asks for (its external workers hold their own)."""
     ctl = view.jc.info.control
@@ -293,7 +303,10 @@ class Controller:
         taken |= {(cur[w]["node"], s) for w in drained if w in cur for s in cur[w]["slots"]}
         cur = {w: rec for w, rec in cur.items() if w not in drained}
         target, event = self.decide(view, slots, pool, learner_room=max(room.values(), default=0))
-        new = place(agents_share(target, view.ext_n), cur, slot_map, taken, jc.info.control.reward_on_slots)
+        share = agents_share(target, view.ext_n)
+        if _external_learner_draining(view.ext):
+            share["learner"] = 0
+        new = place(share, cur, slot_map, taken, jc.info.control.reward_on_slots)
         orders = self.act(jc, new, nodes) + self.drain_external(jc, view.ext, target)
         placements[name] = new
         self.commit(jc, view.alloc, cur, new, target, now, drained)

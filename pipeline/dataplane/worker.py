@@ -49,6 +49,8 @@ def this_node() -> str:
     by default, so that every part of a run names the node alike)."""
     return os.environ.get(NODE_ENV) or socket.gethostname().split(".")[0]
 EXTERNAL = "external"    # the ``managed`` field of a worker started outside the agents
+AGENT = "agent"          # ... and of one an agent started (it sets SLOTS_ENV)
+SLOTS_ENV = "LIBRA_SLOTS"   # set by the node agent: the slots the worker holds, e.g. "2,3" ("" for none)
 CLAIM_TRIES = 50         # WATCH retries when registering: every heartbeat of the job's workers changes the table
 # States in which a worker holds its place in the job's allocation: at work, about to be (a learner queued for
 # learner-0), or done with its work (a learner after its last step: not to be replaced).
@@ -109,7 +111,8 @@ class WorkerContext:
         return {"id": self.worker_id, "role": self.role, "pid": os.getpid(),
                 "node": self.node, "slots": [], "state": self.state,
                 "heartbeat": time.time(), "done": self.done, "rate_per_s": round(self.rate_per_s, 3),
-                "policy_version": self.policy_version, **({"managed": EXTERNAL} if self.external else {}),
+                "policy_version": self.policy_version,
+                **({"managed": EXTERNAL} if self.external else {"managed": AGENT} if SLOTS_ENV in os.environ else {}),
                 **({"devices": self.devices} if self.devices is not None else {}),
                 **({"failure": self.failure} if self.failure else {})}
 

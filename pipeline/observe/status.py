@@ -96,7 +96,8 @@ def job_status(r: redis.Redis, job: str) -> dict:
         state = rec["state"]
         if state != "exited" and not record_alive(rec, time.time()):
             state = "lost"  # no heartbeat: the process is gone or stuck
-        managed = EXTERNAL if rec.get("managed") == EXTERNAL else "agent" if placed else "run"
+        # the record says who started it; older records do not: their placement does
+        managed = rec.get("managed") or ("agent" if placed else "run")
         if managed == EXTERNAL and rec["id"] in alloc["external"]:
             state = alloc["external"][rec["id"]]["state"]   # "draining" once asked to
         workers.append({"id": rec["id"], "role": rec["role"], "pid": rec["pid"],

@@ -60,10 +60,10 @@ from pipeline.dataplane.lookahead import InHand, limit_groups
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
 from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_groups, execute_with_backpressure, read,
                                         run_stage, trajectories_of, trim)
-from pipeline.dataplane.worker import CostMeter, claim_policy, dedup_for, finish_worker, room_downstream, start_worker
+from pipeline.dataplane.worker import (SLOTS_ENV, CostMeter, claim_policy, dedup_for, finish_worker, room_downstream,
+                                       start_worker)
 from pipeline.sim.workload import Workload, load_workload
 
-SLOTS_ENV = "LIBRA_SLOTS"  # set by the node agent: the slots this worker holds, e.g. "2,3"
 
 
 # --- the cost model (pure; no Redis) ------------------------------------------------------------
