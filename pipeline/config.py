@@ -213,8 +213,10 @@ class LearnerConfig:
     checkpoint_every: int = _f(10, "steps between checkpoints (model, optimizer, consumed ids)")
     keep_published: int = _f(4, "published weight versions kept on disk")
     threads: int = _f(1, "torch CPU threads of the learner")
-    step_budget_s: float = _f(60.0, "the longest a learner step (waiting for data included) may take")
-    checkpoint_write_s: float = _f(30.0, "the longest a checkpoint write may take")
+    step_budget_s: float = _f(60.0, "the longest a learner step (waiting for data included) is expected to take: "
+                              "with checkpoint_write_s it sizes streams.learner_min_idle_s (checked at load); "
+                              "a longer step is not stopped")
+    checkpoint_write_s: float = _f(30.0, "the longest a checkpoint write is expected to take (see step_budget_s)")
     max_train_attempts: int = _f(3, "a scored group whose training raised this many times (counted across "
                                  "restarts), or killed the learner process this many times when tried alone, is "
                                  "dead-lettered with the error; the rest of its batch is trained")
@@ -240,8 +242,10 @@ class StreamsConfig:
     rollout_min_idle_s: float = _f(300.0, "a prompt pending this long is reclaimed by another rollout worker; "
                                    "must exceed the slowest engine call")
     reward_min_idle_s: float = _f(60.0, "a group pending this long is reclaimed by another reward worker")
-    learner_min_idle_s: float = _f(1800.0, "scored groups pending this long are reclaimed by another learner rank; "
-                                   "must exceed checkpoint_every x learner.step_budget_s + learner.checkpoint_write_s")
+    learner_min_idle_s: float = _f(1800.0, "a scored group pending at the learner this long is stuck (libra-ctl "
+                                   "audit names it; the learner, the stream's one consumer, replays its own "
+                                   "pending entries after a restart); must exceed checkpoint_every x "
+                                   "learner.step_budget_s + learner.checkpoint_write_s")
     max_deliveries: int = _f(3, "an entry delivered more often than this is dead-lettered")
     dedup: bool = _f(True, "exactly-once effects keyed by trajectory id (turn off only to test the audit)")
 
@@ -374,7 +378,21 @@ def _apply_override(raw: dict, item: str) -> None:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {key}: {p!r} is not a section")
+    if isinstance(value, dict) and dataclasses.is_dataclass(_field_type(parents, leaf)):
+        # a section given as a table (--set 'learner={lr=1e-4}'): its keys are set, the file's others stay
+        if not isinstance(node.get(leaf, {}), dict):
+            raise ConfigError(f"--set {key}: {leaf!r} is not a section")
+        _merge(node.setdefault(leaf, {}), value)
+        return
     node[leaf] = value
+
+
+def _merge(into: dict, table: dict) -> None:
+    for k, v in table.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
 
 
 def _field_type(parents: list[str], leaf: str):
@@ -437,7 +455,9 @@ def _need(ok: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
-MAX_INT = (1 << 63) - 1   # Redis integers and numpy seeds are 64-bit
+MAX_INT = (1 << 63) - 1   # Redis integers are 64-bit
+MAX_SEED = (1 << 32) - 1  # numpy's legacy seed, which the engine seeds from job.seed, is 32-bit
+_MEMORY = re.compile(r"[0-9]+(b|k|kb|m|mb|g|gb)?", re.IGNORECASE)   # Redis's memory sizes: 100mb, 2gb, 1048576
 MAX_TEXT = 4096           # the longest string setting (a path, a URL)
 TOOL_TIMEOUT_ACTIONS = ("dead_letter", "reply")   # rollout.on_tool_timeout
 _ENTRY_POINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -476,6 +496,13 @@ def validate(cfg: Config) -> None:
     except BadName as exc:
         raise ConfigError(str(exc)) from None
     need(cfg.job.steps >= 1, "job.steps", "run at least 1 step")
+    need(cfg.job.seed <= MAX_SEED, "job.seed", f"{cfg.job.seed} is too large: the engine's seed is 32-bit (at most "
+         f"{MAX_SEED})")
+    need(cfg.policy.seed <= MAX_SEED, "policy.seed", f"{cfg.policy.seed} is too large (at most {MAX_SEED})")
+    need(cfg.job.eval_size >= 1, "job.eval_size", "evaluate at least 1 held-out prompt (the run's start, end and "
+         "curve are judged on them)")
+    need(cfg.rollout.max_model_len >= 2, "rollout.max_model_len",
+         f"{cfg.rollout.max_model_len}: a prompt and a completion need at least 2 tokens; e.g. 256")
     need(ro.group_size >= 2, "rollout.group_size", "GRPO needs at least 2 samples per prompt")
     need(lr.batch_size >= ro.group_size and lr.batch_size % ro.group_size == 0, "learner.batch_size",
          f"{lr.batch_size} is not a positive multiple of rollout.group_size ({ro.group_size}); "
@@ -528,6 +555,13 @@ def validate(cfg: Config) -> None:
          f"{lr.step_budget_s:g} + checkpoint_write_s {lr.checkpoint_write_s:g} = {hold_s:g}s); raise it above "
          f"{hold_s:g} or checkpoint more often")
     validate_control(cfg.control)
+    start = {"rollout": ro.workers, "learner": lr.workers, "reward": cfg.reward.workers}
+    for role, n in start.items():
+        if role == "reward" and not cfg.control.reward_on_slots:
+            continue   # reward on CPUs: the controller does not size it
+        lo, hi = getattr(cfg.control, f"min_{role}"), getattr(cfg.control, f"max_{role}")
+        need(lo <= n <= hi, f"{role}.workers", f"{n} is outside control.min_{role}..control.max_{role} "
+             f"({lo}..{hi}): the run would start where the controller may not keep it")
     need(cfg.env.chat_template in ("auto", "on", "off"), "env.chat_template",
          f"{cfg.env.chat_template!r}: use auto, on or off")
     need(_is_entry(cfg.env.entry) or bool(_ENTRY_POINT_NAME.fullmatch(cfg.env.entry)), "env.entry",
@@ -553,6 +587,8 @@ def validate(cfg: Config) -> None:
     need(cfg.tracking.wandb in ("auto", "offline", "online", "off"), "tracking.wandb",
          f"{cfg.tracking.wandb!r}: use auto, offline, online or off")
     need(cfg.redis.outage_s > 0, "redis.outage_s", "must be > 0, e.g. 60")
+    need(bool(_MEMORY.fullmatch(cfg.redis.maxmemory)), "redis.maxmemory",
+         f"{cfg.redis.maxmemory!r}: a size as Redis writes it, e.g. 2gb, 512mb or 1073741824")
     need(0 <= st.block_ms <= 10_000, "streams.block_ms",
          f"{st.block_ms}: use 0..10000 (a longer block would outlast the client's socket timeout)")
     url = cfg.redis.url
@@ -576,6 +612,10 @@ def validate_control(ctl: ControlConfig) -> None:
     need(ctl.min_slots >= 0, "control.min_slots", "must be >= 0")
     need(ctl.max_slots >= 0, "control.max_slots", "must be >= 0 (0: the whole pool)")
     need(not ctl.max_slots or ctl.min_slots <= ctl.max_slots, "control.min_slots", "exceeds control.max_slots")
+    least = ctl.min_rollout + ctl.min_learner + (ctl.min_reward if ctl.reward_on_slots else 0)
+    need(not ctl.max_slots or least <= ctl.max_slots, "control.max_slots",
+         f"{ctl.max_slots} is below the roles' minimums ({least}: control.min_rollout + min_learner"
+         f"{' + min_reward' if ctl.reward_on_slots else ''}); the job could never start")
     need(ctl.priority > 0, "control.priority", "must be > 0")
     need(ctl.publish_every_max >= 1, "control.publish_every_max", "must be >= 1 (1: the cadence stays fixed)")
     need(0 <= ctl.stale_drop_budget < 1, "control.stale_drop_budget", "must be in [0, 1)")
