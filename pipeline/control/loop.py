@@ -306,7 +306,8 @@ class Controller:
         share = agents_share(target, view.ext_n)
         if _external_learner_draining(view.ext):
             share["learner"] = 0
-        new = place(share, cur, slot_map, taken, jc.info.control.reward_on_slots)
+        # a drained worker on no slot (reward on CPU) is replaced under another id, or it would be placed again
+        new = place(share, cur, slot_map, taken, jc.info.control.reward_on_slots, avoid=set(drained))
         orders = self.act(jc, new, nodes) + self.drain_external(jc, view.ext, target)
         placements[name] = new
         self.commit(jc, view.alloc, cur, new, target, now, drained)

@@ -11,13 +11,16 @@ from pipeline.dataplane.keys import LEARNER
 from pipeline.dataplane.keys import ROLES
 
 def place(target: dict[str, int], current: dict[str, dict], nodes: dict[str, list[int]],
-          taken: set[tuple[str, int]] = frozenset(), reward_on_slots: bool = False) -> dict[str, dict]:
+          taken: set[tuple[str, int]] = frozenset(), reward_on_slots: bool = False,
+          avoid: set[str] = frozenset()) -> dict[str, dict]:
     """Which worker runs on which node and slots: worker id -> {role, node, slots}.
 
     Keeps the workers that can stay, shrinks before it grows (so freed slots
     serve the growing roles), never puts two workers on one slot, and keeps
     the learner's slots on one node. ``taken``: slots of other jobs. A role
-    that cannot get all its slots gets what is free.
+    that cannot get all its slots gets what is free. ``avoid``: ids a new
+    worker must not take (drained ones; a slot worker's id names its slot,
+    which ``taken`` keeps from it already).
     """
     slot_roles = ["rollout"] + (["reward"] if reward_on_slots else [])
     cur = _still_there(current, nodes)
@@ -47,7 +50,7 @@ def place(target: dict[str, int], current: dict[str, dict], nodes: dict[str, lis
         for node, slot in _take(free, target.get(role, 0) - have):
             out[f"{role}-{node}-{slot}"] = {"role": role, "node": node, "slots": [slot]}
     if not reward_on_slots:
-        out.update(_cpu_workers("reward", target.get("reward", 0), cur, sorted(nodes)))
+        out.update(_cpu_workers("reward", target.get("reward", 0), cur, sorted(nodes), avoid))
     return out
 
 
@@ -100,15 +103,17 @@ def _take(free: dict[str, list[int]], n: int) -> list[tuple[str, int]]:
     return out
 
 
-def _cpu_workers(role: str, n: int, cur: dict[str, dict], nodes: list[str]) -> dict[str, dict]:
-    """Workers without slots (reward on CPU): keep existing ones, add round-robin over nodes."""
+def _cpu_workers(role: str, n: int, cur: dict[str, dict], nodes: list[str],
+                 avoid: set[str] = frozenset()) -> dict[str, dict]:
+    """Workers without slots (reward on CPU): keep existing ones, add round-robin over nodes, under ids not in
+    ``avoid``."""
     mine = sorted(w for w, rec in cur.items() if rec["role"] == role and not rec["slots"])
     out = {w: cur[w] for w in mine[:n]}
     i = 0
     while len(out) < n and nodes:
         node = nodes[i % len(nodes)]
         w = f"{role}-{node}-c{i}"
-        if w not in out:
+        if w not in out and w not in avoid:
             out[w] = {"role": role, "node": node, "slots": []}
         i += 1
     return out

@@ -59,6 +59,10 @@ class JobKeys:
     def dead_letters(self) -> str:  # any stage -> operators; never trimmed automatically
         return self._k("dlq")
 
+    @property
+    def dead_letters_purged(self) -> str:  # what ``libra-ctl dlq purge`` dropped: each record less its payload
+        return self._k("dlq:purged")
+
     # --- policy versions and job state
     @property
     def policy(self) -> str:  # hash: version, path, step, published_at (written by the learner)

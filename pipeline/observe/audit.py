@@ -130,14 +130,18 @@ def dead_letter_tally(r: redis.Redis, keys: JobKeys, group_size: int) -> tuple[T
     one group.
     """
     tally, malformed = Tally(), 0
+    for _id, f in r.xrange(keys.dead_letters_purged):   # purged by the operator: dead letters still
+        if b"ids" in f:
+            tally.ids.update(json.loads(f[b"ids"]))
+        elif b"prompt" in f:
+            tally.ids.update(f"{f[b'prompt'].decode()}/{i}" for i in range(group_size))
+        else:
+            malformed += _undecodable(f)
+            tally.unnamed += int(f.get(b"trajectories", 0)) or (0 if _undecodable(f) else group_size)
     for _id, f in r.xrange(keys.dead_letters):
-        reason = f.get(b"reason", b"").decode()
-        undecodable = reason.startswith(("malformed", "unknown schema", "oversized"))
+        undecodable = _undecodable(f)
         malformed += undecodable
-        payload = f.get(b"payload", b"")
-        if not payload and f.get(b"stream") and f.get(b"id"):
-            found = r.xrange(f[b"stream"].decode(), min=f[b"id"].decode(), max=f[b"id"].decode())
-            payload = found[0][1].get(messages.FIELD, b"") if found else b""
+        payload = dead_letter_payload(r, f)
         recorded = int(f.get(b"trajectories", 0))
         tally.add(payload, group_size, recorded or (0 if undecodable else group_size))
         ids = ids_of_payload(payload, group_size)
@@ -145,6 +149,19 @@ def dead_letter_tally(r: redis.Redis, keys: JobKeys, group_size: int) -> tuple[T
             tally.short.append({"dead_letter": _text(_id), "source_id": _text(f.get(b"id", b"")),
                                 "recorded": recorded, "carried": len(ids), "ids": ids[:NAMED_MAX]})
     return tally, malformed
+
+
+def _undecodable(f: dict) -> bool:
+    return f.get(b"reason", b"").decode().startswith(("malformed", "unknown schema", "oversized"))
+
+
+def dead_letter_payload(r: redis.Redis, f: dict) -> bytes:
+    """A dead letter's payload; one written without it is looked up on its source stream (there until trimmed)."""
+    payload = f.get(b"payload", b"")
+    if not payload and f.get(b"stream") and f.get(b"id"):
+        found = r.xrange(f[b"stream"].decode(), min=f[b"id"].decode(), max=f[b"id"].decode())
+        payload = found[0][1].get(messages.FIELD, b"") if found else b""
+    return payload
 
 
 # --- what is in the streams ------------------------------------------------------------------------
@@ -360,6 +377,7 @@ def audit(r: redis.Redis, job: str, run_dir: str | None = None) -> dict:
                                      dead)}
     result.update(ok=False, problems=problems_of(result, checks), checks=checks, in_flight_by_stage=by_stage,
                   dead_lettered_malformed=malformed, run_dir=str(rd),
+                  dead_letters_purged=r.xlen(keys.dead_letters_purged),   # counted in dead_lettered too
                   duplicates_skipped={k[len("duplicates_dropped_"):]: v for k, v in c.items()
                                       if k.startswith("duplicates_dropped_")})
     result["ok"] = not result["problems"]
@@ -477,9 +495,26 @@ def dlq_replay(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
 
 
 def dlq_purge(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
-    for entry_id in ids:   # each checked before any is deleted
-        dead_letter(r, keys, entry_id)
-    return int(r.xdel(keys.dead_letters, *ids)) if ids else 0
+    """Drop dead letters. Each leaves a record without its payload on ``JobKeys.dead_letters_purged`` (in the
+    same transaction) naming what it carried (a group's trajectory ids, or a prompt's id), so the audit still
+    accounts for its trajectories as dead-lettered, not lost."""
+    found = {entry_id: dead_letter(r, keys, entry_id) for entry_id in ids}   # each checked before any goes
+    for entry_id, f in found.items():
+        try:
+            msg = messages.decode(dead_letter_payload(r, f), 1 << 30)
+        except messages.BadMessage:
+            msg = None   # the record's "trajectories" and "reason" count it, as for the dead letter itself
+        rec = {k: v for k, v in f.items() if k != b"payload"}
+        rec[b"dead_letter"] = entry_id
+        if isinstance(msg, messages.Group):
+            rec[b"ids"] = json.dumps([f"{msg.prompt_id}/{t.sample_idx}" for t in msg.trajectories])
+        elif msg is not None:
+            rec[b"prompt"] = msg.prompt_id
+        pipe = r.pipeline(transaction=True)
+        pipe.xadd(keys.dead_letters_purged, rec)
+        pipe.xdel(keys.dead_letters, entry_id)
+        pipe.execute()
+    return len(found)
 
 
 # --- commands ------------------------------------------------------------------------------------
