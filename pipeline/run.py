@@ -152,9 +152,19 @@ def check_prompt_files(cfg: Config, out=STDERR) -> list[dict]:
     from workers.envs import EnvError, env_from_config
     from workers.feeder import load_prompts
 
+    from workers.reward import judge_function
+
     try:
         env = env_from_config(cfg)
     except EnvError as exc:
+        raise RunFailed(str(exc)) from None
+    try:   # a bad [reward] is said now, not by reward workers failing at each restart minutes from now
+        judge_function(cfg, env)
+        if cfg.reward.model:
+            from workers.reward_model import check_dir
+
+            check_dir(cfg.reward.model)
+    except (SystemExit, ValueError) as exc:
         raise RunFailed(str(exc)) from None
     bad_all = []
     for path in (cfg.job.train_prompts, cfg.job.eval_prompts):
@@ -362,10 +372,13 @@ class Orchestrator:
             self.rate_samples.popleft()
         (t_old, n_old), (t_new, n_new) = self.rate_samples[0], self.rate_samples[-1]
         tps = max(n_new - n_old, 0) / max(t_new - t_old, 1e-6)
+        reward = f"{s['reward_mean']:.3f}" if "reward_mean" in s else "  -  "   # no step yet: no reward either
+        dead = c.get("dead_lettered", 0) - c.get("dead_lettered_replayed", 0)
         return (f"step {s.get('step', 0):>4}/{self.cfg.job.steps}  "
-                f"reward {s.get('reward_mean', 0.0):.3f}  success {s.get('success_rate', 0.0):5.1%}  "
+                f"reward {reward}  success {s.get('success_rate', 0.0):5.1%}  "
                 f"traj/s {tps:6.1f}  staleness {s.get('staleness_mean', 0.0):.2f}/{s.get('staleness_max', 0)}  "
-                f"v{s.get('policy_version', 0)}  {elapsed:5.0f}s")
+                f"v{s.get('policy_version', 0)}  {elapsed:5.0f}s"
+                + (f"  dead-lettered {dead} (libra-ctl dlq list)" if dead > 0 else ""))
 
     def show(self, line: str, final: bool = False) -> None:
         if self.tty:

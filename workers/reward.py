@@ -60,6 +60,9 @@ def judge_function(cfg, env) -> RewardFn:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise SystemExit(f"reward.entry = {cfg.reward.entry!r}: {exc}") from None
+    except Exception as exc:   # the module itself is broken: a syntax error, or it raised while importing
+        raise SystemExit(f"reward.entry = {cfg.reward.entry!r}: importing {module_name!r} raised "
+                         f"{type(exc).__name__}: {exc}") from None
     if not callable(fn):
         raise SystemExit(f"reward.entry = {cfg.reward.entry!r} is not a function")
     return fn

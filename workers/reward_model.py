@@ -11,6 +11,7 @@ sees that slot's GPU as ``cuda:0`` (the node agent sets
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -24,9 +25,15 @@ class RewardModel:
     def __init__(self, model_dir: str | Path, *, max_length: int | None = None, device: str | None = None):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        check_dir(model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.model = AutoModelForSequenceClassification.from_pretrained(str(model_dir)).to(self.device).eval()
+        model, info = AutoModelForSequenceClassification.from_pretrained(str(model_dir), output_loading_info=True)
+        if info["missing_keys"]:   # e.g. a causal LM's directory: its score head would be drawn at random
+            raise ValueError(f"reward.model = {str(model_dir)!r} lacks weights the model needs "
+                             f"({', '.join(sorted(info['missing_keys'])[:4])}); they would score at random: "
+                             "give a trained sequence-classification checkpoint")
+        self.model = model.to(self.device).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward.model = {str(model_dir)!r} has {self.model.config.num_labels} labels; "
                              "a reward model has one (a score)")
@@ -43,6 +50,29 @@ class RewardModel:
         enc = self.tokenizer(text, truncation=True, max_length=self.max_length)
         logits = self.model(**{k: torch.tensor([v], device=self.device) for k, v in enc.items()}).logits
         return float(logits[0, 0])
+
+
+def check_dir(model_dir: str | Path) -> None:
+    """What can be told of ``[reward] model`` without loading it; ValueError naming the setting.
+
+    Its ``config.json`` must say a sequence classifier (``architectures``, where
+    given) with one label: a causal LM's directory loads under
+    ``AutoModelForSequenceClassification`` too, with a head of random weights.
+    """
+    where = f"reward.model = {str(model_dir)!r}"
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{where}: no config.json there (a Hugging Face model directory)") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{where}: config.json cannot be read ({exc})") from None
+    archs = cfg.get("architectures") or []
+    if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"{where} is a {', '.join(archs)}, not a sequence classifier: a reward model scores "
+                         "with a one-label head (*ForSequenceClassification)")
+    labels = len(cfg["id2label"]) if isinstance(cfg.get("id2label"), dict) else cfg.get("num_labels", 2)
+    if labels != 1:
+        raise ValueError(f"{where} has {labels} labels; a reward model has one (a score)")
 
 
 # Models whose positions start after the padding index: their tables hold pad_token_id + 1 entries no text uses.

@@ -40,6 +40,8 @@ def resolve(entry: str) -> type:
     except ImportError as exc:
         raise EnvError(f"env.entry = {entry!r}: cannot import {module_name!r} ({exc}); "
                        "is its directory on PYTHONPATH?") from None
+    except Exception as exc:   # the module itself is broken: a syntax error, or it raised while importing
+        raise EnvError(f"env.entry = {entry!r}: importing {module_name!r} raised {_named(exc)}") from None
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise EnvError(f"env.entry = {entry!r}: {target} is not a subclass of workers.envs.base.Environment")
@@ -53,6 +55,15 @@ def load_env(entry: str, options: dict | None = None) -> Environment:
         return cls(**(options or {}))
     except TypeError as exc:
         raise EnvError(f"env.options for {entry!r}: {exc}") from None
+    except Exception as exc:   # the user's __init__ failed (a missing data file, a bad option value)
+        raise EnvError(f"env.entry = {entry!r}: building it with env.options {options or {}} raised "
+                       f"{_named(exc)}") from None
+
+
+def _named(exc: BaseException) -> str:
+    """An exception as one line: its type, its message, and where a syntax error is."""
+    where = f" ({exc.filename}, line {exc.lineno})" if isinstance(exc, SyntaxError) else ""
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def env_from_config(cfg) -> Environment:
