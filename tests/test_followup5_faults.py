@@ -73,3 +73,26 @@ def test_no_agent_learner_starts_while_a_draining_external_learner_holds_learner
     ctl.tick()
     jobs.run_pending()
     assert len(desired_roles(r, "n1")["learner"]) == 1       # now the agents' learner-0 starts
+
+
+def test_scale_notes_a_learner_wider_than_any_one_node(r, redis_url, capsys):
+    """`libra-ctl scale learner=3` on two live agents of 2 slots each: 4 slots in all, so the slot count fits, but
+    the learner's ranks run on one node and none offers 3. `scale` says the controller cuts the learner to 2.
+
+    Before: no note: the pin fitted the slot count, and `status` then showed learner=2 with no word why.
+    """
+    from types import SimpleNamespace
+
+    from pipeline.control.commands import cmd_scale
+    from pipeline.dataplane.keys import AGENTS, JOBS
+
+    now = time.time()
+    for node in ("a", "b"):
+        r.hset(AGENTS, node, json.dumps({"node": node, "host": node, "pid": 1, "heartbeat": now,
+                                         "slots": [{"index": i} for i in range(2)]}))
+    r.sadd(JOBS, "j")
+    r.hset(JobKeys("j").state, mapping={"phase": "running"})
+    args = SimpleNamespace(job="j", auto=False, counts=["learner=3", "rollout=1"], wait=None, redis=redis_url)
+    assert cmd_scale(args) == 0
+    err = capsys.readouterr().err
+    assert "learner=3 runs on one node" in err and "offers j 2 slot(s)" in err

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 
 import redis
 
@@ -98,6 +99,11 @@ def cmd_scale(args) -> int:
         print(f"libra-ctl scale: note: these counts need {need} agent slots and the live agents offer {job} "
               f"{room} ({room + held} in all, {held} held by other jobs): the controller fits the counts to the "
               "slots there are (libra-ctl status shows what runs) until more agents join", file=sys.stderr)
+    learner, most = agents_learner(r, job, pinned), learner_room(r, job)
+    if learner > most:
+        print(f"libra-ctl scale: note: learner={learner} runs on one node (its ranks share one process group), and "
+              f"the live agent with the most room offers {job} {most} slot(s): the controller cuts the learner to "
+              f"{most} and gives the rest to rollout", file=sys.stderr)
     if args.wait:
         return _wait_for_counts(r, job, pinned, args.wait)
     return 0
@@ -119,6 +125,20 @@ def pin_room(r: redis.Redis, job: str, pinned: dict) -> tuple[int, int, int]:
     held = sum(len(rec["slots"]) for other in running_jobs(r) if other != job
                for rec in read_placement(r, other).values() if rec.get("node") in live)
     return need, max(total - held, 0), held
+
+
+def agents_learner(r: redis.Redis, job: str, pinned: dict) -> int:
+    """The learner slots the agents run of ``pinned`` (none where an external learner is the job's)."""
+    return agents_share(pinned, external_counts(external_workers(r, job))).get("learner", 0)
+
+
+def learner_room(r: redis.Redis, job: str) -> int:
+    """The most slots one live agent offers the job: its slots less those other jobs hold there (the
+    learner's slots are all on one node)."""
+    live = live_agents(r)
+    held = Counter(rec.get("node") for other in running_jobs(r) if other != job
+                   for rec in read_placement(r, other).values() for _s in rec.get("slots", []))
+    return max((len(rec["slots"]) - held[node] for node, rec in live.items()), default=0)
 
 
 def _wait_for_counts(r: redis.Redis, job: str, want: dict, timeout_s: float) -> int:
