@@ -28,6 +28,7 @@ and the SVG are ``pipeline.observe.compare_report``.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -496,7 +497,7 @@ class Runner:
             del self.running[i]
             self.free.append(dev)
             self.outcomes[i] = o = Outcome(spec, proc.returncode, time.monotonic() - started)
-            if o.code == 0:
+            if o.code == 0 and spec.resume_dir is None:   # a resumed run's time is only its remainder
                 self.progress.durations.append(o.wall_s)
                 self.progress.say(f"finished {spec.tag} in {fmt_duration(o.wall_s)}")
             else:
@@ -525,6 +526,25 @@ def record_invocation(exp_dir: Path, kind: str, exp_id: str, config: str, sets: 
     digest of the config file (runs still to go must not take an edited one)."""
     write_json(exp_dir / INVOCATION, {"kind": kind, "id": exp_id, "config": config, "cwd": os.getcwd(),
                                       "config_sha256": _digest(Path(config)), "sets": sets, "options": options})
+
+
+def hold(exp_dir: Path):
+    """The experiment's lock (``DIR/.lock``, this pid in it), held while the file stays open; ExperimentError if
+    another process holds it: that experiment still runs, and a resume would run its runs a second time."""
+    f = open(exp_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise ExperimentError(f"{exp_dir} is still running (libra-ctl experiment or baseline, pid {holder}); "
+                              "resume it once that process has ended") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 def _digest(path: Path) -> str:
@@ -680,12 +700,11 @@ def baseline(config: str, sets: list[str], *, repeat: int = 3, out: str | None =
     check_counts(repeat, parallel)
     check_effect(effect)
     cfg = config_mod.load(config, sets)
-    if resuming:
-        exp_dir, exp_id = resuming
-    else:
-        exp_dir, exp_id = experiment_dir(out, cfg, "baseline")
-        record_invocation(exp_dir, "baseline", exp_id, config, sets, repeat=repeat, parallel=parallel, effect=effect)
+    exp_dir, exp_id = resuming or experiment_dir(out, cfg, "baseline")
+    lock = hold(exp_dir)   # open until this function returns: a resume meanwhile is refused
     plan = make_plan(config, sets, [("baseline", None, [])], repeat, exp_id, exp_dir, parallel)
+    if not resuming:   # once the plan stands: a refused one leaves a directory the same command may use again
+        record_invocation(exp_dir, "baseline", exp_id, config, sets, repeat=repeat, parallel=parallel, effect=effect)
     kept = pick_up(plan) if resuming else {}
     seeds = [s.seed for s in plan.specs]
     print(f"baseline {exp_id}: {len(plan.specs)} runs of {config} (seeds {seeds[0]}..{seeds[-1]}), "
@@ -714,6 +733,7 @@ def baseline(config: str, sets: list[str], *, repeat: int = 3, out: str | None =
     print(f"\nrecorded: {exp_dir / 'baseline.json'}; compare against it with "
           f"libra-ctl experiment {config} --vary KEY=v1,v2 --baseline {exp_dir}", file=stdout, flush=True)
     say_how_to_resume(records, interrupted, exp_dir, stdout)
+    lock.close()   # written: a resume may go on now
     return _exit_code(records, interrupted)
 
 
@@ -813,14 +833,13 @@ def experiment(config: str, sets: list[str], vary: str, *, repeat: int = 1, base
     cfg = config_mod.load(config, sets)
     for v in values:   # a bad value fails here, before the experiment's directory exists
         config_mod.load(config, sets + [f"{key}={v}"])
-    if resuming:
-        exp_dir, exp_id = resuming
-    else:
-        exp_dir, exp_id = experiment_dir(out, cfg, key)
-        record_invocation(exp_dir, "experiment", exp_id, config, sets, vary=vary, repeat=repeat,
-                          baseline_dir=baseline_dir, target=target, parallel=parallel, effect=effect)
+    exp_dir, exp_id = resuming or experiment_dir(out, cfg, key)
+    lock = hold(exp_dir)   # open until this function returns: a resume meanwhile is refused
     plan = make_plan(config, sets, [(f"{key}={v}", v, [f"{key}={v}"]) for v in values], repeat, exp_id, exp_dir,
                      parallel)
+    if not resuming:   # once the plan stands: a refused one leaves a directory the same command may use again
+        record_invocation(exp_dir, "experiment", exp_id, config, sets, vary=vary, repeat=repeat,
+                          baseline_dir=baseline_dir, target=target, parallel=parallel, effect=effect)
     kept = pick_up(plan) if resuming else {}
     warnings = list(plan.notes)
     if recorded:
@@ -867,6 +886,7 @@ def experiment(config: str, sets: list[str], vary: str, *, repeat: int = 1, base
            "floor": compare.NO_WORSE_FLOOR, "warnings": warnings, "groups": groups}
     write_experiment(doc, exp_dir, stdout)
     say_how_to_resume(records, interrupted, exp_dir, stdout)
+    lock.close()   # written: a resume may go on now
     return _exit_code(records, interrupted)
 
 

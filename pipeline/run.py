@@ -196,6 +196,7 @@ class Orchestrator:
         self.t0 = time.monotonic()
         self.started_at = time.time()   # wall clock of t0: summary.json puts learner steps and evals on it
         self.resumed_at: float | None = None   # a resumed run's own start (started_at is then the first one's)
+        self.resumes: list[float] = []         # the start of every resume, oldest first
         self.tty = out.isatty()
         self.outage = Outage(_Say(out))
 
@@ -419,15 +420,18 @@ class Orchestrator:
 
     def run(self) -> dict:
         self.r.sadd(JOBS, self.cfg.job.name)
-        phase, first = self.r.hmget(self.keys.state, ["phase", "started_at"])
+        phase, first, before = self.r.hmget(self.keys.state, ["phase", "started_at", "resumes"])
         phase = (phase or b"running").decode()
         if phase != "starting" and first:   # a resume: the run's clock (its steps, its evals) starts at its first start
             self.resumed_at, self.started_at = self.started_at, float(first)
+            # every resume's time: an experiment's figures leave out the time the run lay stopped before each
+            self.resumes = [*json.loads(before or b"[]"), self.resumed_at]
         self.r.hset(self.keys.state, mapping={"phase": "trained" if phase == "trained" else "running",
                                               "run_dir": str(self.run_dir.resolve()),
                                               "started_at": self.started_at, "pid": os.getpid(),
                                               "host": socket.gethostname(),
-                                              **({"resumed_at": self.resumed_at} if self.resumed_at else {})})
+                                              **({"resumed_at": self.resumed_at,
+                                                  "resumes": json.dumps(self.resumes)} if self.resumed_at else {})})
         ensure_groups(self.r, self.keys)
         resumed = self.eval_result("start") is not None
         if not resumed:
@@ -450,7 +454,7 @@ class Orchestrator:
                   "at": float(f.get(b"at", 0.0))} for _i, f in self.r.xrange(self.keys.eval_results)]
         return {
             "run_id": self.run_dir.name, "job": self.cfg.job.name, "started_at": self.started_at,
-            **({"resumed_at": self.resumed_at} if self.resumed_at else {}),
+            **({"resumed_at": self.resumed_at, "resumes": self.resumes} if self.resumed_at else {}),
             "success_rate_start": start["success_rate"], "success_rate_end": end["success_rate"],
             "eval_prompts": end["n"], "eval_prompts_start": start["n"], "evals": evals,
             "trajectories_trained": c.get("trained", 0), "trajectories_generated": c.get("generated", 0),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from typing import Callable
 
 FINAL_STEPS = 5            # learner steps whose reward is the run's final reward (one step is one noisy batch)
 NO_WORSE_FLOOR = 0.01      # the smallest drop in reward or success that counts as worse, whatever the noise
@@ -62,7 +63,21 @@ def _consumed(step: dict) -> int:
     return int(step.get("trained_total", 0)) + int(step.get("dropped_stale_total", 0))
 
 
-def eval_curve(evals: list[dict], steps: list[dict], t0: float) -> list[dict]:
+def run_clock(t0: float, resumes: list[float], ats: list[float]) -> Callable[[float], float]:
+    """Seconds a run had been running at wall time ``at``: since its first start ``t0``, less the time it lay
+    stopped before each resume (from the last thing it recorded before a resume, ``ats``, to the resume)."""
+    gaps = []
+    for back in sorted(resumes):
+        before = [a for a in ats if a < back]
+        gaps.append((back, back - max(before) if before else 0.0))
+    return lambda at: at - t0 - sum(g for back, g in gaps if at >= back)
+
+
+def _as_clock(t0: float | Callable[[float], float]) -> Callable[[float], float]:
+    return t0 if callable(t0) else (lambda at: at - t0)
+
+
+def eval_curve(evals: list[dict], steps: list[dict], t0: float | Callable[[float], float]) -> list[dict]:
     """Held-out success on a time axis and a trajectories axis, one point per evaluated version.
 
     A version is placed where the learner step that produced it was
@@ -70,8 +85,9 @@ def eval_curve(evals: list[dict], steps: list[dict], t0: float) -> list[dict]:
     had reached that success then, whenever the evaluation finished. Version 0
     is the start (0 s, 0 trajectories). A version no step line produced is left
     out; of two evaluations of one version (a periodic and the final) the first
-    is kept.
+    is kept. ``t0``: the run's start, or its clock (``run_clock``).
     """
+    clock = _as_clock(t0)
     by_version = sorted(steps, key=lambda s: s.get("policy_version", 0))
     points, seen = [], set()
     for e in sorted(evals, key=lambda e: e["version"]):
@@ -84,7 +100,7 @@ def eval_curve(evals: list[dict], steps: list[dict], t0: float) -> list[dict]:
             made = next((s for s in by_version if s.get("policy_version", 0) >= v and "at" in s), None)
             if made is None:
                 continue
-            t, n = made["at"] - t0, _consumed(made)
+            t, n = clock(made["at"]), _consumed(made)
         seen.add(v)
         points.append({"version": v, "success": e["success_rate"], "t_s": round(t, 3), "trajectories": n})
     return points
@@ -96,8 +112,9 @@ def standing_steps(steps: list[dict]) -> list[dict]:
     return sorted({s["step"]: s for s in steps}.values(), key=lambda s: s["step"])
 
 
-def reward_curve(steps: list[dict], t0: float) -> list[dict]:
-    return [{"step": s["step"], "t_s": round(s["at"] - t0, 3), "trajectories": _consumed(s),
+def reward_curve(steps: list[dict], t0: float | Callable[[float], float]) -> list[dict]:
+    clock = _as_clock(t0)
+    return [{"step": s["step"], "t_s": round(clock(s["at"]), 3), "trajectories": _consumed(s),
              "reward": s.get("reward_mean")} for s in standing_steps(steps) if "at" in s]
 
 
@@ -135,6 +152,12 @@ def run_figures(summary: dict, steps: list[dict], samples: list[dict]) -> dict:
     # and nothing the run recorded may come before its t0
     ats = [s["at"] for s in steps + samples + (summary.get("evals") or []) if s.get("at")]
     t0 = min([x for x in (summary.get("started_at"), *ats) if x], default=0.0)
+    # a resumed run is timed as if it had run at once: the time it lay stopped is left out
+    resumes = summary.get("resumes") or ([summary["resumed_at"]] if summary.get("resumed_at") else [])
+    clock = run_clock(t0, resumes, ats)
+    wall = summary.get("wall_s")
+    if resumes and wall is not None:   # the last process's wall, after what the run had done before it
+        wall = round(clock(max(resumes)) + wall, 1)
     steps = standing_steps(steps)
     running = [s for s in samples if s.get("phase") == "running"] or samples
     busy = [_slot_busy(s) for s in training_window(samples)]
@@ -164,10 +187,10 @@ def run_figures(summary: dict, steps: list[dict], samples: list[dict]) -> dict:
         "reward_final": (sum(s.get("reward_mean", 0.0) * s.get("trajectories", 0) for s in last) / weights
                          if weights else _mean(s.get("reward_mean") for s in last)),
         "diversity": div,
-        "wall_s": summary.get("wall_s"), "trajectories": trained + dropped,
+        "wall_s": wall, "trajectories": trained + dropped,
         "trained": trained, "dropped_stale": dropped, "steps": summary.get("steps"),
-        "curve": eval_curve(summary.get("evals") or [], steps, t0),
-        "reward_curve": reward_curve(steps, t0),
+        "curve": eval_curve(summary.get("evals") or [], steps, clock),
+        "reward_curve": reward_curve(steps, clock),
     }
 
 
