@@ -91,21 +91,30 @@ class _Fold:
     recent: deque = field(default_factory=lambda: deque(maxlen=WAIT_WINDOW_STEPS))
     diversity: dict = field(default_factory=dict)
     has_tools: bool = False  # any step carried tool figures (the learner's tool_stats)
-    counters: dict[str, tuple[int, int]] = field(default_factory=dict)   # key -> (last read, added back)
+    totals: dict[str, int] = field(default_factory=dict)     # key -> the total last given
+    replayed: dict[str, int] = field(default_factory=dict)   # key -> trajectories of steps trained again
+    last_step: int = 0
 
     def total(self, key: str, value: int) -> int:
         """``value`` of a Redis counter as a total that never goes down within the run.
 
         A learner that restores its checkpoint sets ``trained`` and the drops back to the
-        checkpoint's (the steps after it are trained again); Prometheus would read the fall as
-        a reset to zero and count everything again. The fall is added back instead.
+        checkpoint's, and trains the steps after it again. Those steps' lines come twice
+        (``add``): their second trajectories are added to the counter, so the total counts
+        every training, as the staleness histogram does, whenever this server started. While
+        the counter has fallen and the replays have not caught up, the total holds (Prometheus
+        would read a fall as a reset to zero).
         """
-        last, added = self.counters.get(key, (value, 0))
-        added += max(0, last - value)
-        self.counters[key] = (value, added)
-        return value + added
+        out = max(self.totals.get(key, 0), value + self.replayed.get(key, 0))
+        self.totals[key] = out
+        return out
 
     def add(self, step: dict) -> None:
+        if step.get("step", 0) <= self.last_step:   # trained again after a restore
+            self.replayed["trained"] = self.replayed.get("trained", 0) + int(step.get("trajectories", 0) or 0)
+            self.replayed["dropped_stale"] = (self.replayed.get("dropped_stale", 0)
+                                              + int(step.get("dropped_stale", 0) or 0))
+        self.last_step = max(self.last_step, step.get("step", 0))
         for k, v in (step.get("staleness_hist") or {}).items():
             self.hist[int(k)] = self.hist.get(int(k), 0) + int(v)
             self.stale_sum += int(k) * int(v)

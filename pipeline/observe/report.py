@@ -80,6 +80,7 @@ class RunData:
 
 
 def load_run(run_dir: Path | str) -> RunData:
+    from pipeline.observe.compare import standing_steps
     from pipeline.observe.measures import read_jsonl
     from pipeline.observe.trace import read_log_records, unix_time
 
@@ -98,8 +99,10 @@ def load_run(run_dir: Path | str) -> RunData:
     logs = read_log_records(run_dir) if (run_dir / "logs").is_dir() else []
     for rec in logs:
         rec["_at"] = unix_time(rec.get("timestamp"))
+    # a step a restored learner trained again stands once, as its later record (its trajectories once in the
+    # staleness bars, as in the headline's trained count)
     data = RunData(run_dir, read("manifest.json"), read("summary.json"),
-                   [x for x in lines if x.get("kind") == "learner_step" and "at" in x],
+                   standing_steps([x for x in lines if x.get("kind") == "learner_step" and "at" in x]),
                    [x for x in lines if x.get("kind") == "sample" and "at" in x],
                    read_jsonl(run_dir / "events.jsonl"), [r for r in logs if r["_at"] is not None], notes=notes)
     times = ([data.manifest.get("created_at")] + [s["at"] for s in data.steps + data.samples] +

@@ -142,7 +142,7 @@ def _staleness_and_diversity(s: dict, sample: dict) -> list[str]:
 
 def _worker_table(workers: list[dict], res: dict, P) -> list[str]:
     """One row per worker, with CPU and memory from the sampler's newest sample (``res``, by worker id)."""
-    lines = ["", P(f"{'worker':<24} {'role':<8} {'state':<9} {'pid':>7} {'cpu%':>6} {'rss MB':>8} {'rate/s':>7}",
+    lines = ["", P(f"{'worker':<24} {'role':<8} {'state':<9} {'pid':>7} {'cpu%':>6} {'rss MiB':>8} {'rate/s':>7}",
                    "bold")]
     for w in workers:
         r = res.get(w["id"], {})
