@@ -57,7 +57,8 @@ def cmd_resume(args) -> int:
     from pipeline.experiment import INVOCATION, ExperimentError, resume
     from pipeline.run import RunFailed, resume_job
 
-    if (Path(args.run_dir) / INVOCATION).is_file():   # an experiment's or a baseline's directory
+    if any((Path(args.run_dir) / f).is_file() for f in (INVOCATION, "experiment.json", "baseline.json")):
+        # an experiment's or a baseline's directory (one without invocation.json is refused, saying why)
         try:
             return resume(args.run_dir)
         except ExperimentError as exc:

@@ -300,3 +300,11 @@ def test_the_eta_of_a_resumed_experiment_is_not_taken_from_a_resumed_runs_remain
     lines = [x for x in out.getvalue().splitlines() if x.startswith("[") and "1/2 runs" in x]
     assert lines, out.getvalue()
     assert not any("ETA 0m00s" in x for x in lines), lines
+
+
+def test_resume_of_an_experiment_from_before_resume_says_why_not(tmp_path, capsys):
+    """An experiment directory written before experiments could be resumed (experiment.json, no invocation.json):
+    `libra-ctl resume` says that, rather than "not a run directory (no manifest.json)"."""
+    (tmp_path / "experiment.json").write_text("{}")
+    assert main(["resume", str(tmp_path)]) == 2
+    assert "holds no invocation.json" in capsys.readouterr().err
