@@ -339,10 +339,13 @@ def _phases(r: "_Reader", phases: Any, where: str, steps: int) -> tuple[Phase, .
                                                     ("median", "p99", "max")),
                          tool_calls=_tools(r, t.get("tool_calls"), at)))
         prev = until
-    if prev != steps:
+    if prev < steps:
         raise WorkloadError(f"{r.source}: the last {tbl} has until_step = {prev} but [{where}] steps = "
-                            f"{steps}: set the last until_step to {steps}")
-    return tuple(out)
+                            f"{steps}: the phases must cover the run; set the last until_step to {steps}")
+    # a run shorter than its phases (steps lowered for a quick run) stops inside one: what starts after it never
+    # runs, and the phase it stops in ends with it
+    kept = [ph for ph, start in zip(out, [0] + [ph.until_step for ph in out]) if start < steps]
+    return tuple(kept[:-1]) + (dataclasses.replace(kept[-1], until_step=steps),)
 
 
 def _lognormal(r: "_Reader", v: Any, at: str, names: tuple[str, str, str | None]) -> LogNormal:

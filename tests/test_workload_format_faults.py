@@ -1,0 +1,68 @@
+"""The workload format (shared/bench/README.md, docs/workloads.md) as `libra-ctl bench policy` reads it: files in
+the format that were refused. Each test's comment says what happened before the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.sim import bench_allocator
+
+# A small one-job workload in the shared format: 16 GPUs, 1,024-trajectory batches, 12 steps.
+HEAD = """
+name = "review"
+
+[cluster]
+gpus = 16
+switch_cost_s = 40.0
+
+[rollout]
+concurrency = 64
+decode_tokens_per_s = 45.0
+prefill_tokens_per_s = 20000.0
+weight_sync_s = 3.0
+
+[reward]
+gpu = false
+seconds = 0.05
+cpu_workers = 32
+
+[learner]
+train_tokens_per_s = 6000.0
+scaling_exponent = 0.95
+weight_publish_s = 2.0
+
+[job]
+batch_size = 1024
+group_size = 8
+max_staleness = 4
+steps = {steps}
+seed = 0
+"""
+
+PHASE = """
+[[phase]]
+until_step = {until}
+prompt_tokens = {prompt}
+response_tokens = {{ median = {median}, p99 = {p99}, max = 16384 }}
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "w.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_a_last_phase_that_outlasts_the_run_is_accepted_and_counted_only_up_to_steps(tmp_path):
+    # The shared format says "a phase lasts until learner step until_step" and "steps = policy updates to
+    # run"; nothing requires the last until_step to equal steps. A drift-like file cut short to 8 steps
+    # (phases to 4, 8 and 12, as when a user lowers `steps` for a quick run) was refused before with
+    # "the last [[phase]] has until_step = 12 but [job] steps = 8" (pipeline/sim/workload.py _phases).
+    phases = [(4, 600, 1000, 6000), (8, 600, 2500, 12000), (12, 5000, 700, 4000)]
+    long = HEAD.format(steps=8) + "".join(PHASE.format(until=u, prompt=p, median=m, p99=q) for u, p, m, q in phases)
+    cut = HEAD.format(steps=8) + "".join(PHASE.format(until=u, prompt=p, median=m, p99=q)
+                                         for u, p, m, q in phases[:2])
+    out = bench_allocator.run_bench(_write(tmp_path, long, "long.toml"), modes=("ideal",))
+    ref = bench_allocator.run_bench(_write(tmp_path, cut, "cut.toml"), modes=("ideal",))
+    # the phase past the run's end never runs, so the bound is that of the first two phases
+    assert out["modes"]["ideal"]["trajectories_per_s"] == ref["modes"]["ideal"]["trajectories_per_s"]
