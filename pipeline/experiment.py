@@ -497,8 +497,9 @@ class Runner:
             del self.running[i]
             self.free.append(dev)
             self.outcomes[i] = o = Outcome(spec, proc.returncode, time.monotonic() - started)
-            if o.code == 0 and spec.resume_dir is None:   # a resumed run's time is only its remainder
-                self.progress.durations.append(o.wall_s)
+            if o.code == 0:
+                if spec.resume_dir is None:   # a resumed run's time is only its remainder, no run's length
+                    self.progress.durations.append(o.wall_s)
                 self.progress.say(f"finished {spec.tag} in {fmt_duration(o.wall_s)}")
             else:
                 self.progress.say(f"FAILED {spec.tag} (exit {o.code}); last lines of {spec.log}:\n"

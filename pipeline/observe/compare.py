@@ -66,10 +66,12 @@ def _consumed(step: dict) -> int:
 def run_clock(t0: float, resumes: list[float], ats: list[float]) -> Callable[[float], float]:
     """Seconds a run had been running at wall time ``at``: since its first start ``t0``, less the time it lay
     stopped before each resume (from the last thing it recorded before a resume, ``ats``, to the resume)."""
-    gaps = []
+    gaps, prev = [], [t0]
     for back in sorted(resumes):
-        before = [a for a in ats if a < back]
-        gaps.append((back, back - max(before) if before else 0.0))
+        # from the last thing recorded before it, or the resume before it (a process that recorded nothing)
+        last = max([a for a in (*ats, *prev) if a < back], default=back)
+        gaps.append((back, back - last))
+        prev.append(back)
     return lambda at: at - t0 - sum(g for back, g in gaps if at >= back)
 
 

@@ -94,14 +94,16 @@ class _Fold:
     totals: dict[str, int] = field(default_factory=dict)     # key -> the total last given
     replayed: dict[str, int] = field(default_factory=dict)   # key -> trajectories of steps trained again
     last_step: int = 0
+    by_step: dict[int, tuple[int, int]] = field(default_factory=dict)   # step -> (trained, dropped) last folded
 
     def total(self, key: str, value: int) -> int:
         """``value`` of a Redis counter as a total that never goes down within the run.
 
         A learner that restores its checkpoint sets ``trained`` and the drops back to the
         checkpoint's, and trains the steps after it again. Those steps' lines come twice
-        (``add``): their second trajectories are added to the counter, so the total counts
-        every training, as the staleness histogram does, whenever this server started. While
+        (``add``): the counts of their earlier training, which the restore took back, are added
+        to the counter, so the total counts every training, as the staleness histogram does,
+        whenever this server started. While
         the counter has fallen and the replays have not caught up, the total holds (Prometheus
         would read a fall as a reset to zero).
         """
@@ -110,11 +112,15 @@ class _Fold:
         return out
 
     def add(self, step: dict) -> None:
-        if step.get("step", 0) <= self.last_step:   # trained again after a restore
-            self.replayed["trained"] = self.replayed.get("trained", 0) + int(step.get("trajectories", 0) or 0)
-            self.replayed["dropped_stale"] = (self.replayed.get("dropped_stale", 0)
-                                              + int(step.get("dropped_stale", 0) or 0))
-        self.last_step = max(self.last_step, step.get("step", 0))
+        n = step.get("step", 0)
+        counts = (int(step.get("trajectories", 0) or 0), int(step.get("dropped_stale", 0) or 0))
+        if n <= self.last_step:   # trained again after a restore, which took the earlier training's counts back
+            # (this line's own where the earlier one was trimmed from the stream before we read it)
+            trained, dropped = self.by_step.get(n, counts)
+            self.replayed["trained"] = self.replayed.get("trained", 0) + trained
+            self.replayed["dropped_stale"] = self.replayed.get("dropped_stale", 0) + dropped
+        self.by_step[n] = counts
+        self.last_step = max(self.last_step, n)
         for k, v in (step.get("staleness_hist") or {}).items():
             self.hist[int(k)] = self.hist.get(int(k), 0) + int(v)
             self.stale_sum += int(k) * int(v)
