@@ -66,3 +66,19 @@ def test_a_last_phase_that_outlasts_the_run_is_accepted_and_counted_only_up_to_s
     ref = bench_allocator.run_bench(_write(tmp_path, cut, "cut.toml"), modes=("ideal",))
     # the phase past the run's end never runs, so the bound is that of the first two phases
     assert out["modes"]["ideal"]["trajectories_per_s"] == ref["modes"]["ideal"]["trajectories_per_s"]
+
+
+def test_a_length_given_as_a_number_says_it_must_be_a_table(tmp_path):
+    # Before: `response_tokens = 1000` was reported as "is missing", and `tool_calls = 1`'s message ended in a
+    # stray "}}".
+    import pytest
+
+    from pipeline.sim.workload import WorkloadError, load_workload
+
+    body = HEAD.format(steps=8) + PHASE.format(until=8, prompt=600, median=1000, p99=4000)
+    bad = body.replace("response_tokens = { median = 1000, p99 = 4000, max = 16384 }", "response_tokens = 1000")
+    with pytest.raises(WorkloadError, match=r"response_tokens must be a table, not 1000"):
+        load_workload(_write(tmp_path, bad, "a.toml"))
+    with pytest.raises(WorkloadError) as exc:
+        load_workload(_write(tmp_path, body + "tool_calls = 1\n", "b.toml"))
+    assert str(exc.value).endswith("latency_p99_s = ... }")

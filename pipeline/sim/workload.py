@@ -351,7 +351,8 @@ def _phases(r: "_Reader", phases: Any, where: str, steps: int) -> tuple[Phase, .
 def _lognormal(r: "_Reader", v: Any, at: str, names: tuple[str, str, str | None]) -> LogNormal:
     """A log-normal from the table ``v`` whose median, p99 and optional cut are named by ``names``."""
     if not isinstance(v, dict):
-        raise WorkloadError(f"{r.source}: {at} is missing: write {at.rsplit('.', 1)[-1]} = "
+        how = "is missing" if v is None else f"must be a table, not {v!r}"
+        raise WorkloadError(f"{r.source}: {at} {how}: write {at.rsplit('.', 1)[-1]} = "
                             f"{{ {names[0]} = ..., {names[1]} = ... }}")
     if names[2]:   # a table of its own (tool_calls checks its keys beside per_trajectory)
         r.no_unknown(v, set(names), at)
@@ -373,7 +374,7 @@ def _tools(r: "_Reader", t: Any, where: str) -> ToolCalls:
     at = f"{where}.tool_calls"
     if not isinstance(t, dict):
         raise WorkloadError(f"{r.source}: {at} must be a table {{ per_trajectory = ..., "
-                            "latency_median_s = ..., latency_p99_s = ... }}")
+                            "latency_median_s = ..., latency_p99_s = ... }")
     r.no_unknown(t, {"per_trajectory", "latency_median_s", "latency_p99_s"}, at)
     n = r.num(t, at, "per_trajectory", lo=0.0)
     if n == 0:
