@@ -528,7 +528,8 @@ def tail(path: Path, lines: int = 20) -> str:
 
 def leftover_processes(r: redis.Redis, job: str, seen: set) -> list[Victim]:
     """Processes of the run still alive: every worker of ``job`` an agent ever started (its log's ``spawned``
-    events, pid and start time), and every controller and agent in ``seen``. After the run's end: none."""
+    events, pid and start time), and every process in ``seen`` (controllers, agents, a real run's feeders).
+    After the run's end: none."""
     started = set(seen)
     for log in r.keys(agent_log("*")):
         for _id, f in r.xrange(log):
@@ -552,8 +553,14 @@ class Tally:
     redis_restarts: int = 0
     controllers: set = field(default_factory=set)   # every controller and agent process seen (Victims): a crash
     agents: set = field(default_factory=set)        # loop shows as many more processes than restarts
+    feeders: set = field(default_factory=set)       # the feeders seen (a real run starts its own, no agent logs it)
     performed: list = field(default_factory=list)   # one record per event done: planned and actual time, target
     missed: list = field(default_factory=list)      # events that could not be done, with the reason
+
+
+    def seen(self) -> set:
+        """Every process of the run the harness saw besides the workers agents logged."""
+        return self.controllers | self.agents | self.feeders
 
 
 class ChaosRun:
@@ -580,6 +587,7 @@ class ChaosRun:
         try:
             self.tally.controllers.update(self.backend.controllers(self.r))
             self.tally.agents.update(self.backend.agents(self.r))
+            self.tally.feeders.update(self.backend.workers(self.r, "feeder"))
         except (redis.ConnectionError, redis.TimeoutError):
             pass   # our own Redis restarting
         if time.monotonic() > self.deadline:
@@ -744,7 +752,7 @@ class ChaosRun:
         """The run's processes still alive ``wait_s`` after its end (a stopped process may take a moment)."""
         deadline = time.monotonic() + wait_s
         while True:
-            left = leftover_processes(self.r, self.backend.job, self.tally.controllers | self.tally.agents)
+            left = leftover_processes(self.r, self.backend.job, self.tally.seen())
             if not left or time.monotonic() > deadline:
                 return left
             time.sleep(0.5)
@@ -754,7 +762,7 @@ class ChaosRun:
         try:
             self.backend.stop()
             if self.r is not None:
-                for v in leftover_processes(self.r, self.backend.job, self.tally.controllers | self.tally.agents):
+                for v in leftover_processes(self.r, self.backend.job, self.tally.seen()):
                     kill(v)
         except redis.RedisError:
             pass
