@@ -79,6 +79,7 @@ class RunSpec:
     log: Path           # its output
     steps: int
     resume_dir: Path | None = None   # set when an experiment resumes: the run directory it continues
+
     @property
     def tag(self) -> str:
         return f"{self.group} seed {self.seed}"
