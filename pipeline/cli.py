@@ -423,6 +423,14 @@ def main(argv: list[str] | None = None) -> int:
         what = "refused the credentials of its URL" if refused else "unreachable"
         print(f"libra-ctl: Redis{where} {what}: {redact(str(exc))}", file=sys.stderr)
         return 1
+    except redis.ResponseError as exc:
+        if "DB index" not in str(exc):   # a server answering a command with an error is a bug to show whole
+            raise
+        # the URL's database (/N or ?db=N) is not one the server has: a managed or cluster Redis has db 0 only
+        where = f" at {redact(args.redis)}" if getattr(args, "redis", None) else ""
+        print(f"libra-ctl: Redis{where} refused the database of its URL: {exc}; use one it has (0 by default)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ a child process (``control.local``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import shutil
@@ -508,6 +509,20 @@ def format_summary(summary: dict, run_dir: Path) -> str:
     return f"\n{body}\n\nrun directory: {run_dir}\n"
 
 
+def absolute_paths(cfg: Config) -> Config:
+    """``cfg`` with the files it names as absolute paths, as the manifest records them: the workers of agents
+    started in another directory (a joined pool, a systemd unit's /opt/libra) read them from there."""
+    def whole(path: str) -> str:
+        return str(Path(path).resolve()) if path else path
+
+    return dataclasses.replace(
+        cfg,
+        job=dataclasses.replace(cfg.job, train_prompts=whole(cfg.job.train_prompts),
+                                eval_prompts=whole(cfg.job.eval_prompts)),
+        policy=dataclasses.replace(cfg.policy, path=whole(cfg.policy.path)),
+        reward=dataclasses.replace(cfg.reward, model=whole(cfg.reward.model)))
+
+
 def run_job(cfg: Config, argv: list[str], out=STDERR, resume_dir: Path | None = None,
             join_wait_s: float = 0.0) -> int:
     """The whole of ``libra-ctl run`` (and ``libra-ctl resume``); returns the exit code.
@@ -523,6 +538,8 @@ def run_job(cfg: Config, argv: list[str], out=STDERR, resume_dir: Path | None = 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     own_runs()   # every process started below this one ends with it, also after a SIGKILL of ours
     os.environ[ENV_OUTAGE] = str(cfg.redis.outage_s)   # for the controller and the agent
+    if not resume_dir:
+        cfg = absolute_paths(cfg)
     run_dir = None
     try:
         bad_lines = check_prompt_files(cfg, out)

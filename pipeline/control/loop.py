@@ -59,6 +59,7 @@ from pipeline.dataplane.keys import (AGENTS, CONTROLLER_EPOCH, CONTROLLER_LEASE,
 from pipeline.dataplane.keys import ROLES
 from pipeline.dataplane.redisconn import UNAVAILABLE, Outage
 from pipeline.dataplane.streams import redis_full
+from pipeline.dataplane.worker import record_alive
 
 # Redis 6.2 (the embedded server) truncates a BLPOP timeout to whole milliseconds and reads 0 as "block
 # forever": a wait with less than this left returns instead of hanging until the socket timeout (15 s)
@@ -432,6 +433,12 @@ class Controller:
         desired = {n: {k.decode(): json.loads(v) for k, v in self.r.hgetall(agent_desired(n)).items()}
                    for n in nodes}
         running = {n: {k.decode() for k in self.r.hkeys(agent_procs(n))} for n in nodes}
+        # the job's workers whose process heartbeats, by node: a dead agent's workers run on (their own sessions)
+        live_at = {}
+        for w, raw in self.r.hgetall(JobKeys(info.name).workers).items():
+            wrec = json.loads(raw)
+            if record_alive(wrec, time.time()) and wrec.get("state") != "drained":   # drained gives its id way
+                live_at[w.decode()] = wrec.get("node")
         for worker, rec in sorted(new.items()):
             spec = {"job": info.name, "worker": worker, "role": rec["role"], "slots": rec["slots"],
                     "run_dir": info.run_dir, "backend": info.backend}
@@ -439,8 +446,9 @@ class Controller:
             have = desired.get(rec["node"], {}).get(key)
             if have and have["state"] == STATE_RUN and all(have.get(f) == spec[f] for f in spec):
                 continue
-            if any(key in running[n] or desired[n].get(key, {}).get("state") == STATE_RUN
-                   for n in nodes if n != rec["node"]):
+            if (any(key in running[n] or desired[n].get(key, {}).get("state") == STATE_RUN
+                    for n in nodes if n != rec["node"])
+                    or live_at.get(worker, rec["node"]) != rec["node"]):   # e.g. the learner of an agent killed
                 # a worker moving to another node (the learner, whose id names no node) starts there once its
                 # process on the old one has exited: two processes of one consumer name would both claim its
                 # pending entries (a batch trained twice) and the same checkpoint directory

@@ -277,12 +277,26 @@ def _heartbeat(ctx: WorkerContext) -> None:
         last_done, last_t = ctx.done, now
         try:
             ctx.publish_state()
+            if not ctx.external and not ctx.stop_event.is_set() and _job_over(ctx):
+                # its agent drains it then; one that died (kill -9) leaves it running, holding its GPUs
+                ctx.log.info("job_over_stopping")
+                ctx.stop_event.set()   # as SIGTERM: the stage finishes the batch in hand
             if ctx.external and not ctx.drain_requested and ctx.r.sismember(ctx.keys.external_drain, ctx.worker_id):
                 ctx.log.info("drain_requested")
                 ctx.drain_requested = True
                 ctx.stop_event.set()   # as SIGTERM: the stage finishes the batch in hand
         except redis.RedisError as exc:
             ctx.log.warning("heartbeat_failed", error=str(exc))
+
+
+def _job_over(ctx: WorkerContext) -> bool:
+    """Whether the worker's run is over: its job ended (``done``, ``stopped``), or the job's state names another
+    run directory (a new run of the job name, which this process must not work for)."""
+    phase, run_dir = ctx.r.hmget(ctx.keys.state, ["phase", "run_dir"])
+    if phase in (b"done", b"stopped"):
+        return True
+    # by name: a run directory's name is its run id, the same seen from any working directory
+    return run_dir is not None and Path(run_dir.decode()).name != ctx.run_dir.resolve().name
 
 
 def finish_worker(ctx: WorkerContext) -> None:
