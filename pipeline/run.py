@@ -152,7 +152,6 @@ def check_prompt_files(cfg: Config, out=STDERR) -> list[dict]:
     """Report bad lines of the prompt files (they are skipped) and fail on an unusable file."""
     from workers.envs import EnvError, env_from_config
     from workers.feeder import load_prompts
-
     from workers.reward import judge_function
 
     try:

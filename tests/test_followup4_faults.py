@@ -15,7 +15,7 @@ import pytest
 
 from pipeline import experiment as ex
 from pipeline.control.allocation import AGENT_DEAD_S
-from pipeline.control.commands import pin_room
+from pipeline.control.commands import room_for
 from pipeline.dataplane.keys import AGENTS, JOBS, JobKeys
 from pipeline.dataplane.worker import EXTERNAL
 
@@ -58,7 +58,7 @@ def test_current_step_returns_at_a_long_line_still_being_written(tmp_path, monke
     assert step == 3, step
 
 
-# --- libra-ctl scale's note: pin_room ---------------------------------------------------------------------------
+# --- libra-ctl scale's note: room_for ---------------------------------------------------------------------------
 
 
 def _agent(r, node: str, n: int, heartbeat: float) -> None:
@@ -70,7 +70,7 @@ def test_pin_room_leaves_out_other_jobs_placements_on_dead_agents(r):
     """Agent a (2 slots) is dead (its heartbeat older than AGENT_DEAD_S) and its placement record still names
     job other's 2 workers there (the controller has not re-placed them yet, or is down); agent b (2 slots) is
     live and empty. Pinning job j to 2 slots fits: the controller counts only live agents' slots that other
-    jobs hold, and so does ``pin_room`` (room 2). Before, it subtracted the dead agent's placements too: room
+    jobs hold, and so does ``room_for`` (room 2). Before, it subtracted the dead agent's placements too: room
     0, and ``scale`` printed a false note."""
     now = time.time()
     _agent(r, "a", 2, now - AGENT_DEAD_S - 60)
@@ -81,7 +81,7 @@ def test_pin_room_leaves_out_other_jobs_placements_on_dead_agents(r):
     r.hset(JobKeys("other").placement, mapping={
         "rollout-a-0": json.dumps({"role": "rollout", "node": "a", "slots": [0]}),
         "learner-0": json.dumps({"role": "learner", "node": "a", "slots": [1]})})
-    need, room, held = pin_room(r, "j", {"rollout": 1, "reward": 1, "learner": 1})
+    need, room, held = room_for(r, "j", {"rollout": 1, "reward": 1, "learner": 1})[:3]
     assert need == 2
     assert room == 2, (need, room, held)
 
@@ -90,7 +90,7 @@ def test_pin_room_counts_only_external_workers_the_controller_counts(r):
     """Job j has one external rollout worker that was asked to drain (``JobKeys.external_drain``; still alive,
     finishing its batch): the controller no longer counts it (``external_counts``: ``counted`` only), so a pin
     of rollout=3 learner=1 needs 4 agent slots (loop.py ``_pin_slots``: ``agents_share(pinned, ext_n)``). One
-    live agent offers 3: the controller trims the pin, and ``pin_room`` says need 4 > room 3 (the note).
+    live agent offers 3: the controller trims the pin, and ``room_for`` says need 4 > room 3 (the note).
     Before, it subtracted every live external worker, draining ones too: need 3, room 3, no note."""
     now = time.time()
     _agent(r, "b", 3, now)
@@ -100,7 +100,7 @@ def test_pin_room_counts_only_external_workers_the_controller_counts(r):
         "role": "rollout", "state": "running", "node": "h", "pid": 1, "slots": [], "heartbeat": now,
         "managed": EXTERNAL}))
     r.sadd(JobKeys("j").external_drain, "rollout-h-ext0")
-    need, room, _held = pin_room(r, "j", {"rollout": 3, "reward": 1, "learner": 1})
+    need, room, _held = room_for(r, "j", {"rollout": 3, "reward": 1, "learner": 1})[:3]
     assert room == 3
     assert need == 4, need
 

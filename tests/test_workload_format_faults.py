@@ -7,37 +7,15 @@ from pathlib import Path
 
 from pipeline.sim import bench_allocator
 
-# A small one-job workload in the shared format: 16 GPUs, 1,024-trajectory batches, 12 steps.
-HEAD = """
-name = "review"
+try:  # pytest imports tests/ as a package when it has an __init__.py, else as a directory on sys.path
+    from tests.test_input_faults import TINY
+except ModuleNotFoundError:
+    from test_input_faults import TINY
 
-[cluster]
-gpus = 16
-switch_cost_s = 40.0
-
-[rollout]
-concurrency = 64
-decode_tokens_per_s = 45.0
-prefill_tokens_per_s = 20000.0
-weight_sync_s = 3.0
-
-[reward]
-gpu = false
-seconds = 0.05
-cpu_workers = 32
-
-[learner]
-train_tokens_per_s = 6000.0
-scaling_exponent = 0.95
-weight_publish_s = 2.0
-
-[job]
-batch_size = 1024
-group_size = 8
-max_staleness = 4
-steps = {steps}
-seed = 0
-"""
+# test_input_faults' workload without its phase, at 16 GPUs and 1,024-trajectory batches; steps to fill in
+HEAD = (TINY[:TINY.index("[[phase]]")].replace("gpus = 4\n", "gpus = 16\n")
+        .replace("batch_size = 64\n", "batch_size = 1024\n").replace("steps = 3\n", "steps = {steps}\n"))
+assert "gpus = 16" in HEAD and "batch_size = 1024" in HEAD and "{steps}" in HEAD
 
 PHASE = """
 [[phase]]

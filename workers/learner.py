@@ -387,9 +387,9 @@ class Learner:
             return d.updates
         batch.dropped_groups += 1
         batch.dropped_trajectories += len(group.trajectories)
-        batch.dropped_ids += _ids(group)
+        batch.dropped_ids += group.trajectory_ids()
         if not d.on_line:
-            batch.dropped_branch_ids += _ids(group)
+            batch.dropped_branch_ids += group.trajectory_ids()
         return None
 
     @property
@@ -398,8 +398,8 @@ class Learner:
 
     def already_judged(self, group: messages.Group, batch: Batch) -> bool:
         """Was this group (any of its trajectory ids) trained or dropped as stale, or judged in this batch?"""
-        in_batch = {tid for g in batch.groups for tid in _ids(g)} | set(batch.dropped_ids)
-        return any(tid in self.judged_ids or tid in in_batch for tid in _ids(group))
+        in_batch = {tid for g in batch.groups for tid in g.trajectory_ids()} | set(batch.dropped_ids)
+        return any(tid in self.judged_ids or tid in in_batch for tid in group.trajectory_ids())
 
     def read_waiting(self, count: int, block_ms: int | None, held: set[bytes]) -> list:
         """``read_entries``, waiting out an unreachable Redis (``redis.outage_s``); after an outage the
@@ -876,7 +876,7 @@ class Learner:
 
     def record(self, batch: Batch, metrics: dict) -> None:
         self.unacked += batch.entry_ids
-        trained = [tid for g in batch.groups for tid in _ids(g)]
+        trained = [tid for g in batch.groups for tid in g.trajectory_ids()]
         self.consumed += trained
         self.dropped += batch.dropped_ids
         self.dropped_branch += batch.dropped_branch_ids
@@ -955,11 +955,6 @@ class Learner:
 
 def _as_bytes(entry_id) -> bytes:
     return entry_id if isinstance(entry_id, bytes) else entry_id.encode()
-
-
-def _ids(group: messages.Group) -> list[str]:
-    """Trajectory ids of a group: (prompt_id, sample_idx), written prompt_id/sample_idx."""
-    return [f"{group.prompt_id}/{t.sample_idx}" for t in group.trajectories]
 
 
 def step_metrics(batch: Batch, rows, active, sums: StepSums, *, step: int, version: int, lr: float,

@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from collections import Counter
+from typing import NamedTuple
 
 import redis
 
@@ -94,51 +95,47 @@ def cmd_scale(args) -> int:
         return 2
     pinned = get_allocation(r, job)["pinned"]
     print(f"{job}: pinned " + " ".join(f"{k}={v}" for k, v in sorted(pinned.items())))
-    need, room, held = pin_room(r, job, pinned)
-    if need > room:
-        print(f"libra-ctl scale: note: these counts need {need} agent slots and the live agents offer {job} "
-              f"{room} ({room + held} in all, {held} held by other jobs): the controller fits the counts to the "
-              "slots there are (libra-ctl status shows what runs) until more agents join", file=sys.stderr)
-    learner, most = agents_learner(r, job, pinned), learner_room(r, job)
-    if learner > most:
-        print(f"libra-ctl scale: note: learner={learner} runs on one node (its ranks share one process group), and "
-              f"the live agent with the most room offers {job} {most} slot(s): the controller cuts the learner to "
-              f"{most} and gives the rest to rollout", file=sys.stderr)
+    room = room_for(r, job, pinned)
+    if room.need > room.room:
+        print(f"libra-ctl scale: note: these counts need {room.need} agent slots and the live agents offer {job} "
+              f"{room.room} ({room.room + room.held} in all, {room.held} held by other jobs): the controller fits "
+              "the counts to the slots there are (libra-ctl status shows what runs) until more agents join",
+              file=sys.stderr)
+    if room.learner > room.most:
+        print(f"libra-ctl scale: note: learner={room.learner} runs on one node (its ranks share one process group), "
+              f"and the live agent with the most room offers {job} {room.most} slot(s): the controller cuts the "
+              f"learner to {room.most} and gives the rest to rollout", file=sys.stderr)
     if args.wait:
         return _wait_for_counts(r, job, pinned, args.wait)
     return 0
 
 
-def pin_room(r: redis.Redis, job: str, pinned: dict) -> tuple[int, int, int]:
-    """(agent slots ``pinned`` needs, slots the live agents offer the job, slots other jobs hold on them).
+class Room(NamedTuple):
+    """What a pin asks of the live agents' slots, as the controller counts them."""
 
-    The job's external workers hold their own; reward holds slots only with
-    ``control.reward_on_slots``."""
+    need: int      # agent slots the pin needs (the job's external workers hold their own)
+    room: int      # slots the live agents offer the job
+    held: int      # slots other jobs hold on them
+    learner: int   # learner slots the agents run of the pin (none where an external learner is the job's)
+    most: int      # the most slots one live agent offers the job (the learner's are all on one node)
+
+
+def room_for(r: redis.Redis, job: str, pinned: dict) -> Room:
+    """``Room`` of ``pinned``; reward holds slots only with ``control.reward_on_slots``."""
     from pipeline.control.job import load_job
 
     info = load_job(r, job)
     on_slots = bool(info and info.control.reward_on_slots)
     # as the controller counts them: the external workers it counts, the slots of live agents
-    need = sum(counts_of(agents_share(pinned, external_counts(external_workers(r, job))), on_slots).values())
-    live = live_agents(r)
-    total = sum(len(rec["slots"]) for rec in live.values())
-    held = sum(len(rec["slots"]) for other in running_jobs(r) if other != job
-               for rec in read_placement(r, other).values() if rec.get("node") in live)
-    return need, max(total - held, 0), held
-
-
-def agents_learner(r: redis.Redis, job: str, pinned: dict) -> int:
-    """The learner slots the agents run of ``pinned`` (none where an external learner is the job's)."""
-    return agents_share(pinned, external_counts(external_workers(r, job))).get("learner", 0)
-
-
-def learner_room(r: redis.Redis, job: str) -> int:
-    """The most slots one live agent offers the job: its slots less those other jobs hold there (the
-    learner's slots are all on one node)."""
+    share = agents_share(pinned, external_counts(external_workers(r, job)))
     live = live_agents(r)
     held = Counter(rec.get("node") for other in running_jobs(r) if other != job
-                   for rec in read_placement(r, other).values() for _s in rec.get("slots", []))
-    return max((len(rec["slots"]) - held[node] for node, rec in live.items()), default=0)
+                   for rec in read_placement(r, other).values() if rec.get("node") in live
+                   for _s in rec.get("slots", []))
+    total = sum(len(rec["slots"]) for rec in live.values())
+    return Room(need=sum(counts_of(share, on_slots).values()), room=max(total - held.total(), 0),
+                held=held.total(), learner=share.get("learner", 0),
+                most=max((len(rec["slots"]) - held[node] for node, rec in live.items()), default=0))
 
 
 def _wait_for_counts(r: redis.Redis, job: str, want: dict, timeout_s: float) -> int:

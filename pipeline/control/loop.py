@@ -95,16 +95,6 @@ class JobView:
     metrics: allocator.Metrics | None = None   # auto mode only: what the allocator sees
 
 
-def _external_learner_draining(ext: dict[str, dict]) -> bool:
-    """Whether an external learner asked to drain still works under ``learner-0``, its batch in hand.
-
-    The agents' learner waits for it: a process started under that id now
-    would exit at once (``worker.register``), and its agent would count the
-    exit as a crash.
-    """
-    return any(rec["draining"] and rec["role"] == "learner" for rec in ext.values())
-
-
 def _pin_slots(view: JobView) -> int:
     """Agent slots a pinned job's pin asks for (its external workers hold their own)."""
     ctl = view.jc.info.control
@@ -304,11 +294,9 @@ class Controller:
         taken |= {(cur[w]["node"], s) for w in drained if w in cur for s in cur[w]["slots"]}
         cur = {w: rec for w, rec in cur.items() if w not in drained}
         target, event = self.decide(view, slots, pool, learner_room=max(room.values(), default=0))
-        share = agents_share(target, view.ext_n)
-        if _external_learner_draining(view.ext):
-            share["learner"] = 0
         # a drained worker on no slot (reward on CPU) is replaced under another id, or it would be placed again
-        new = place(share, cur, slot_map, taken, jc.info.control.reward_on_slots, avoid=set(drained))
+        new = place(agents_share(target, view.ext_n), cur, slot_map, taken, jc.info.control.reward_on_slots,
+                    avoid=set(drained))
         orders = self.act(jc, new, nodes) + self.drain_external(jc, view.ext, target)
         placements[name] = new
         self.commit(jc, view.alloc, cur, new, target, now, drained)
@@ -433,11 +421,12 @@ class Controller:
         desired = {n: {k.decode(): json.loads(v) for k, v in self.r.hgetall(agent_desired(n)).items()}
                    for n in nodes}
         running = {n: {k.decode() for k in self.r.hkeys(agent_procs(n))} for n in nodes}
-        # the job's workers whose process heartbeats, by node: a dead agent's workers run on (their own sessions)
-        live_at = {}
+        # the job's workers whose process heartbeats, by node: a dead agent's workers run on (their own sessions),
+        # and a pool learner asked to drain works under learner-0 until its batch is trained
+        live_at, wall = {}, time.time()
         for w, raw in self.r.hgetall(JobKeys(info.name).workers).items():
             wrec = json.loads(raw)
-            if record_alive(wrec, time.time()) and wrec.get("state") != "drained":   # drained gives its id way
+            if record_alive(wrec, wall) and wrec.get("state") != "drained":   # drained gives its id way
                 live_at[w.decode()] = wrec.get("node")
         for worker, rec in sorted(new.items()):
             spec = {"job": info.name, "worker": worker, "role": rec["role"], "slots": rec["slots"],
@@ -448,10 +437,12 @@ class Controller:
                 continue
             if (any(key in running[n] or desired[n].get(key, {}).get("state") == STATE_RUN
                     for n in nodes if n != rec["node"])
-                    or live_at.get(worker, rec["node"]) != rec["node"]):   # e.g. the learner of an agent killed
+                    or live_at.get(worker, rec["node"]) != rec["node"]):
                 # a worker moving to another node (the learner, whose id names no node) starts there once its
                 # process on the old one has exited: two processes of one consumer name would both claim its
-                # pending entries (a batch trained twice) and the same checkpoint directory
+                # pending entries (a batch trained twice) and the same checkpoint directory. A process started
+                # under an id a live process holds elsewhere would also exit at once (``worker.register``), and its
+                # agent would count that as a crash.
                 continue
             if self._send(jc, rec["node"], "ensure", spec, now):
                 orders.append({"action": "ensure", "node": rec["node"], "worker": worker, "role": rec["role"],

@@ -83,6 +83,11 @@ class Group:
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
 
+    def trajectory_ids(self) -> list[str]:
+        """Its samples' ids, (prompt_id, sample_idx) written prompt_id/sample_idx: the learner's checkpoints
+        record them so, and the audit reads them so."""
+        return [f"{self.prompt_id}/{t.sample_idx}" for t in self.trajectories]
+
     def with_rewards(self, rewards: list[float], scored_at: float) -> "Group":
         # Built field by field rather than with dataclasses.replace, which introspects the class
         # on every call: the reward stage does this for every trajectory it passes on.

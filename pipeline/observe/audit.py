@@ -95,8 +95,13 @@ def ids_of_payload(payload: bytes, group_size: int) -> list[str] | None:
     except messages.BadMessage:
         return None
     if isinstance(msg, messages.Group):
-        return [f"{msg.prompt_id}/{t.sample_idx}" for t in msg.trajectories]
-    return [f"{msg.prompt_id}/{i}" for i in range(group_size)]
+        return msg.trajectory_ids()
+    return prompt_ids(msg.prompt_id, group_size)
+
+
+def prompt_ids(prompt_id: str, group_size: int) -> list[str]:
+    """The trajectory ids a prompt's group will have (``messages.Group.trajectory_ids``)."""
+    return [f"{prompt_id}/{i}" for i in range(group_size)]
 
 
 @dataclass
@@ -134,7 +139,7 @@ def dead_letter_tally(r: redis.Redis, keys: JobKeys, group_size: int) -> tuple[T
         if b"ids" in f:
             tally.ids.update(json.loads(f[b"ids"]))
         elif b"prompt" in f:
-            tally.ids.update(f"{f[b'prompt'].decode()}/{i}" for i in range(group_size))
+            tally.ids.update(prompt_ids(f[b"prompt"].decode(), group_size))
         else:
             malformed += _undecodable(f)
             tally.unnamed += int(f.get(b"trajectories", 0)) or (0 if _undecodable(f) else group_size)
@@ -507,7 +512,7 @@ def dlq_purge(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
         rec = {k: v for k, v in f.items() if k != b"payload"}
         rec[b"dead_letter"] = entry_id
         if isinstance(msg, messages.Group):
-            rec[b"ids"] = json.dumps([f"{msg.prompt_id}/{t.sample_idx}" for t in msg.trajectories])
+            rec[b"ids"] = json.dumps(msg.trajectory_ids())
         elif msg is not None:
             rec[b"prompt"] = msg.prompt_id
         pipe = r.pipeline(transaction=True)

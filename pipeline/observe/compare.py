@@ -217,8 +217,9 @@ def with_target(figures: dict, target: float) -> dict:
     """The run's figures with its time and trajectories to ``target`` held-out success."""
     curve = figures.get("curve") or []
     t = time_to_target(curve, target, "t_s")
-    # a run that never reached the target took at least its whole time: a lower bound on its time (a resumed
-    # run's wall_s is its last process's, its curve on the run's clock from the first start)
+    # a run that never reached the target took at least its whole time: a lower bound on its time (its curve's
+    # last point where that is later: a resumed run recorded before resumes were counted has its last process's
+    # wall_s)
     spent = max([x for x in (figures.get("wall_s"), *(p.get("t_s") for p in curve)) if x is not None], default=None)
     return {**figures, "time_to_target_s": t, "trajectories_to_target": time_to_target(curve, target, "trajectories"),
             "time_to_target_bound_s": t if t is not None else spent}

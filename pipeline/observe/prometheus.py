@@ -103,9 +103,8 @@ class _Fold:
         checkpoint's, and trains the steps after it again. Those steps' lines come twice
         (``add``): the counts of their earlier training, which the restore took back, are added
         to the counter, so the total counts every training, as the staleness histogram does,
-        whenever this server started. While
-        the counter has fallen and the replays have not caught up, the total holds (Prometheus
-        would read a fall as a reset to zero).
+        whenever this server started. While the counter has fallen and the replays have not
+        caught up, the total holds (Prometheus would read a fall as a reset to zero).
         """
         out = max(self.totals.get(key, 0), value + self.replayed.get(key, 0))
         self.totals[key] = out

@@ -311,7 +311,7 @@ def check_offsets(r: redis.Redis, keys: JobKeys, run_dir: Path, max_bytes: int) 
             g = messages.decode(f.get(messages.FIELD, b""), max_bytes)
         except messages.BadMessage:
             continue  # dead-lettered by the learner when it reads it; never trained
-        ids = {f"{g.prompt_id}/{t.sample_idx}" for t in getattr(g, "trajectories", ())}
+        ids = set(g.trajectory_ids()) if isinstance(g, messages.Group) else set()
         if ids & trained:
             both.append(_as_bytes(entry_id).decode())
     figures = {"unacknowledged": len(entries), "pending": len(pending), "trained_but_unacknowledged": len(both)}

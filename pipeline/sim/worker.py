@@ -270,7 +270,7 @@ class _Batch:
 
 def _ids(groups: list) -> list[str]:
     """Trajectory ids, ``prompt_id/sample_idx``, as the real learner's checkpoints record them."""
-    return [f"{g.prompt_id}/{t.sample_idx}" for g in groups for t in g.trajectories]
+    return [tid for g in groups for tid in g.trajectory_ids()]
 
 
 class SimLearner:
