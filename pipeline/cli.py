@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pipeline import argtypes, config as config_mod
 from pipeline.dataplane.keys import BadName, check_path
-from pipeline.dataplane.redisconn import ENV_URL, connect, find_redis_url
+from pipeline.dataplane.redisconn import ENV_URL, connect, find_redis_url, refusal
 from pipeline.redaction import redact, redact_tree, write_private
 
 SHARED_REDIS_DIR = "runs/redis"   # where ``libra-ctl redis`` keeps the embedded server of a Procfile
@@ -165,10 +165,10 @@ def wait_for_redis(explicit: str | None, data_dir: str | Path, timeout_s: float,
             try:
                 if connect(url, socket_connect_timeout=2, socket_timeout=2).ping():
                     return url
-            except (redis.AuthenticationError, redis.exceptions.AuthorizationError):
-                raise   # it is up and refuses the URL's credentials: waiting changes nothing
-            except redis.RedisError:
-                pass    # not up yet (the Procfile's redis line starts beside us)
+            except redis.RedisError as exc:
+                if refusal(exc):
+                    raise   # it is up and refuses the URL's credentials or certificates: waiting changes nothing
+                # else not up yet (the Procfile's redis line starts beside us)
         if not said and timeout_s > 0:
             waiting(url)
             said = True
@@ -416,12 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     except config_mod.BadInput as exc:   # the message names the command
         print(exc, file=sys.stderr)
         return 2
-    except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as exc:
+    except RedisUnavailable as exc:   # the message says which
+        print(f"libra-ctl: {redact(str(exc))}", file=sys.stderr)
+        return 1
+    except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.NoPermissionError) as exc:
         where = f" at {redact(args.redis)}" if getattr(args, "redis", None) else ""
-        # up, but refusing the URL's credentials (redis-py's authentication errors are connection errors)
-        refused = isinstance(exc, (redis.AuthenticationError, redis.exceptions.AuthorizationError))
-        what = "refused the credentials of its URL" if refused else "unreachable"
-        print(f"libra-ctl: Redis{where} {what}: {redact(str(exc))}", file=sys.stderr)
+        # up, but refusing the URL's credentials, its user's permissions or its certificates; else unreachable
+        print(f"libra-ctl: Redis{where} {refusal(exc) or 'unreachable'}: {redact(str(exc))}", file=sys.stderr)
         return 1
     except redis.ResponseError as exc:
         if "DB index" not in str(exc):   # a server answering a command with an error is a bug to show whole

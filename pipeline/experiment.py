@@ -46,7 +46,7 @@ from pathlib import Path
 from pipeline import cgroup
 from pipeline import config as config_mod
 from pipeline.config import Config, check_path
-from pipeline.dataplane.lifeline import spawn
+from pipeline.dataplane.lifeline import raise_interrupt, spawn
 from pipeline.dataplane.redisconn import resolve_url
 from pipeline.observe import compare
 from pipeline.observe.measures import read_jsonl, write_json
@@ -459,7 +459,7 @@ class Runner:
         """(outcomes in plan order, interrupted); a spec never started has ``code`` None."""
         # Ctrl-C, and SIGTERM as Ctrl-C, even when we were started with SIGINT ignored (a background job of a
         # script): a signal we catch is reset to its default in the runs we start, so they can be stopped too.
-        previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         interrupted = False
         try:
             while self.pending or self.running:
@@ -514,10 +514,6 @@ class Runner:
             self.outcomes[i] = Outcome(spec, code, time.monotonic() - started)
             self.progress.say(f"stopped {spec.tag} (exit {code}); its run directory stays")
         self.running.clear()
-
-
-def _raise_interrupt(signum, _frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 # --- resuming -----------------------------------------------------------------------------------------------

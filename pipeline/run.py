@@ -53,9 +53,9 @@ from pipeline.observe.measures import success_text, write_json
 from pipeline.observe.metrics import start_sampler
 from pipeline.observe.report import write_report
 from pipeline.observe.tracking import start_tracker
-from pipeline.dataplane.lifeline import own_runs, spawn
+from pipeline.dataplane.lifeline import own_runs, raise_interrupt, spawn
 from pipeline.dataplane.redisconn import (ENV_OUTAGE, ENV_URL, UNAVAILABLE, EmbeddedRedis, Outage, RedisUnavailable,
-                                         connect, resolve_url)
+                                         connect, refusal, resolve_url)
 from pipeline.dataplane.jobs import JobRunning, live_owner, release_claim, reset_job
 from pipeline.dataplane.streams import ensure_groups
 from pipeline.redaction import is_redacted, redact, write_private
@@ -531,7 +531,7 @@ def run_job(cfg: Config, argv: list[str], out=STDERR, resume_dir: Path | None = 
     """
     # honcho and systemd stop us with SIGTERM: take it as Ctrl-C, so the controller, the agent,
     # the workers and the embedded Redis are stopped in order instead of being orphaned.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, raise_interrupt)
     # and Ctrl-C even when started with SIGINT ignored, as a shell starts a script's background job
     # (`libra-ctl run ... &`): Python then leaves it ignored, and the run could only be killed
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -551,6 +551,9 @@ def run_job(cfg: Config, argv: list[str], out=STDERR, resume_dir: Path | None = 
         _forget_unstarted(run_dir, resume_dir)
         print(f"libra-ctl run: {exc}", file=out)
         return 2
+    except RedisUnavailable as exc:   # the configured Redis refuses us (_refused): nothing started
+        print(f"run failed: {exc}", file=out)
+        return 1
     except KeyboardInterrupt:   # nothing started yet
         _forget_unstarted(run_dir, resume_dir)
         print("\ninterrupted before the run started", file=out)
@@ -582,7 +585,7 @@ def run_job(cfg: Config, argv: list[str], out=STDERR, resume_dir: Path | None = 
         return 1
     except UNAVAILABLE as exc:   # a redis.url that does not answer (checked once already, before the policy)
         _forget_unstarted(run_dir, resume_dir)
-        print(f"\nrun failed: Redis unreachable: {redact(str(exc))}", file=out)
+        print(f"\nrun failed: Redis {refusal(exc) or 'unreachable'}: {redact(str(exc))}", file=out)
         return 1
     except KeyboardInterrupt:
         print(f"\ninterrupted; stopping workers. resume with: libra-ctl resume {run_dir}", file=out)
@@ -610,7 +613,10 @@ def _refused(cfg: Config, out, r: redis.Redis | None = None) -> bool:
     except AdmissionError as exc:
         print(f"libra-ctl run: job {cfg.job.name!r} refused: {exc}", file=out)
         return True
-    except redis.RedisError:
+    except redis.RedisError as exc:
+        why = refusal(exc)
+        if why:   # up, and refusing this run's credentials, permissions or certificates: said before minutes of work
+            raise RedisUnavailable(f"Redis {why}: {redact(str(exc))}") from None
         return False
     return False
 
@@ -706,10 +712,6 @@ def _stop(orch: Orchestrator | None, embedded: EmbeddedRedis | None) -> None:
             pass
     if embedded:
         embedded.stop()
-
-
-def _raise_interrupt(signum, _frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def check_resumable(r: redis.Redis, keys: JobKeys, run_dir: Path) -> None:

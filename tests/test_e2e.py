@@ -179,6 +179,16 @@ def test_e2e_embedded_redis(tmp_path):
     assert "redis: embedded server" in out
     # The embedded server is gone with the run; its AOF stays in the run directory.
     assert (run_dir / "redis" / "appendonly.aof").exists()
+    # and `libra-ctl audit --run` serves it again for the audit (before, "no Redis to talk to"), from a
+    # directory with no runs/ of its own, so that no other run's Redis is found first
+    env = {k: v for k, v in os.environ.items() if k != ENV_URL}
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "audit", "--job", "e2e", "--run", str(run_dir),
+                           "--json"], cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    a = json.loads(done.stdout)
+    assert a["ok"] and a["trained"] == 40 * 256 and a["duplicates_trained"] == 0, a
+    assert "serving its data" in done.stderr
 
 
 @pytest.mark.slow

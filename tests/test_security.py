@@ -248,9 +248,10 @@ def tls_redis(tmp_path):
         pytest.skip("no redis-server 7 on this machine")
     tls = tmp_path / "tls"
     tls.mkdir()
-    ca = trustme.CA()
+    ca, other = trustme.CA(), trustme.CA()
     server, client = ca.issue_cert("127.0.0.1", "localhost"), ca.issue_cert("libra-client.example")
     ca.cert_pem.write_to_path(str(tls / "ca.pem"))
+    other.cert_pem.write_to_path(str(tls / "other-ca.pem"))   # a CA that did not sign the server's certificate
     server.private_key_pem.write_to_path(str(tls / "server.key"))
     server.cert_chain_pems[0].write_to_path(str(tls / "server.pem"))
     client.private_key_pem.write_to_path(str(tls / "client.key"))
@@ -261,13 +262,13 @@ def tls_redis(tmp_path):
         "port 0", f"tls-port {port}", "bind 127.0.0.1", f"dir {tls}", "save \"\"", "appendonly no",
         f"tls-cert-file {tls / 'server.pem'}", f"tls-key-file {tls / 'server.key'}",
         f"tls-ca-cert-file {tls / 'ca.pem'}", "tls-auth-clients yes",
-        "user default off", f"user libra on >{PASSWORD} ~* &* +@all -@admin",
+        "user default off", f"user libra on >{PASSWORD} ~* &* +@all -@admin",   # the README's ACL
+        f"user noscript on >{PASSWORD} ~* &* +@all -@admin -@scripting",      # no EVAL
+        f"user ro on >{PASSWORD} ~* &* +@read +@connection",                  # read-only
     ]) + "\n")
     os.chmod(conf, 0o600)
     proc = subprocess.Popen([binary, str(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    query = (f"ssl_ca_certs={tls / 'ca.pem'}&ssl_certfile={tls / 'client.pem'}&ssl_keyfile={tls / 'client.key'}"
-             "&ssl_cert_reqs=required")
-    url = f"rediss://libra:{quote(PASSWORD, safe='')}@127.0.0.1:{port}/0?{query}"
+    url = tls_url(port, tls)
     try:
         wait_for(lambda: proc.poll() is not None or _answers(url), 30, "the TLS Redis")
         if proc.poll() is not None:
@@ -279,6 +280,14 @@ def tls_redis(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def tls_url(port: int, tls: Path, user: str = "libra", password: str = PASSWORD, ca: str = "ca.pem") -> str:
+    """The URL of ``tls_redis`` for ``user`` (none: no credentials), with the client certificate and ``ca``."""
+    query = (f"ssl_ca_certs={tls / ca}&ssl_certfile={tls / 'client.pem'}&ssl_keyfile={tls / 'client.key'}"
+             "&ssl_cert_reqs=required")
+    cred = f"{user}:{quote(password, safe='')}@" if user else ""
+    return f"rediss://{cred}127.0.0.1:{port}/0?{query}"
 
 
 def _answers(url: str) -> bool:

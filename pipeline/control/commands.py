@@ -101,7 +101,7 @@ def cmd_scale(args) -> int:
               f"{room.room} ({room.room + room.held} in all, {room.held} held by other jobs): the controller fits "
               "the counts to the slots there are (libra-ctl status shows what runs) until more agents join",
               file=sys.stderr)
-    if room.learner > room.most:
+    if 0 < room.most < room.learner:   # with no room at all, the note above says it
         print(f"libra-ctl scale: note: learner={room.learner} runs on one node (its ranks share one process group), "
               f"and the live agent with the most room offers {job} {room.most} slot(s): the controller cuts the "
               f"learner to {room.most} and gives the rest to rollout", file=sys.stderr)

@@ -52,7 +52,7 @@ from pipeline.control.events import new_event_id, record_event
 from pipeline.control.job import JobInfo, load_job, plan_config, role_bounds
 from pipeline.control.lease import Lease
 from pipeline.control.observer import Observer
-from pipeline.control.placement import agents_share, external_floor, fit, place
+from pipeline.control.placement import agents_share, external_floor, fit, learner_to_one_node, place
 from pipeline.dataplane.cadence import read_cadence, write_cadence
 from pipeline.dataplane.keys import (AGENTS, CONTROLLER_EPOCH, CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, LEARNER,
                                      JobKeys, agent_desired, agent_procs)
@@ -388,7 +388,8 @@ class Controller:
             asked = {**base, **alloc["pinned"]}
             # an external learner is the job's one learner process: the pin's other roles fit beside it
             held = {"learner": ext["learner"]} if ext.get("learner") else {}
-            target = fit({**asked, **held}, slots, view.bounds, ctl.reward_on_slots, learner_room)
+            wanted = {**asked, **held} if held else learner_to_one_node(asked, learner_room, view.bounds)
+            target = fit(wanted, slots, view.bounds, ctl.reward_on_slots, learner_room)
             # counts the slots cannot hold are cut (fit): the event says what was asked
             reason = "pinned" if target == asked else "pinned_trimmed"
             event = {"kind": "pinned", "mode": "pinned", "reason": reason, "from": alloc["target"], "to": target,
@@ -396,9 +397,8 @@ class Controller:
         else:
             d = pool.decisions[info.name]
             planned = {**base, **{r: d.allocation.get(r) for r in ROLES if r != "reward" or ctl.reward_on_slots}}
-            over = planned["learner"] - max(learner_room or 0, 1) if learner_room is not None else 0
-            if over > 0 and not ext.get("learner"):   # the allocator counts slots, not nodes
-                planned["rollout"] = min(planned["rollout"] + over, view.bounds["rollout"].max)
+            if not ext.get("learner"):   # the allocator counts slots, not nodes
+                planned = learner_to_one_node(planned, learner_room, view.bounds)
             target = fit({r: max(n, ext.get(r, 0)) for r, n in planned.items()}, slots, view.bounds,
                          ctl.reward_on_slots, learner_room)
             reason = d.reason

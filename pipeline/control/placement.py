@@ -146,6 +146,17 @@ def external_floor(bounds: dict[str, RoleBounds], external: dict[str, int]) -> d
     return out
 
 
+def learner_to_one_node(counts: dict[str, int], learner_room: int | None,
+                        bounds: dict[str, RoleBounds]) -> dict[str, int]:
+    """``counts`` with the learner cut to ``learner_room`` (the most slots one node has for the job: the
+    learner is one process on one node) and the slots it cannot use given to rollout, up to rollout's max."""
+    over = counts["learner"] - max(learner_room or 0, 1) if learner_room is not None else 0
+    if over <= 0:
+        return counts
+    return {**counts, "learner": counts["learner"] - over,
+            "rollout": min(counts["rollout"] + over, max(bounds["rollout"].max, counts["rollout"]))}
+
+
 def fit(target: dict[str, int], slots: int, bounds: dict[str, RoleBounds],
         reward_on_slots: bool, learner_room: int | None = None) -> dict[str, int]:
     """Trim a target that needs more slots than there are: the role most above its minimum gives first.

@@ -64,6 +64,11 @@ POLL_S = 0.5
 ORPHAN_EXIT_S = 20.0
 
 
+def raise_interrupt(signum, _frame):
+    """A signal handler: SIGTERM (a supervisor's stop) ends a command as Ctrl-C does, through its cleanup."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def set_pdeathsig() -> None:
     """SIGTERM to this process when its parent (thread) dies; Linux only, elsewhere nothing."""
     if sys.platform.startswith("linux"):

@@ -24,10 +24,13 @@ its owner (``PR_SET_PDEATHSIG`` on Linux, and a watchdog on every platform).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import time
@@ -128,7 +131,8 @@ def connect(url: str, **kwargs) -> redis.Redis:
     kwargs.setdefault("socket_timeout", SOCKET_TIMEOUT_S)
     kwargs.setdefault("health_check_interval", HEALTH_CHECK_S)
     kwargs.setdefault("retry", Retry(ExponentialBackoff(cap=1.0, base=0.1), RETRIES,
-                                     supported_errors=(redis.ConnectionError,)))
+                                     supported_errors=(redis.ConnectionError,),
+                                     is_retryable=lambda exc: refusal(exc) is None))
     if not url.startswith("unix://"):
         kwargs.setdefault("socket_keepalive", True)
     try:
@@ -150,8 +154,27 @@ def outage_limit_s() -> float:
 UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 
+def refusal(exc: BaseException) -> str | None:
+    """Why a Redis that answers will not serve this client, or None: the URL's credentials, its user's
+    permissions (ACL), or the TLS handshake (certificates). No wait and no retry mends these, so nothing waits
+    them out as an outage. (redis-py raises the first and the last as connection errors.)"""
+    if isinstance(exc, (redis.AuthenticationError, redis.exceptions.AuthorizationError)):
+        return "refused the credentials of its URL"
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return ("refused a command to the URL's user: its ACL lacks a permission Libra needs "
+                "(README, Securing Redis: +@all -@admin)")
+    cause, seen = exc, 0
+    while cause is not None and seen < 5:
+        # a certificate refused on either side; not an EOF or reset mid-handshake, as a restarting server gives
+        if isinstance(cause, ssl.SSLCertVerificationError) or (
+                type(cause) is ssl.SSLError and any(w in str(cause).upper() for w in ("CERTIFICATE", "UNKNOWN_CA"))):
+            return "failed the TLS handshake (check ssl_ca_certs, ssl_certfile and ssl_keyfile in the URL)"
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return None
+
+
 class RedisUnavailable(RuntimeError):
-    """Redis stayed unreachable for longer than the outage limit."""
+    """Redis stayed unreachable for longer than the outage limit, or refused this client (``refusal``)."""
 
 
 class Outage:
@@ -175,6 +198,9 @@ class Outage:
     def wait(self, exc: Exception) -> None:
         if self.stop():
             raise exc
+        why = refusal(exc)
+        if why:   # up, and refusing us: waiting changes nothing
+            raise RedisUnavailable(f"Redis {why}: {redact(str(exc))}") from exc
         now = time.monotonic()
         if self.since is None:
             self.since = now
@@ -373,3 +399,39 @@ def find_redis_url(explicit: str | None) -> str:
         return url
     raise SystemExit(f"no Redis to talk to: pass --redis URL or set {ENV_URL} "
                      "(or start a job with libra-ctl run in this directory)")
+
+
+@contextlib.contextmanager
+def redis_of_run(explicit: str | None, run_dir: str | None):
+    """A client of the Redis that holds ``run_dir``'s job: --redis or $LIBRA_REDIS_URL when given, else the
+    one the run recorded (``redis.url``). A finished run's embedded server went with its run: it is started
+    again on the run's data (``RUN_DIR/redis``, AOF) for the command's length, then stopped."""
+    if explicit or os.environ.get(ENV_URL) or not run_dir:
+        yield connect(find_redis_url(explicit))
+        return
+    run = Path(run_dir)
+    recorded = run / "redis.url"
+    if not recorded.is_file():
+        raise SystemExit(f"{run} records no Redis (no redis.url): pass --redis URL or set {ENV_URL}")
+    url = recorded.read_text().strip()
+    if is_redacted(url):
+        raise SystemExit(f"{run} uses {redact(url)}, whose password is not stored: pass --redis URL or set {ENV_URL}")
+    data = run / "redis"
+    if not url.startswith("unix://") or _answers(urlsplit(url).path) or not (data / "redis.conf").is_file():
+        yield connect(url)   # a live server, an external one (an error names it when it is down), or none left
+        return
+    try:
+        maxmemory = json.loads((run / "manifest.json").read_text())["config"]["redis"]["maxmemory"]
+    except (OSError, ValueError, KeyError, TypeError):
+        maxmemory = "2gb"
+    server = EmbeddedRedis(data, maxmemory=maxmemory)
+    try:
+        server.start()
+    except RuntimeError as exc:
+        raise SystemExit(f"the run's embedded Redis ({data}) could not be started: {exc}") from None
+    print(f"redis: the run's embedded server had stopped; serving its data ({data}) for this command",
+          file=sys.stderr, flush=True)
+    try:
+        yield connect(server.url)
+    finally:
+        server.stop()

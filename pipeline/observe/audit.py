@@ -50,7 +50,11 @@ STEP_FALLBACK_S = 60.0  # a learner step's length when none has been measured ye
 
 def job_run_dir(r: redis.Redis, keys: JobKeys, run_dir: str | None) -> Path:
     """The run directory to audit (``run_dir``, else the one Redis records); SystemExit when it cannot be read."""
-    path = run_dir or (r.hget(keys.state, "run_dir") or b"").decode()
+    recorded = (r.hget(keys.state, "run_dir") or b"").decode()
+    if run_dir and recorded and Path(recorded).name != Path(run_dir).name:   # a copied or moved run keeps its name
+        raise SystemExit(f"job {keys.job!r} in this Redis belongs to run {recorded}, not {run_dir}: pass the "
+                         "Redis of that run (--redis URL), or leave --redis out to use the one it recorded")
+    path = run_dir or recorded
     if not path:
         raise SystemExit(f"job {keys.job!r} has no run directory in this Redis; pass --run RUN_DIR")
     if not (Path(path) / "manifest.json").is_file():
@@ -542,9 +546,11 @@ def _known(r: redis.Redis, job: str) -> None:
 
 
 def cmd_audit(args) -> int:
-    r = _client(args)
-    _known(r, args.job)
-    a = audit(r, args.job, args.run)
+    from pipeline.dataplane.redisconn import redis_of_run
+
+    with redis_of_run(args.redis, args.run) as r:
+        _known(r, args.job)
+        a = audit(r, args.job, args.run)
     print(json.dumps(a, indent=2) if args.json else format_audit(a))
     return 0 if a["ok"] else 1
 
@@ -599,7 +605,8 @@ class _IdsAnywhere(argparse.ArgumentParser):
 def add_commands(sub) -> None:
     a = sub.add_parser("audit", help="account for every trajectory of a job; exit 1 when invariants fail")
     a.add_argument("--job", required=True)
-    a.add_argument("--run", help="run directory (default: the job's, as recorded in Redis)")
+    a.add_argument("--run", help="run directory (default: the job's, as recorded in Redis); without --redis, its "
+                                 "own Redis (a finished run's embedded one is served again from its data)")
     a.add_argument("--json", action="store_true")
     a.add_argument("--redis")
     a.set_defaults(func=cmd_audit)

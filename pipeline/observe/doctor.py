@@ -211,7 +211,7 @@ def _connect(url: str | None, run_dir: Path | None):
     """The Redis to read: ``url``, else the run's (``--run``), else the usual search; None when none answers."""
     import redis
 
-    from pipeline.dataplane.redisconn import BadRedisUrl, connect, find_redis_url
+    from pipeline.dataplane.redisconn import BadRedisUrl, connect, find_redis_url, refusal
     from pipeline.redaction import is_redacted
 
     if url is None and run_dir is not None and (run_dir / "redis.url").exists():
@@ -222,7 +222,9 @@ def _connect(url: str | None, run_dir: Path | None):
         # a host gone silent answers with a timeout, not a refusal: the run directory is read instead
         r = connect(url or find_redis_url(None), socket_connect_timeout=2, socket_timeout=5)
         r.ping()
-    except (redis.ConnectionError, redis.TimeoutError, BadRedisUrl, FileNotFoundError, SystemExit):
+    except (redis.ConnectionError, redis.TimeoutError, BadRedisUrl, FileNotFoundError, SystemExit) as exc:
+        if isinstance(exc, redis.ConnectionError) and refusal(exc):
+            raise   # up, and refusing the URL's credentials or certificates: said, not read around
         return None
     return r
 

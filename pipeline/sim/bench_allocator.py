@@ -24,6 +24,7 @@ from typing import Callable
 
 from pipeline import argtypes
 from pipeline.control.allocator import AdmissionError
+from pipeline.dataplane.lifeline import raise_interrupt
 from pipeline.sim import bench_pool, bench_sweep, des, fluid
 from pipeline.sim.result import ModeResult
 from pipeline.sim.sync import simulate_sync
@@ -370,10 +371,6 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=cmd_bench_policy)
 
 
-def _interrupt(signum, _frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def cmd_bench_policy(args) -> int:
     """The subcommand: 0 done, 2 bad input (workload, modes, engine, missing matplotlib)."""
     def err(line: str) -> None:
@@ -387,7 +384,7 @@ def cmd_bench_policy(args) -> int:
     if args.engine == "live":
         # a SIGTERM (timeout, CI cancel, systemd) unwinds like Ctrl-C, so the live engine stops the control
         # plane, its workers and the embedded Redis, which run in sessions of their own
-        signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGTERM, raise_interrupt)
     t0 = time.perf_counter()
     try:
         result = run_bench(args.workload, args.modes or MODES, args.engine, args.seed,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import socket
 import sys
 import time
@@ -27,6 +28,7 @@ from pipeline.control.commands import parse_counts
 from pipeline.control.job import control_settings
 from pipeline.dataplane.jobs import reset_job
 from pipeline.dataplane.keys import JOBS, JobKeys
+from pipeline.dataplane.lifeline import raise_interrupt
 from pipeline.dataplane.redisconn import connect, find_redis_url
 from pipeline.dataplane.streams import ensure_groups
 from pipeline.sim.workload import Workload, load_workload
@@ -135,12 +137,13 @@ def run_sim_job(url: str, workload: str | Path, *, runs_dir: str = "runs", job: 
             print(f"  step {int(r.hget(keys.policy, 'step') or 0):>5}  trained {trained:>7}  "
                   f"{rate:7.2f} traj/s (virtual)  " + " ".join(f"{k}={v}" for k, v in sorted(roles.items())),
                   file=out, flush=True)
-    finally:
-        r.hset(keys.state, "phase", "done")
+    finally:   # done once trained; an interrupt or a failure leaves the job stopped (the agents stop its workers)
+        r.hset(keys.state, "phase", "done" if r.hget(keys.state, "phase") == b"trained" else "stopped")
     return run_dir
 
 
 def cmd_sim_job(args) -> int:
+    signal.signal(signal.SIGTERM, raise_interrupt)   # a supervisor's stop ends the job as Ctrl-C does
     try:
         pinned = parse_counts(args.counts) if args.counts else None
         control = json.loads(args.control) if args.control else None
@@ -153,8 +156,8 @@ def cmd_sim_job(args) -> int:
     except SimJobEnded as exc:
         print(exc, file=sys.stderr)
         return 1
-    except KeyboardInterrupt:   # the job is marked done on the way out (run_sim_job's finally)
-        print(f"\nsim-job: interrupted; job {args.job!r} marked done", file=sys.stderr)
+    except KeyboardInterrupt:   # the job is marked stopped on the way out (run_sim_job's finally)
+        print(f"\nsim-job: interrupted; job {args.job!r} stopped", file=sys.stderr)
         return 130
     print(f"done: {run_dir} (libra-ctl events --job {args.job}; libra-ctl audit --job {args.job})")
     return 0
