@@ -20,7 +20,7 @@ CONFIG = {"rollout": {"workers": 2, "group_size": 8, "max_turns": 4, "max_tokens
 
 
 def window(n: int = 30, dt: float = 10.0, *, wait=lambda i: 0.08 + 0.04 * (i % 3),
-           learner_backlog=lambda i: 2 + (i % 3), reward_backlog=lambda i: 1 + (i % 2),
+           learner_backlog=lambda i: 2 + (i % 3), reward_backlog=lambda i: i % 2,
            gpu=lambda i: 88 + (i % 4), dlq=lambda i: 0, trained=64, dropped=lambda i: 0,
            tool=(120, 0), distinct=0.85, equal=0.3, t0: float = 1.7e9) -> list[dict]:
     """Samples in the sampler's schema; the defaults describe a healthy, balanced run."""
@@ -29,7 +29,7 @@ def window(n: int = 30, dt: float = 10.0, *, wait=lambda i: 0.08 + 0.04 * (i % 3
         out.append({
             "kind": "sample", "schema": 1, "at": t0 + i * dt, "job": "obs", "dt_s": dt,
             "counters": {"trained": trained * i, "dropped_stale": sum(dropped(k) for k in range(i + 1)),
-                         "generated": 70 * i},
+                         "generated": 70 * (i + 1)},
             "throughput": {"trajectories_per_min": 6.6 * 60, "learner_samples_per_s": 6.4},
             "resources": {"node": {"host": "n1"}, "by_role": {}, "workers": {},
                           "gpus": [{"index": 0, "util_percent": float(gpu(i))},
@@ -151,7 +151,7 @@ def test_learner_steps_alone_are_a_window():
 
 def test_too_little_data_is_no_data_not_an_alarm():
     d = diagnose(window(n=2, wait=lambda i: 0.9), [])
-    assert d.healthy
+    assert not d.findings and not d.judged and not d.healthy   # no verdict: neither an alarm nor "balanced"
     assert {c.name: c.status for c in d.checks}["learner wait and backlog"] == "no data"
 
 

@@ -165,8 +165,10 @@ def format_diagnosis(d: Diagnosis, inp: Inputs, window_s: float) -> str:
     out = [f"libra-ctl doctor: job {inp.job}  ({inp.source}, last {window_s:.0f} s: {d.window['samples']} samples, "
            f"{d.window['learner_steps']} learner steps, {d.window['log_lines']} log lines)"]
     p = d.primary
-    out.append(f"\nbottleneck: {p.bottleneck} - {p.symptom}" if p else "\nno bottleneck found: the pipeline "
-               "looks balanced in this window")
+    balance = next((c.detail for c in d.checks if c.name == "learner wait and backlog"), "")
+    out.append(f"\nbottleneck: {p.bottleneck} - {p.symptom}" if p else
+               "\nno bottleneck found: the pipeline looks balanced in this window" if d.judged else
+               f"\nnothing to judge yet: {balance}")
     out.append("\nchecked, in the field guide's order:")
     for i, c in enumerate(d.checks, 1):
         mark = {"ok": "ok     ", "problem": "PROBLEM", "no data": "no data"}[c.status]
@@ -183,12 +185,14 @@ def format_diagnosis(d: Diagnosis, inp: Inputs, window_s: float) -> str:
 
 def format_overview(results: list[tuple[Inputs, Diagnosis]]) -> str:
     """One line naming each job's bottleneck, above the per-job sections when several jobs were diagnosed."""
-    named = [f"{inp.job}: {d.primary.bottleneck if d.primary else 'balanced'}" for inp, d in results]
+    named = [f"{inp.job}: {d.primary.bottleneck if d.primary else 'balanced' if d.judged else 'nothing to judge'}"
+             for inp, d in results]
     return f"libra-ctl doctor: {len(results)} jobs ({'; '.join(named)})"
 
 
 def cmd_doctor(args) -> int:
-    """Diagnose the named job, else every running job (one section each); exit 1 if any has a finding."""
+    """Diagnose the named job, else every running job (one section each); exit 1 if any has a finding, else 2
+    if any window held too little to judge."""
     window = args.window
     inputs = _inputs(args, window)
     if inputs is None:
@@ -204,7 +208,9 @@ def cmd_doctor(args) -> int:
     else:
         sections = [format_diagnosis(d, inp, window) for inp, d in results]
         print("\n\n".join(([format_overview(results)] if len(results) > 1 else []) + sections))
-    return 0 if healthy else 1
+    if healthy:
+        return 0
+    return 1 if any(d.findings for _inp, d in results) else 2
 
 
 def _connect(url: str | None, run_dir: Path | None):

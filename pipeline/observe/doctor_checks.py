@@ -27,6 +27,9 @@ OOM_PATTERNS = re.compile(
 REDIS_FULL = re.compile(r"OOM command not allowed|redis_full_waiting")  # backpressure, not a process OOM
 TOOL_TIMEOUT_EVENTS = ("tool_timeout", "tool_timed_out")
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
+# what an engine's processes put before each line of their output: vLLM's "[rank0]: ", "(EngineCore_0 pid=12) "
+OUTPUT_PREFIX = re.compile(r"^(?:\[rank\d+\]:\s?|\([\w.-]+ pid=\d+\)\s?)")
+AGENT_CRASH = re.compile(r"^(\S+Z)?\s*\S*\s*\S*\s*worker_crashed\b.*?\bkey=(\S+)")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,10 @@ class Thresholds:
     backlog_min_rise: float = 4.0  # entries (groups) a backlog must grow by over the window
     backlog_rising_share: float = 0.6  # share of sample-to-sample moves that must be upward
     queue_full_share: float = 0.9  # backlog at this share of streams.max_queue_size: always full
+    busy_high: float = 0.9  # a stage's slots busy this share of the window: it is the one working flat out
+    busy_low: float = 0.6  # ... while the other's are busy at most this share: held back, not short
+    waiting_share: float = 0.8  # share of samples with work at a stage: work waits there
+    tool_slow_share: float = 0.5  # tool latency p95 at this share of rollout.tool_timeout_s: tools are slow
     stale_share: float = 0.10  # dropped as stale over trained + dropped
     stale_critical: float = 0.30
     tool_timeout_share: float = 0.05
@@ -78,8 +85,14 @@ class Diagnosis:
     window: dict = field(default_factory=dict)
 
     @property
+    def judged(self) -> bool:
+        """Whether the window held enough to judge the pipeline's balance (else no verdict, not a healthy one)."""
+        return any(c.name == "learner wait and backlog" and c.status != "no data" for c in self.checks) \
+            or bool(self.findings)
+
+    @property
     def healthy(self) -> bool:
-        return not self.findings
+        return not self.findings and self.judged
 
     @property
     def primary(self) -> Finding | None:
@@ -91,7 +104,7 @@ class Diagnosis:
 
     def to_dict(self) -> dict:
         p = self.primary
-        return {"healthy": self.healthy, "bottleneck": p.bottleneck if p else None,
+        return {"healthy": self.healthy, "judged": self.judged, "bottleneck": p.bottleneck if p else None,
                 "primary": asdict(p) if p else None, "findings": [asdict(f) for f in self.findings],
                 "checks": [asdict(c) for c in self.checks], "window": self.window}
 
@@ -134,6 +147,18 @@ def _n(count: int, noun: str) -> str:
 
 def _cfg(config: dict | None, section: str, key: str, default=None):
     return get_in(config, section, key, default=default)
+
+
+def _iso_time(text: str | None) -> float | None:
+    """Unix seconds of a log line's leading UTC time (``2026-12-07T15:05:13.2Z``), None when there is none."""
+    if not text:
+        return None
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def _log_text(line) -> tuple[str, str]:
@@ -223,13 +248,18 @@ class LogChecks(_Checks):
             "group size, batch size, trajectory length"), "")
 
     def crashes(self) -> None:
-        """Workers whose raw output ends in a Python traceback (out-of-memory ones are the check above)."""
+        """Workers whose raw output ends in a Python traceback (out-of-memory ones are the check above), and
+        workers their agent restarted after a crash more than once in the window (a crash loop: between two
+        starts, the latest start's output holds no traceback yet)."""
         by_src: dict[str, list[str]] = {}
         for line in self.logs:
             if isinstance(line, str):
                 src, _sep, text = line.partition(": ")
-                by_src.setdefault(src, []).append(text)
-        crashed = {}
+                by_src.setdefault(src, []).append(OUTPUT_PREFIX.sub("", text))
+        crashed, restarts, down = {}, self._restarts(by_src.get("agent", [])), set()
+        for worker, n in restarts.items():
+            crashed[worker] = (f"crashed and was restarted by its agent {_n(n, 'time')} in the window (agent.out: "
+                               f"worker_crashed); logs/{worker}.out holds each start's output")
         for src, lines in by_src.items():
             if not any(x.startswith("Traceback (most recent call last)") for x in lines):
                 continue
@@ -239,15 +269,35 @@ class LogChecks(_Checks):
             i = exc[-1]
             detail = " ".join([lines[i]] + [x.strip() for x in lines[i + 1:i + 3] if x.startswith(" ")])
             if not OOM_PATTERNS.search(detail):
-                crashed[src] = detail
+                crashed[src] = detail + (f" ({crashed[src]})" if src in crashed else "")
+                down.add(src)
         if not crashed:
             return self.check("logs", "worker crashes", None, f"no tracebacks in {len(by_src)} workers' output")
-        first = sorted(crashed)[0]
+        first = sorted(crashed, key=lambda w: (w not in down, -restarts[w], w))[0]
+        looping = bool(down) or max(restarts.values(), default=0) >= 2   # else one crash, and running again
         self.check("logs", "worker crashes", Finding(
-            "worker_crashed", "logs", "critical", f"{_n(len(crashed), 'worker')} crashed: {', '.join(sorted(crashed))}",
+            "worker_crashed", "logs", "critical" if looping else "warning",
+            f"{_n(len(crashed), 'worker')} crashed: {', '.join(sorted(crashed))}",
             first.split("-")[0], [f"{src}: {msg[:300]}" for src, msg in sorted(crashed.items())],
-            f"A stage is down, so its queue figures only echo the crash: fix the error shown (logs/{first}.out has "
-            "the traceback; often the config or the environment), then run again.", "logs"), "")
+            (f"A stage is down, so its queue figures only echo the crash: fix the error shown (logs/{first}.out has "
+             "the traceback; often the config or the environment), then run again." if looping else
+             f"A worker crashed once and runs again: logs/{first}.out has each start's output."), "logs"), "")
+
+    def _restarts(self, agent_lines: list[str]) -> Counter:
+        """Worker -> the crashes its agent logged (``worker_crashed key=JOB/WORKER``) since the window's first
+        sample, for this run's job."""
+        since = min((s["at"] for s in self.samples if "at" in s), default=None)
+        job = _cfg(self.config, "job", "name")
+        out: Counter = Counter()
+        for line in agent_lines:
+            m = AGENT_CRASH.match(line)
+            if not m:
+                continue
+            owner, _sep, worker = m.group(2).partition("/")
+            at = _iso_time(m.group(1))
+            if worker and (job is None or owner == job) and (since is None or at is None or at >= since):
+                out[worker] += 1
+        return out
 
     def redis_full(self) -> None:
         hits = [src for src, text in map(_log_text, self.logs) if REDIS_FULL.search(text)]
@@ -292,7 +342,8 @@ class InputChecks(_Checks):
                 "workers add load to it). Raise rollout.tool_timeout_s only if the calls are legitimately long.",
                 "tool service concurrency and latency"), "")
         else:
-            self.check("inputs", "tool calls", None, f"{outs} of {calls} tool calls timed out")
+            self.check("inputs", "tool calls", None, f"{outs} of {calls} tool calls timed out" + (
+                f"; latency p95 up to {max(lat):.2f} s" + (f" (timeout {limit:g} s)" if limit else "") if lat else ""))
 
     def dead_letters(self) -> None:
         grew = _delta(self.samples, "queues", "dead_letters")
@@ -368,24 +419,74 @@ class BalanceChecks(_Checks):
     """4. the balance of the pipeline: which stage is short, and what goes stale while it is."""
 
     def run(self) -> None:
+        # before the first trajectory the learner "waits" for engines still loading: nothing to judge yet
+        counted = [s for s in self.samples if get_in(s, "counters", "generated") is not None]
+        if counted and not any(get_in(s, "counters", "generated") for s in counted) and not self.steps:
+            states = Counter(st for s in counted for st, n in (get_in(s, "workers", "rollout") or {}).items() if n)
+            self.d.checks.append(Check("balance", "learner wait and backlog", "no data",
+                                       f"nothing generated yet in {_n(len(counted), 'sample')}: the job is starting "
+                                       f"(rollout workers {', '.join(sorted(states)) or 'none'})"))
+            return self.d.checks.append(Check("balance", "stale drops", "no data", "nothing trained in the window"))
+        self.samples = [s for s in self.samples if get_in(s, "counters", "generated") != 0]
         self.balance()
         self.stale()
 
     def balance(self) -> None:
-        """Who is short: a waiting learner names rollout (or reward, or a stall); a rising backlog the learner."""
+        """Who is short: a waiting learner names rollout (or reward, or a stall); work waiting at the
+        learner, or a learner busy while rollout is held back, names the learner."""
         wait, wait_src = self._learner_wait()
         rising = {stage: self._rising(stage) for stage in ("reward", "learner")}
         if wait is not None and wait > self.th.learner_wait:
-            self._learner_starves(wait, wait_src, rising["reward"])
+            self._learner_starves(wait, wait_src, rising["reward"] or self._reward_holds_up())
             found = True
         else:
             found = self._backlogs_rise(wait, wait_src, rising)
-        n = len(self.samples)
-        detail = (f"learner waited {wait:.0%} {wait_src}; backlogs steady" if wait is not None
+        n, read = len(self.samples), len(self._backlog("learner")[1])
+        backlogs = "backlogs steady" if read >= self.th.min_samples else "no backlog figures"
+        detail = (f"learner waited {wait:.0%} {wait_src}; {backlogs}" if wait is not None
                   else f"{n} samples, {len(self.steps)} learner steps: too few to judge the balance")
         self.d.checks.append(Check("balance", "learner wait and backlog", "problem" if found else
                                    ("ok" if wait is not None or n >= self.th.min_samples else "no data"),
                                    "see findings" if found else detail))
+
+    def _busy(self, role: str) -> float | None:
+        """The mean share of the window ``role``'s slots (or workers, for reward beside the slots) were busy."""
+        xs = [v for v in (get_in(s, "resources", "slot_busy", "by_role", role, "frac") for s in self.samples)
+              if v is not None]
+        return _mean(xs) if len(xs) >= self.th.min_samples else None
+
+    def _waiting_at(self, stage: str) -> float | None:
+        """Share of samples with entries unread at ``stage`` (lag: not yet read by any of its workers)."""
+        lags = [v for v in (get_in(s, "queues", "stages", stage, "lag") for s in self.samples) if v is not None]
+        return sum(1 for v in lags if v > 0) / len(lags) if len(lags) >= self.th.min_samples else None
+
+    def _reward_holds_up(self) -> tuple[float, str] | None:
+        """While the learner waits: groups at reward (held while scored, or unread) in most samples, that is
+        reward working all the time. A reward queue held at the feeder's bound does not rise, so a rising queue
+        alone misses it. (The busy share of the cost reports is evidence only: a call is reported when it ends,
+        capped at the sample's length, so samples shorter than a reward call under-read it.)"""
+        _ts, ys = self._backlog("reward")
+        if len(ys) < self.th.min_samples:
+            return None
+        held, busy, unread = sum(1 for y in ys if y > 0) / len(ys), self._busy("reward"), self._waiting_at("reward")
+        if held < self.th.waiting_share:
+            return None
+        return held, (f"groups were at reward in {held:.0%} of samples (mean {_mean(ys):.1f})"
+                      + (f", some unread in {unread:.0%}" if unread is not None else "")
+                      + (f", reward workers busy {busy:.0%} of the window" if busy is not None else ""))
+
+    def _learner_flat_out(self) -> str | None:
+        """The learner's slots busy while rollout's are held back: the learner sets the pace."""
+        learner, rollout = self._busy("learner"), self._busy("rollout")
+        if learner is None or rollout is None or learner < self.th.busy_high or rollout > self.th.busy_low:
+            return None
+        return f"learner slots busy {learner:.0%} of the window, rollout slots {rollout:.0%} (held back)"
+
+    def _tool_latency(self) -> tuple[float, float | None] | None:
+        """The highest tool-call latency p95 of the window, and rollout.tool_timeout_s."""
+        lat = [v for v in (get_in(s, "queues", "tool_latency_p95_s") for s in self.samples) if v is not None] or \
+              [s["tool_latency_p95_s"] for s in self.steps if s.get("tool_latency_p95_s") is not None]
+        return (max(lat), _cfg(self.config, "rollout", "tool_timeout_s")) if lat else None
 
     def _learner_wait(self) -> tuple[float | None, str]:
         """The learner's share of time spent waiting, and over what: the sampler's ratio, else its steps' times."""
@@ -404,7 +505,10 @@ class BalanceChecks(_Checks):
         paused = self._rollout_paused()
         if paused is not None:
             ev.append(f"every rollout worker was paused (state waiting) in {paused:.0%} of samples")
-            ev.append(f"learner queue mean {self._mean_backlog('learner'):.1f} entries (lag + pending)")
+            held = _mean([get_in(s, "queues", "stages", "learner", "backlog") for s in self.samples
+                          if get_in(s, "queues", "stages", "learner", "backlog") is not None])
+            if held is not None:
+                ev.append(f"learner queue mean {held:.1f} entries (lag + pending)")
             self.add(Finding("rollout_paused", "balance", "critical", "the learner waits while rollout is "
                              "paused by backpressure: the pipeline is stalled", "queue bound", ev,
                              "The backlog that pauses rollout is not reaching the learner. Check what counts "
@@ -419,21 +523,42 @@ class BalanceChecks(_Checks):
                              "Add reward workers (reward.workers) or make the verifier cheaper; long "
                              "trajectories make reward a bottleneck.", "reward queue length"))
         else:
-            ev.append(f"learner queue mean {self._mean_backlog('learner'):.1f} entries")
+            queued = self._mean_backlog("learner")
+            if queued is not None:
+                ev.append(f"learner queue mean {queued:.1f} unread entries")
+            tools, slow = self._tool_latency(), False
+            if tools:
+                p95, limit = tools
+                slow = bool(limit) and p95 >= self.th.tool_slow_share * limit
+                ev.append(f"tool latency p95 {p95:.2f} s" + (f" against rollout.tool_timeout_s {limit:g} s" if limit
+                                                              else ""))
+            now = self._allocated("rollout")
             self.add(Finding("rollout_short", "balance", "critical", "rollout is short: the learner waits "
-                             "for data", "rollout", ev,
-                             "Give rollout more: raise the rollout:learner ratio (rollout.workers"
-                             f"={_cfg(self.config, 'rollout', 'workers', '?')} now, or {self.scale} "
+                             "for data", "tool service" if slow else "rollout", ev,
+                             ("Check the tool service first: its calls take most of their timeout, and more "
+                              "rollout workers add load to it. Then give rollout more" if slow else
+                              "Give rollout more") +
+                             f": raise the rollout:learner ratio ({now}, or {self.scale} "
                              "rollout=N), or check tool latency and trajectory length first." + self.pin_hint(),
-                             "rollout/learner GPU ratio"))
+                             "tool service concurrency and latency" if slow else "rollout/learner GPU ratio"))
+
+    def _allocated(self, role: str) -> str:
+        """How many ``role`` workers the job ran in the last sample (its allocation), else the config's count."""
+        for s in reversed(self.samples):
+            n = get_in(s, "allocation", role)
+            if n is not None:
+                return f"{n} {role} workers now"
+        return f"{role}.workers={_cfg(self.config, role, 'workers', '?')} now"
+
 
     def _backlogs_rise(self, wait: float | None, wait_src: str, rising: dict) -> bool:
-        """The learner keeps up: a rising or always-full learner queue, or a rising reward queue, names who is short."""
-        full = self._always_full()
+        """The learner keeps up: a rising or always-full learner queue, or its slots busy while rollout's are
+        held back, names the learner; a rising reward queue names reward."""
+        full, flat_out = self._always_full(), self._learner_flat_out()
         found = False
-        if rising["learner"] or full:
+        if rising["learner"] or full or flat_out:
             found = True
-            ev = [x for x in (rising["learner"][1] if rising["learner"] else None, full) if x]
+            ev = [x for x in (rising["learner"][1] if rising["learner"] else None, full, flat_out) if x]
             ev += self._rates()
             if wait is not None:
                 ev.append(f"learner waited only {wait:.0%} of its time {wait_src}")
@@ -452,16 +577,19 @@ class BalanceChecks(_Checks):
         return found
 
     def _backlog(self, stage: str) -> tuple[list[float], list[float]]:
+        """(times, entries waiting at ``stage``). The learner's are those it has not read: it holds what it
+        read pending until its checkpoint, a batch per step, which is no pile-up."""
         ts, ys = [], []
         for s in self.samples:
-            b = get_in(s, "queues", "stages", stage, "backlog")
+            st = get_in(s, "queues", "stages", stage) or {}
+            b = st.get("lag") if stage == "learner" and st.get("lag") is not None else st.get("backlog")
             if b is not None:
                 ts.append(float(s["at"]))
                 ys.append(float(b))
         return ts, ys
 
-    def _mean_backlog(self, stage: str) -> float:
-        return _mean(self._backlog(stage)[1]) or 0.0
+    def _mean_backlog(self, stage: str) -> float | None:
+        return _mean(self._backlog(stage)[1])
 
     def _rising(self, stage: str) -> tuple[float, str] | None:
         ts, ys = self._backlog(stage)
@@ -489,7 +617,11 @@ class BalanceChecks(_Checks):
         cap, g = _cfg(self.config, "streams", "max_queue_size"), _cfg(self.config, "rollout", "group_size")
         if not cap or not g or len(self.samples) < self.th.min_samples:
             return None
-        totals = [sum(get_in(s, "queues", "stages", st, "backlog", default=0) for st in ("reward", "learner")) * g
+        # work waiting: at reward, and unread at the learner (what it holds until its checkpoint is not waiting)
+        totals = [(get_in(s, "queues", "stages", "reward", "backlog", default=0)
+                   + (get_in(s, "queues", "stages", "learner", "lag")
+                      if get_in(s, "queues", "stages", "learner", "lag") is not None
+                      else get_in(s, "queues", "stages", "learner", "backlog", default=0))) * g
                   for s in self.samples]
         share = sum(1 for t in totals if t >= self.th.queue_full_share * cap) / len(totals)
         if share >= 0.8:
