@@ -35,13 +35,21 @@ def doctor(*args) -> tuple[int, str]:
     return p.returncode, p.stdout + p.stderr
 
 
-def _run_live(r, redis_url, tmp_path, name, rollouts=2, **sections):
-    run_dir = sim_job(r, redis_url, tmp_path, name=name, time_scale=20.0, job=JOB, phase=PHASE, **sections)
+def _diagnose_live(r, redis_url, tmp_path, name, steps, **sections) -> tuple[int, dict]:
+    """A sim job of 2 rollout workers, one reward worker and a learner; `doctor --json` once it has trained
+    ``steps`` steps (its exit code and document)."""
+    run_dir = sim_job(r, redis_url, tmp_path, name=name, time_scale=20.0, job=JOB, phase=PHASE, rollout=FAST_ROLLOUT,
+                      **sections)
     procs = [start("feeder", run_dir, "feeder-0", redis_url)]
-    procs += [start("rollout", run_dir, f"rollout-n-{i}", redis_url) for i in range(rollouts)]
+    procs += [start("rollout", run_dir, f"rollout-n-{i}", redis_url) for i in range(2)]
     procs += [start("reward", run_dir, "reward-n-c0", redis_url),
               start("learner", run_dir, "learner-0", redis_url, slots="5")]
-    return run_dir, procs
+    try:
+        wait_for(lambda: int(r.hget(JobKeys(name).policy, "step") or 0) >= steps, 90, f"{steps} learner steps")
+        code, out = doctor("--redis", redis_url, "--job", name, "--json", "--sample-s", "8")
+    finally:
+        stop_all(procs)
+    return code, json.loads(out)
 
 
 def test_learner_bound_run_is_not_called_balanced(r, redis_url, tmp_path):
@@ -52,16 +60,10 @@ def test_learner_bound_run_is_not_called_balanced(r, redis_url, tmp_path):
     max_queue_size": before, doctor said the pipeline was balanced while the learner
     was busy 100% and the rollout slots ~4%.
     """
-    run_dir, procs = _run_live(r, redis_url, tmp_path, "lbound", rollout=FAST_ROLLOUT,
+    code, doc = _diagnose_live(r, redis_url, tmp_path, "lbound", 4,
                                learner={"train_tokens_per_s": 1920.0, "scaling_exponent": 1.0,
                                         "weight_publish_s": 0.1},
                                reward={"seconds": 0.001, "cpu_workers": 1})
-    try:
-        wait_for(lambda: int(r.hget(JobKeys("lbound").policy, "step") or 0) >= 4, 90, "4 learner steps")
-        code, out = doctor("--redis", redis_url, "--job", "lbound", "--json", "--sample-s", "8")
-    finally:
-        stop_all(procs)
-    doc = json.loads(out)
     assert doc["bottleneck"] == "learner", json.dumps(doc["checks"], indent=1)
     assert code == 1
 
@@ -74,16 +76,10 @@ def test_reward_bound_run_is_not_blamed_on_rollout(r, redis_url, tmp_path):
     never fired, and before, the waiting learner was blamed on rollout: "Give rollout
     more", which cannot help.
     """
-    run_dir, procs = _run_live(r, redis_url, tmp_path, "rbound", rollout=FAST_ROLLOUT,
-                               learner={"train_tokens_per_s": 192000.0, "scaling_exponent": 1.0,
-                                        "weight_publish_s": 0.1},
-                               reward={"seconds": 0.5, "cpu_workers": 1})
-    try:
-        wait_for(lambda: int(r.hget(JobKeys("rbound").policy, "step") or 0) >= 2, 90, "2 learner steps")
-        code, out = doctor("--redis", redis_url, "--job", "rbound", "--json", "--sample-s", "8")
-    finally:
-        stop_all(procs)
-    doc = json.loads(out)
+    _code, doc = _diagnose_live(r, redis_url, tmp_path, "rbound", 2,
+                                learner={"train_tokens_per_s": 192000.0, "scaling_exponent": 1.0,
+                                         "weight_publish_s": 0.1},
+                                reward={"seconds": 0.5, "cpu_workers": 1})
     assert doc["bottleneck"] == "reward", (doc["primary"] or {}).get("evidence")
 
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
 from pipeline.observe.measures import rise
+from pipeline.observe.trace import unix_time
 
 STEPS = ("logs", "inputs", "resources", "balance", "quality")  # the troubleshooting order
 SEVERITY = {"critical": 0, "warning": 1}
@@ -147,18 +148,6 @@ def _n(count: int, noun: str) -> str:
 
 def _cfg(config: dict | None, section: str, key: str, default=None):
     return get_in(config, section, key, default=default)
-
-
-def _iso_time(text: str | None) -> float | None:
-    """Unix seconds of a log line's leading UTC time (``2026-12-07T15:05:13.2Z``), None when there is none."""
-    if not text:
-        return None
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def _log_text(line) -> tuple[str, str]:
@@ -294,7 +283,7 @@ class LogChecks(_Checks):
             if not m:
                 continue
             owner, _sep, worker = m.group(2).partition("/")
-            at = _iso_time(m.group(1))
+            at = unix_time(m.group(1))
             if worker and (job is None or owner == job) and (since is None or at is None or at >= since):
                 out[worker] += 1
         return out
