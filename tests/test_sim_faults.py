@@ -130,3 +130,39 @@ def test_sim_job_returns_when_its_job_is_stopped_before_the_last_step(r, redis_u
     finally:
         r.hset(JobKeys("simjobstop").state, "phase", "done")
         agent.shutdown()
+
+
+def test_sim_job_leaves_a_later_run_of_its_job_name_alone(r, redis_url, tmp_path):
+    """Another run takes the job name while ``libra-ctl sim-job`` waits (its state now names that run's
+    directory, phase starting). The sim job ends (SimJobEnded); before, on its way out it marked the job
+    done (later stopped) whatever run it now belonged to, and so stopped the new run's workers."""
+    import io
+    import threading
+
+    from pipeline.control.agent import Agent, Slot
+    from pipeline.sim.job import SimJobEnded, run_sim_job
+
+    agent = Agent(r, redis_url, "simjob-n2", [Slot(0, None)], grace_s=5.0).start()
+    out, got, keys = io.StringIO(), {}, JobKeys("simjobtaken")
+
+    def run():
+        try:
+            run_sim_job(redis_url, write_workload(tmp_path / "w.toml", job={"steps": 6}),
+                        runs_dir=str(tmp_path / "runs"), job="simjobtaken", time_scale=1e3, node="simjob-n2", out=out)
+        except BaseException as exc:   # noqa: BLE001 - the test reads what ended the call
+            got["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    try:
+        t.start()
+        deadline = time.monotonic() + 30
+        while "sim job simjobtaken" not in out.getvalue() and t.is_alive():
+            assert time.monotonic() < deadline, "sim-job did not start"
+            time.sleep(0.1)
+        r.hset(keys.state, mapping={"phase": "starting", "run_dir": str(tmp_path / "runs" / "a-later-run")})
+        t.join(20)
+        assert not t.is_alive() and isinstance(got.get("exc"), SimJobEnded)
+        assert r.hget(keys.state, "phase") == b"starting"   # the later run's, untouched
+    finally:
+        r.hset(keys.state, "phase", "done")
+        agent.shutdown()

@@ -27,7 +27,7 @@ from pipeline.config import BadInput
 from pipeline.control import actions
 from pipeline.control.allocation import (allocation_status, counts_of, external_counts, external_workers,
                                          get_allocation, live_agents, pin, read_placement, unpin)
-from pipeline.control.placement import agents_share
+from pipeline.control.placement import agents_share, learner_to_one_node
 from pipeline.control.events import merged_events
 from pipeline.dataplane.keys import CONTROLLER_LEASE, CONTROLLER_WAKE, JOBS, JobKeys
 from pipeline.dataplane.redisconn import connect, find_redis_url
@@ -105,8 +105,8 @@ def cmd_scale(args) -> int:
         print(f"libra-ctl scale: note: learner={room.learner} runs on one node (its ranks share one process group), "
               f"and the live agent with the most room offers {job} {room.most} slot(s): the controller cuts the "
               f"learner to {room.most} and gives the rest to rollout", file=sys.stderr)
-    if args.wait:
-        return _wait_for_counts(r, job, pinned, args.wait)
+    if args.wait:   # for the counts the controller will run (the learner cut to one node), not the asked ones
+        return _wait_for_counts(r, job, fitted_to_one_node(r, job, pinned, room), args.wait)
     return 0
 
 
@@ -136,6 +136,16 @@ def room_for(r: redis.Redis, job: str, pinned: dict) -> Room:
     return Room(need=sum(counts_of(share, on_slots).values()), room=max(total - held.total(), 0),
                 held=held.total(), learner=share.get("learner", 0),
                 most=max((len(rec["slots"]) - held[node] for node, rec in live.items()), default=0))
+
+
+def fitted_to_one_node(r: redis.Redis, job: str, pinned: dict, room: Room) -> dict:
+    """``pinned`` as the controller runs it when the learner asked for exceeds the most slots one node offers."""
+    from pipeline.control.job import load_job, role_bounds
+
+    info = load_job(r, job)
+    if info is None or not 0 < room.most < room.learner:
+        return pinned
+    return learner_to_one_node(pinned, room.most, role_bounds(info.control, info.backend))
 
 
 def _wait_for_counts(r: redis.Redis, job: str, want: dict, timeout_s: float) -> int:

@@ -403,27 +403,44 @@ def find_redis_url(explicit: str | None) -> str:
 
 @contextlib.contextmanager
 def redis_of_run(explicit: str | None, run_dir: str | None):
-    """A client of the Redis that holds ``run_dir``'s job: --redis or $LIBRA_REDIS_URL when given, else the
-    one the run recorded (``redis.url``). A finished run's embedded server went with its run: it is started
-    again on the run's data (``RUN_DIR/redis``, AOF) for the command's length, then stopped."""
-    if explicit or os.environ.get(ENV_URL) or not run_dir:
-        yield connect(find_redis_url(explicit))
+    """(client, own) for the Redis that holds ``run_dir``'s job; ``own``: the run's own server, which holds no
+    other run's job. --redis wins. A run with the embedded server uses it, whatever $LIBRA_REDIS_URL names now
+    (as ``resume`` does): once the run has finished it is started again on the run's data (``RUN_DIR/redis``,
+    AOF) for the command's length. Else $LIBRA_REDIS_URL, the run's recorded URL (``redis.url``, or the
+    manifest's), or the usual search."""
+    if explicit or not run_dir:
+        yield connect(find_redis_url(explicit)), False
         return
     run = Path(run_dir)
-    recorded = run / "redis.url"
-    if not recorded.is_file():
-        raise SystemExit(f"{run} records no Redis (no redis.url): pass --redis URL or set {ENV_URL}")
-    url = recorded.read_text().strip()
-    if is_redacted(url):
-        raise SystemExit(f"{run} uses {redact(url)}, whose password is not stored: pass --redis URL or set {ENV_URL}")
-    data = run / "redis"
-    if not url.startswith("unix://") or _answers(urlsplit(url).path) or not (data / "redis.conf").is_file():
-        yield connect(url)   # a live server, an external one (an error names it when it is down), or none left
-        return
     try:
-        maxmemory = json.loads((run / "manifest.json").read_text())["config"]["redis"]["maxmemory"]
-    except (OSError, ValueError, KeyError, TypeError):
-        maxmemory = "2gb"
+        manifest = json.loads((run / "manifest.json").read_text())
+    except (OSError, ValueError):
+        manifest = {}
+    recorded = (run / "redis.url").read_text().strip() if (run / "redis.url").is_file() else \
+        str((manifest.get("redis") or {}).get("url") or "")
+    data = run / "redis"
+    embedded = (manifest.get("redis") or {}).get("embedded", recorded.startswith("unix://"))
+    if embedded and (data / "redis.conf").is_file():
+        url = f"unix://{data / 'redis.sock'}" if not recorded.startswith("unix://") else recorded
+        if _answers(urlsplit(url).path):
+            yield connect(url), True   # the run still runs (or is being resumed)
+            return
+        with _served(data, manifest) as url:
+            yield connect(url), True
+        return
+    if os.environ.get(ENV_URL):
+        yield connect(os.environ[ENV_URL]), False
+        return
+    if not recorded or is_redacted(recorded):   # none kept, or kept without its password
+        yield connect(find_redis_url(None)), False
+        return
+    yield connect(recorded), False   # a shared server: it may hold a later run of the same job name
+
+
+@contextlib.contextmanager
+def _served(data: Path, manifest: dict):
+    """A stopped run's embedded server started again on its data for the block; its URL."""
+    maxmemory = (manifest.get("config") or {}).get("redis", {}).get("maxmemory") or "2gb"
     server = EmbeddedRedis(data, maxmemory=maxmemory)
     try:
         server.start()
@@ -432,6 +449,6 @@ def redis_of_run(explicit: str | None, run_dir: str | None):
     print(f"redis: the run's embedded server had stopped; serving its data ({data}) for this command",
           file=sys.stderr, flush=True)
     try:
-        yield connect(server.url)
+        yield server.url
     finally:
         server.stop()

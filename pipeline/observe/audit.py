@@ -48,10 +48,12 @@ PAGE = 1000  # entries per XRANGE / XPENDING call
 STEP_FALLBACK_S = 60.0  # a learner step's length when none has been measured yet
 
 
-def job_run_dir(r: redis.Redis, keys: JobKeys, run_dir: str | None) -> Path:
-    """The run directory to audit (``run_dir``, else the one Redis records); SystemExit when it cannot be read."""
+def job_run_dir(r: redis.Redis, keys: JobKeys, run_dir: str | None, own: bool = False) -> Path:
+    """The run directory to audit (``run_dir``, else the one Redis records); SystemExit when it cannot be read.
+    ``own``: the Redis is ``run_dir``'s own (its embedded server), so its job is that run's, renamed or not."""
     recorded = (r.hget(keys.state, "run_dir") or b"").decode()
-    if run_dir and recorded and Path(recorded).name != Path(run_dir).name:   # a copied or moved run keeps its name
+    if run_dir and recorded and not own and Path(recorded).name != Path(run_dir).resolve().name:
+        # a copied or moved run keeps its name
         raise SystemExit(f"job {keys.job!r} in this Redis belongs to run {recorded}, not {run_dir}: pass the "
                          "Redis of that run (--redis URL), or leave --redis out to use the one it recorded")
     path = run_dir or recorded
@@ -354,9 +356,10 @@ def feeder_check(r: redis.Redis, keys: JobKeys, c: dict[str, int], group_size: i
 # --- the audit ----------------------------------------------------------------------------------------
 
 
-def audit(r: redis.Redis, job: str, run_dir: str | None = None) -> dict:
+def audit(r: redis.Redis, job: str, run_dir: str | None = None, own: bool = False) -> dict:
+    """Account for every trajectory of ``job`` (docs/guarantees.md); ``own``: as for ``job_run_dir``."""
     keys = JobKeys(job)
-    rd = job_run_dir(r, keys, check_path("--run", run_dir) if run_dir else None)
+    rd = job_run_dir(r, keys, check_path("--run", run_dir) if run_dir else None, own)
     cfg = json.loads((rd / "manifest.json").read_text())["config"]
     g = cfg["rollout"]["group_size"]
     c = {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()}
@@ -548,9 +551,9 @@ def _known(r: redis.Redis, job: str) -> None:
 def cmd_audit(args) -> int:
     from pipeline.dataplane.redisconn import redis_of_run
 
-    with redis_of_run(args.redis, args.run) as r:
+    with redis_of_run(args.redis, args.run) as (r, own):
         _known(r, args.job)
-        a = audit(r, args.job, args.run)
+        a = audit(r, args.job, args.run, own)
     print(json.dumps(a, indent=2) if args.json else format_audit(a))
     return 0 if a["ok"] else 1
 

@@ -14,6 +14,7 @@ gets its own diagnosis unless ``--job`` names one.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -230,7 +231,9 @@ def _connect(url: str | None, run_dir: Path | None):
         r.ping()
     except (redis.ConnectionError, redis.TimeoutError, BadRedisUrl, FileNotFoundError, SystemExit) as exc:
         if isinstance(exc, redis.ConnectionError) and refusal(exc):
-            raise   # up, and refusing the URL's credentials or certificates: said, not read around
+            if run_dir is None:
+                raise   # up, and refusing the URL's credentials or certificates: said, not read around
+            print(f"libra-ctl doctor: Redis {refusal(exc)}; reading the run directory instead", file=sys.stderr)
         return None
     return r
 

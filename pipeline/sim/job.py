@@ -138,7 +138,9 @@ def run_sim_job(url: str, workload: str | Path, *, runs_dir: str = "runs", job: 
                   f"{rate:7.2f} traj/s (virtual)  " + " ".join(f"{k}={v}" for k, v in sorted(roles.items())),
                   file=out, flush=True)
     finally:   # done once trained; an interrupt or a failure leaves the job stopped (the agents stop its workers)
-        r.hset(keys.state, "phase", "done" if r.hget(keys.state, "phase") == b"trained" else "stopped")
+        phase, owner = r.hmget(keys.state, ["phase", "run_dir"])
+        if owner is None or owner.decode() == str(run_dir):   # not a later run's of the same name
+            r.hset(keys.state, "phase", "done" if phase == b"trained" else "stopped")
     return run_dir
 
 
