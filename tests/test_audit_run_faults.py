@@ -45,32 +45,6 @@ def test_audit_run_dot_from_inside_the_run_directory_is_not_refused(r, redis_url
     assert done.stdout.strip().startswith("{"), done.stdout + done.stderr
 
 
-def test_audit_of_a_renamed_run_served_from_its_own_embedded_redis(tmp_path):
-    """A finished run with the embedded Redis, its directory renamed afterwards. `libra-ctl audit --run NEW`
-    (no --redis, as the refusal itself advises) serves the run's own AOF (RUN/redis) - a Redis that can hold
-    no other run's job. Before, it was then refused as 'belongs to run OLD', telling the user to leave --redis
-    out, which they did: there was no way left to audit the run."""
-    job = "rv4952ren"
-    old = tmp_path / "20261207-101011-rv4952ren"
-    old.mkdir()
-    (old / "manifest.json").write_text(_manifest())
-    server = EmbeddedRedis(old / "redis", maxmemory="64mb").start()
-    try:
-        c = connect(server.url)
-        c.sadd(JOBS, job)
-        c.hset(JobKeys(job).state, mapping={"phase": "done", "run_dir": str(old)})
-        c.hset(JobKeys(job).policy, mapping={"version": 0, "step": 0})
-        (old / "redis.url").write_text(server.url + "\n")
-    finally:
-        server.stop()
-    new = tmp_path / "20261207-101011-rv4952ren-kept"
-    old.rename(new)
-    env = {k: v for k, v in os.environ.items() if k != ENV_URL}
-    done = _audit(["--job", job, "--run", str(new), "--json"], tmp_path, env)
-    assert "serving its data" in done.stderr, done.stderr
-    assert "belongs to run" not in done.stderr, done.stderr
-
-
 def _finished_embedded_run(tmp_path: Path, job: str) -> Path:
     """A finished run of `job` whose embedded Redis (RUN/redis, AOF) holds its state, stopped since."""
     run = tmp_path / f"20261207-101012-{job}"
@@ -88,6 +62,21 @@ def _finished_embedded_run(tmp_path: Path, job: str) -> Path:
     finally:
         server.stop()
     return run
+
+
+def test_audit_of_a_renamed_run_served_from_its_own_embedded_redis(tmp_path):
+    """A finished run with the embedded Redis, its directory renamed afterwards. `libra-ctl audit --run NEW`
+    (no --redis, as the refusal itself advises) serves the run's own AOF (RUN/redis) - a Redis that can hold
+    no other run's job. Before, it was then refused as 'belongs to run OLD', telling the user to leave --redis
+    out, which they did: there was no way left to audit the run."""
+    job = "rv4952ren"
+    old = _finished_embedded_run(tmp_path, job)
+    new = tmp_path / f"{old.name}-kept"
+    old.rename(new)
+    env = {k: v for k, v in os.environ.items() if k != ENV_URL}
+    done = _audit(["--job", job, "--run", str(new), "--json"], tmp_path, env)
+    assert "serving its data" in done.stderr, done.stderr
+    assert "belongs to run" not in done.stderr, done.stderr
 
 
 def test_audit_of_a_finished_embedded_run_with_libra_redis_url_set_uses_the_runs_data(redis_url, tmp_path):

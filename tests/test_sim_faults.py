@@ -96,23 +96,22 @@ def test_prepare_sim_run_refuses_control_settings_the_controller_cannot_read(r, 
     assert r.hget(JobKeys("badctl").state, "phase") is None
 
 
-def test_sim_job_returns_when_its_job_is_stopped_before_the_last_step(r, redis_url, tmp_path):
-    """``libra-ctl sim-job`` waits for the job's phase to reach ``trained``. A job stopped under it (phase
-    ``stopped``), or reset by another run of the same name, never gets there: the command now ends with
-    SimJobEnded (exit 1) naming the phase. Before, it printed progress forever."""
+def _sim_job_until_its_phase_changes(r, redis_url, tmp_path, job: str, phase: dict):
+    """``run_sim_job`` of ``job`` in a thread, beside an agent; once it runs, the job's state is set to ``phase``;
+    returns what ended the call, within 20 s."""
     import io
     import threading
 
     from pipeline.control.agent import Agent, Slot
-    from pipeline.sim.job import SimJobEnded, run_sim_job
+    from pipeline.sim.job import run_sim_job
 
-    agent = Agent(r, redis_url, "simjob-n", [Slot(0, None)], grace_s=5.0).start()
+    agent = Agent(r, redis_url, f"{job}-n", [Slot(0, None)], grace_s=5.0).start()
     out, got = io.StringIO(), {}
 
     def run():
         try:
             run_sim_job(redis_url, write_workload(tmp_path / "w.toml", job={"steps": 6}),
-                        runs_dir=str(tmp_path / "runs"), job="simjobstop", time_scale=1e3, node="simjob-n", out=out)
+                        runs_dir=str(tmp_path / "runs"), job=job, time_scale=1e3, node=f"{job}-n", out=out)
         except BaseException as exc:   # noqa: BLE001 - the test reads what ended the call
             got["exc"] = exc
 
@@ -120,49 +119,41 @@ def test_sim_job_returns_when_its_job_is_stopped_before_the_last_step(r, redis_u
     try:
         t.start()
         deadline = time.monotonic() + 30
-        while "sim job simjobstop" not in out.getvalue() and t.is_alive():
+        while f"sim job {job}" not in out.getvalue() and t.is_alive():
             assert time.monotonic() < deadline, "sim-job did not start"
             time.sleep(0.1)
-        r.hset(JobKeys("simjobstop").state, "phase", "stopped")
+        r.hset(JobKeys(job).state, mapping=phase)
         t.join(20)
-        assert not t.is_alive(), "sim-job kept waiting for a stopped job"
-        assert isinstance(got.get("exc"), SimJobEnded) and "phase stopped" in str(got["exc"])
+        assert not t.is_alive(), f"sim-job kept waiting after the job's state became {phase}"
+        return got.get("exc")
+    finally:
+        agent.shutdown()
+
+
+def test_sim_job_returns_when_its_job_is_stopped_before_the_last_step(r, redis_url, tmp_path):
+    """``libra-ctl sim-job`` waits for the job's phase to reach ``trained``. A job stopped under it (phase
+    ``stopped``), or reset by another run of the same name, never gets there: the command now ends with
+    SimJobEnded (exit 1) naming the phase. Before, it printed progress forever."""
+    from pipeline.sim.job import SimJobEnded
+
+    try:
+        exc = _sim_job_until_its_phase_changes(r, redis_url, tmp_path, "simjobstop", {"phase": "stopped"})
+        assert isinstance(exc, SimJobEnded) and "phase stopped" in str(exc)
     finally:
         r.hset(JobKeys("simjobstop").state, "phase", "done")
-        agent.shutdown()
 
 
 def test_sim_job_leaves_a_later_run_of_its_job_name_alone(r, redis_url, tmp_path):
     """Another run takes the job name while ``libra-ctl sim-job`` waits (its state now names that run's
     directory, phase starting). The sim job ends (SimJobEnded); before, on its way out it marked the job
     done (later stopped) whatever run it now belonged to, and so stopped the new run's workers."""
-    import io
-    import threading
+    from pipeline.sim.job import SimJobEnded
 
-    from pipeline.control.agent import Agent, Slot
-    from pipeline.sim.job import SimJobEnded, run_sim_job
-
-    agent = Agent(r, redis_url, "simjob-n2", [Slot(0, None)], grace_s=5.0).start()
-    out, got, keys = io.StringIO(), {}, JobKeys("simjobtaken")
-
-    def run():
-        try:
-            run_sim_job(redis_url, write_workload(tmp_path / "w.toml", job={"steps": 6}),
-                        runs_dir=str(tmp_path / "runs"), job="simjobtaken", time_scale=1e3, node="simjob-n2", out=out)
-        except BaseException as exc:   # noqa: BLE001 - the test reads what ended the call
-            got["exc"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
+    keys = JobKeys("simjobtaken")
     try:
-        t.start()
-        deadline = time.monotonic() + 30
-        while "sim job simjobtaken" not in out.getvalue() and t.is_alive():
-            assert time.monotonic() < deadline, "sim-job did not start"
-            time.sleep(0.1)
-        r.hset(keys.state, mapping={"phase": "starting", "run_dir": str(tmp_path / "runs" / "a-later-run")})
-        t.join(20)
-        assert not t.is_alive() and isinstance(got.get("exc"), SimJobEnded)
+        exc = _sim_job_until_its_phase_changes(r, redis_url, tmp_path, "simjobtaken", {
+            "phase": "starting", "run_dir": str(tmp_path / "runs" / "a-later-run")})
+        assert isinstance(exc, SimJobEnded)
         assert r.hget(keys.state, "phase") == b"starting"   # the later run's, untouched
     finally:
         r.hset(keys.state, "phase", "done")
-        agent.shutdown()
