@@ -708,10 +708,25 @@ def _stop(orch: Orchestrator | None, embedded: EmbeddedRedis | None) -> None:
             if done is None:   # the first read failed: the phase is still what the run left (trained or not)
                 done = orch.r.hget(orch.keys.state, "phase") == b"trained"
             orch.r.hset(orch.keys.state, "phase", "done" if done else "stopped")
+            if done:
+                _settle_summary(orch)
         except redis.RedisError:
             pass
     if embedded:
         embedded.stop()
+
+
+def _settle_summary(orch: Orchestrator) -> None:
+    """summary.json's count of trajectories generated, once the rollout workers have stopped: they finish the
+    calls in hand after the last step, so the count read for the summary was short of what `audit` reports."""
+    path = orch.run_dir / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return   # none written: the run ended before its summary
+    generated = int(orch.r.hget(orch.keys.counters, "generated") or 0)
+    if summary.get("trajectories_generated") != generated:
+        write_json(path, {**summary, "trajectories_generated": generated})
 
 
 def check_resumable(r: redis.Redis, keys: JobKeys, run_dir: Path) -> None:

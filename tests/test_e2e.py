@@ -188,6 +188,8 @@ def test_e2e_embedded_redis(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     a = json.loads(done.stdout)
     assert a["ok"] and a["trained"] == 40 * 256 and a["duplicates_trained"] == 0, a
+    # the summary counts what the rollout workers generated up to their stop, as the audit does
+    assert json.loads((run_dir / "summary.json").read_text())["trajectories_generated"] == a["generated"]
     assert "serving its data" in done.stderr
 
 
