@@ -609,6 +609,7 @@ def _refused(cfg: Config, out, r: redis.Redis | None = None) -> bool:
             if not url:
                 return False
             r = connect(url)
+        r.eval("return 1", 0)   # a user without scripting (the controller's lease, the stages' writes) is refused here
         check_admission(r, cfg, own_slots(cfg))
     except AdmissionError as exc:
         print(f"libra-ctl run: job {cfg.job.name!r} refused: {exc}", file=out)

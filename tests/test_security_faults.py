@@ -118,3 +118,15 @@ def test_doctor_names_a_refused_password_or_certificate(tls, what):
                           timeout=40)
     assert rc == 1, out
     assert ("refused the credentials" if what == "password" else "TLS handshake") in out, out
+
+
+def test_run_as_a_user_without_scripting_is_refused_before_anything_starts(tls, tmp_path):
+    """`libra-ctl run` as an ACL user without EVAL (the controller's lease and the stages' atomic writes are Lua).
+    Before, the policy was prepared, then the controller and the agent each exited on their first EVAL and were
+    restarted 5 times before the run failed."""
+    rc, out, took = _ctl(tls(user="noscript"), "run", "examples/quickstart.toml",
+                         "--set", f"run.runs_dir={tmp_path / 'runs'}", "--set", f"policy.cache_dir={tmp_path / 'pol'}",
+                         "--set", "job.steps=1", "--set", "job.eval_size=8", "--set", "job.eval_every=0",
+                         "--set", "learner.batch_size=64", "--set", "job.name=secf", timeout=45)
+    assert rc is not None, f"not refused within {took:.0f}s:\n{out}"
+    assert rc == 1 and "lacks a permission" in out and "preparing the policy" not in out, out
