@@ -27,17 +27,18 @@ from pipeline.observe.doctor_checks import CHECKS, SCALE, SEVERITY, STEPS, Diagn
 
 def diagnose(samples: list[dict], logs: list = (), *, steps: list[dict] = (), config: dict | None = None,
              dead_letter_reasons: dict | None = None, thresholds: Thresholds = Thresholds(),
-             scale: str = SCALE) -> Diagnosis:
+             scale: str = SCALE, since: float | None = None) -> Diagnosis:
     """Findings over one window: metric samples, learner steps, log lines (structlog dicts or raw text).
 
     ``config`` is the run's resolved config (the manifest's ``config``), used
     to name the knob in each action; ``dead_letter_reasons`` maps a reason to
     its count among recent dead letters; ``scale`` is the command line an
     action suggests for pinning counts (``libra-ctl scale --job J`` where
-    several jobs run, as ``scale`` refuses one without ``--job`` then).
+    several jobs run, as ``scale`` refuses one without ``--job`` then); ``since``: the window's start (else
+    its first sample's time), from which the agent's crash lines count.
     """
     w = Window(list(samples), list(steps), list(logs), config or {}, dead_letter_reasons or {}, thresholds,
-               scale)
+               scale, since)
     d = Diagnosis()
     for checks in CHECKS:
         checks(w, d).run()
@@ -63,6 +64,7 @@ class Inputs:
     reasons: dict
     source: str  # "live" | "run directory"
     shared: bool = False  # several jobs run on its Redis: a suggested scale command needs --job
+    since: float | None = None  # the window's start (unix s): the logs' crashes are counted from it
 
     @property
     def scale(self) -> str:
@@ -142,7 +144,8 @@ def _live_inputs(r, job: str, run_dir: Path | None, since: float, samples: list[
     reasons = Counter()
     for _i, f in r.xrevrange(keys.dead_letters, count=200):
         reasons[f.get(b"reason", b"?").decode(errors="replace")[:120]] += 1
-    return Inputs(job, run_dir, samples, steps, read_logs(run_dir, since), _config_of(run_dir), dict(reasons), "live")
+    return Inputs(job, run_dir, samples, steps, read_logs(run_dir, since), _config_of(run_dir), dict(reasons), "live",
+                  since=since)
 
 
 def gather_run_dir(run_dir: Path, window_s: float) -> Inputs:
@@ -156,7 +159,7 @@ def gather_run_dir(run_dir: Path, window_s: float) -> Inputs:
     steps = [x for x in lines if x.get("kind") == "learner_step" and keep(x)]
     config = _config_of(run_dir)
     return Inputs(get_in(config, "job", "name"), run_dir, samples, steps, read_logs(run_dir, since), config, {},
-                  "run directory")
+                  "run directory", since=since)
 
 
 # --- libra-ctl doctor ---------------------------------------------------------------------------------------
@@ -199,7 +202,8 @@ def cmd_doctor(args) -> int:
     if inputs is None:
         return 2
     results = [(inp, diagnose(inp.samples, inp.logs, steps=inp.steps, config=inp.config,
-                              dead_letter_reasons=inp.reasons, scale=inp.scale)) for inp in inputs]
+                              dead_letter_reasons=inp.reasons, scale=inp.scale, since=inp.since))
+               for inp in inputs]
     healthy = all(d.healthy for _inp, d in results)
     if args.json:
         docs = [{"job": inp.job, "source": inp.source, "run_dir": str(inp.run_dir) if inp.run_dir else None,

@@ -11,6 +11,7 @@ order and sorts what they found.
 from __future__ import annotations
 
 import re
+import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -41,9 +42,12 @@ class Thresholds:
     learner_wait: float = LEARNER_WAIT_THRESHOLD  # learner idle longer than this share: rollout is short
     backlog_min_rise: float = 4.0  # entries (groups) a backlog must grow by over the window
     backlog_rising_share: float = 0.6  # share of sample-to-sample moves that must be upward
+    backlog_rising_moves: int = 3  # ... and how many at least
     queue_full_share: float = 0.9  # backlog at this share of streams.max_queue_size: always full
     busy_high: float = 0.9  # a stage's slots busy this share of the window: it is the one working flat out
-    busy_low: float = 0.6  # ... while the other's are busy at most this share: held back, not short
+    busy_gap: float = 0.2  # ... while the other's are busy this much less: held back, not short
+    learner_wait_low: float = 0.05  # and the learner waits under this share: it is never short of data
+    rollout_flat_out: float = 0.75  # rollout busy this share: it is not held back by a short reward
     waiting_share: float = 0.8  # share of samples with work at a stage: work waits there
     tool_slow_share: float = 0.5  # tool latency p95 at this share of rollout.tool_timeout_s: tools are slow
     stale_share: float = 0.10  # dropped as stale over trained + dropped
@@ -172,6 +176,7 @@ class Window:
     reasons: dict  # dead-letter reason -> its count among recent dead letters
     th: Thresholds
     scale: str = SCALE  # the scale command an action suggests (with --job J where several jobs run)
+    since: float | None = None  # the window's start (unix s); None: its first sample's time
 
     def extent(self) -> dict:
         ats = [s["at"] for s in self.samples] + [s["at"] for s in self.steps if "at" in s]
@@ -184,7 +189,7 @@ class _Checks:
 
     def __init__(self, w: Window, d: Diagnosis):
         self.samples, self.steps, self.logs = w.samples, w.steps, w.logs
-        self.config, self.reasons, self.th, self.scale = w.config, w.reasons, w.th, w.scale
+        self.config, self.reasons, self.th, self.scale, self.since = w.config, w.reasons, w.th, w.scale, w.since
         self.d = d
 
     def run(self) -> None:
@@ -275,7 +280,8 @@ class LogChecks(_Checks):
     def _restarts(self, agent_lines: list[str]) -> Counter:
         """Worker -> the crashes its agent logged (``worker_crashed key=JOB/WORKER``) since the window's first
         sample, for this run's job."""
-        since = min((s["at"] for s in self.samples if "at" in s), default=None)
+        since = self.since if self.since is not None else min((s["at"] for s in self.samples if "at" in s),
+                                                              default=None)
         job = _cfg(self.config, "job", "name")
         out: Counter = Counter()
         for line in agent_lines:
@@ -408,17 +414,36 @@ class BalanceChecks(_Checks):
     """4. the balance of the pipeline: which stage is short, and what goes stale while it is."""
 
     def run(self) -> None:
-        # before the first trajectory the learner "waits" for engines still loading: nothing to judge yet
-        counted = [s for s in self.samples if get_in(s, "counters", "generated") is not None]
-        if counted and not any(get_in(s, "counters", "generated") for s in counted) and not self.steps:
-            states = Counter(st for s in counted for st, n in (get_in(s, "workers", "rollout") or {}).items() if n)
+        # while the engines load, the learner "waits" for nothing yet generated: nothing to judge in those samples
+        loading = self._loading()
+        if loading and loading == len(self.samples) and len(self.steps) < self.th.min_samples:
             self.d.checks.append(Check("balance", "learner wait and backlog", "no data",
-                                       f"nothing generated yet in {_n(len(counted), 'sample')}: the job is starting "
-                                       f"(rollout workers {', '.join(sorted(states)) or 'none'})"))
+                                       f"nothing generated yet in {_n(loading, 'sample')}: the job is starting "
+                                       f"(rollout workers: {self._rollout_states() or 'none'})"))
             return self.d.checks.append(Check("balance", "stale drops", "no data", "nothing trained in the window"))
-        self.samples = [s for s in self.samples if get_in(s, "counters", "generated") != 0]
+        self.samples = self.samples[loading:]
         self.balance()
         self.stale()
+
+    def _rollout_states(self) -> str:
+        """The rollout workers' states in the last sample, e.g. ``starting 2``."""
+        last = get_in(self.samples[-1], "workers", "rollout") or {} if self.samples else {}
+        return ", ".join(f"{st} {k}" for st, k in sorted(last.items()) if k)
+
+    def _loading(self) -> int:
+        """How many of the window's first samples were taken while the job started (or resumed) and no
+        trajectory had come yet: no ``generated`` count (the counter is made by the first) or none since the
+        window's first sample, while no live rollout worker was past ``starting``."""
+        first = get_in(self.samples[0], "counters", "generated", default=0) if self.samples else 0
+        n = 0
+        for s in self.samples:
+            rollout = {st for st, k in (get_in(s, "workers", "rollout") or {}).items() if k and st not in ("exited",
+                                                                                                     "lost")}
+            generated = get_in(s, "counters", "generated", default=0) or 0
+            if generated > first or (generated and not (rollout and rollout <= {"starting"})):
+                break
+            n += 1
+        return n
 
     def balance(self) -> None:
         """Who is short: a waiting learner names rollout (or reward, or a stall); work waiting at the
@@ -435,8 +460,7 @@ class BalanceChecks(_Checks):
         detail = (f"learner waited {wait:.0%} {wait_src}; {backlogs}" if wait is not None
                   else f"{n} samples, {len(self.steps)} learner steps: too few to judge the balance")
         self.d.checks.append(Check("balance", "learner wait and backlog", "problem" if found else
-                                   ("ok" if wait is not None or n >= self.th.min_samples else "no data"),
-                                   "see findings" if found else detail))
+                                   ("ok" if wait is not None else "no data"), "see findings" if found else detail))
 
     def _busy(self, role: str) -> float | None:
         """The mean share of the window ``role``'s slots (or workers, for reward beside the slots) were busy."""
@@ -458,7 +482,10 @@ class BalanceChecks(_Checks):
         if len(ys) < self.th.min_samples:
             return None
         held, busy, unread = sum(1 for y in ys if y > 0) / len(ys), self._busy("reward"), self._waiting_at("reward")
-        if held < self.th.waiting_share:
+        rollout = self._busy("rollout")
+        # a reward worker holds a read batch while it scores, so a half-busy one is "at work" in most samples;
+        # a short reward holds rollout back (admission), a short rollout works flat out
+        if held < self.th.waiting_share or (rollout is not None and rollout >= self.th.rollout_flat_out):
             return None
         return held, (f"groups were at reward in {held:.0%} of samples (mean {_mean(ys):.1f})"
                       + (f", some unread in {unread:.0%}" if unread is not None else "")
@@ -467,15 +494,18 @@ class BalanceChecks(_Checks):
     def _learner_flat_out(self) -> str | None:
         """The learner's slots busy while rollout's are held back: the learner sets the pace."""
         learner, rollout = self._busy("learner"), self._busy("rollout")
-        if learner is None or rollout is None or learner < self.th.busy_high or rollout > self.th.busy_low:
+        wait = self._learner_wait()[0]
+        if (learner is None or rollout is None or learner < self.th.busy_high or rollout > learner - self.th.busy_gap
+                or (wait is not None and wait >= self.th.learner_wait_low)):
             return None
         return f"learner slots busy {learner:.0%} of the window, rollout slots {rollout:.0%} (held back)"
 
     def _tool_latency(self) -> tuple[float, float | None] | None:
-        """The highest tool-call latency p95 of the window, and rollout.tool_timeout_s."""
+        """The tool-call latency p95 over the window (the median of its samples': one slow instant moves
+        nothing), and rollout.tool_timeout_s."""
         lat = [v for v in (get_in(s, "queues", "tool_latency_p95_s") for s in self.samples) if v is not None] or \
               [s["tool_latency_p95_s"] for s in self.steps if s.get("tool_latency_p95_s") is not None]
-        return (max(lat), _cfg(self.config, "rollout", "tool_timeout_s")) if lat else None
+        return (statistics.median(lat), _cfg(self.config, "rollout", "tool_timeout_s")) if lat else None
 
     def _learner_wait(self) -> tuple[float | None, str]:
         """The learner's share of time spent waiting, and over what: the sampler's ratio, else its steps' times."""
@@ -519,7 +549,7 @@ class BalanceChecks(_Checks):
             if tools:
                 p95, limit = tools
                 slow = bool(limit) and p95 >= self.th.tool_slow_share * limit
-                ev.append(f"tool latency p95 {p95:.2f} s" + (f" against rollout.tool_timeout_s {limit:g} s" if limit
+                ev.append(f"tool latency p95 {p95:.2f} s (median of the samples')" + (f" against rollout.tool_timeout_s {limit:g} s" if limit
                                                               else ""))
             now = self._allocated("rollout")
             self.add(Finding("rollout_short", "balance", "critical", "rollout is short: the learner waits "
@@ -585,9 +615,13 @@ class BalanceChecks(_Checks):
         if len(ys) < self.th.min_samples:
             return None
         moves = [b - a for a, b in zip(ys, ys[1:]) if b != a]
-        up = sum(1 for m in moves if m > 0) / len(moves) if moves else 0.0
-        slope = _slope_per_min(ts, ys)
-        if ys[-1] - ys[0] >= self.th.backlog_min_rise and slope > 0 and up >= self.th.backlog_rising_share:
+        ups = sum(1 for m in moves if m > 0)
+        slope, third = _slope_per_min(ts, ys), max(len(ys) // 3, 1)
+        # a rise over the window, not one batch landing as the last sample is taken: the last third's mean
+        # above the first third's, in several upward moves
+        risen = _mean(ys[-third:]) - _mean(ys[:third])
+        if (risen >= self.th.backlog_min_rise and slope > 0 and ups >= self.th.backlog_rising_moves
+                and ups / len(moves) >= self.th.backlog_rising_share):
             return slope, (f"{stage} queue rose from {ys[0]:.0f} to {ys[-1]:.0f} entries in "
                            f"{ts[-1] - ts[0]:.0f} s ({slope:+.1f}/min)")
         return None
