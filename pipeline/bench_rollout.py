@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from pipeline import config as config_mod
+from pipeline import argtypes, config as config_mod
 from pipeline import manifest as manifest_mod
 from pipeline.dataplane import messages, streams
 from pipeline.dataplane.keys import GROUP_REWARD, JobKeys
@@ -717,8 +717,9 @@ def cmd_bench_rollout(args) -> int:
         return 2
     spec = RolloutBenchSpec(config=args.config, overrides=tuple(args.overrides), prompts=args.prompts, cpus=cpus,
                             rounds=args.rounds, switch=not args.no_switch, timeout_s=args.timeout)
-    if args.json and not os.access(Path(args.json).resolve().parent, os.W_OK):
-        say(f"--json {args.json}: its directory does not exist or cannot be written")
+    bad_out = argtypes.unwritable("--json", args.json)
+    if bad_out:
+        say(bad_out)
         return 2
     try:
         result = run_bench(spec, say)

@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("controller", help="the reconcile loop: moves slots between stages (one acts at a time)")
     c.add_argument("--interval", type=argtypes.seconds, default=10.0, help="seconds between reconciles (control.interval_s)")
     c.add_argument("--once", action="store_true", help="one reconcile, then exit")
-    c.add_argument("--metrics-port", type=argtypes.whole, default=9464,
+    c.add_argument("--metrics-port", type=argtypes.port, default=9464,
                    help="serve Prometheus /metrics on this port (0: off; control.metrics_port)")
     c.add_argument("--metrics-host", default="127.0.0.1",
                    help="address /metrics binds (0.0.0.0: every interface; control.metrics_host)")
@@ -404,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:   # the reader went away (`libra-ctl status --json | head`): the rest has nowhere to go
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # so the exit's flush does not fail too
+        return 141
     except config_mod.ConfigError as exc:
         print(f"libra-ctl: config error: {redact(str(exc))}", file=sys.stderr)
         return 2

@@ -196,7 +196,7 @@ def cmd_events(args) -> int:
     r = connect(find_redis_url(args.redis))
     jobs = [known_job(r, args.job)] if args.job else all_jobs(r)
     if not jobs:
-        print("no jobs on this Redis")
+        print("[]" if args.json else "no jobs on this Redis")
         return 0
     events = merged_events(r, jobs, args.last)
     if args.json:

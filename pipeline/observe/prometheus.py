@@ -24,6 +24,7 @@ a worker can measure it.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections import deque
@@ -338,12 +339,20 @@ def cmd_metrics_serve(args) -> int:
     from pipeline.dataplane.redisconn import find_redis_url
     from pipeline.dataplane.redisconn import connect
 
+    from pipeline.control.commands import known_job
+
     r = connect(find_redis_url(args.redis))
-    jobs = [args.job] if args.job else None
+    jobs = [known_job(r, args.job)] if args.job else None   # a mistyped job: exit 2 naming the jobs
     if args.once:
         print(exposition(r, jobs), end="")
         return 0
-    server = serve(r, args.port, args.host, jobs)
+    try:
+        server = serve(r, args.port, args.host, jobs)
+    except OSError as exc:   # the port is taken (a controller serves the same default) or not ours to bind
+        print(f"libra-ctl metrics-serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
+              + (" (a controller serves /metrics there by default; give --port)" if args.port == DEFAULT_PORT
+                 else ""), file=sys.stderr)
+        return 1
     print(f"serving {server.url} (Ctrl-C to stop)", flush=True)
     try:
         while True:
@@ -355,7 +364,7 @@ def cmd_metrics_serve(args) -> int:
 
 def add_commands(sub) -> None:
     p = sub.add_parser("metrics-serve", help="serve Prometheus /metrics (libra_*) for the jobs on a Redis")
-    p.add_argument("--port", type=argtypes.whole, default=DEFAULT_PORT)
+    p.add_argument("--port", type=argtypes.port, default=DEFAULT_PORT)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--job", help="only this job (default: every job on the Redis)")
     p.add_argument("--redis", help="Redis URL (default: $LIBRA_REDIS_URL or the newest local run's)")

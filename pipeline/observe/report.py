@@ -32,10 +32,12 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline import argtypes
 from pipeline.control.allocator import LEARNER_WAIT_THRESHOLD
 from pipeline.observe.charts import SELF_CHECK, Series, bar_chart, esc, line_chart
 from pipeline.observe.measures import success_text
@@ -152,10 +154,14 @@ def throughput_series(d: RunData) -> tuple[list[Series], list[Series], str]:
         xs, ys = [], []
         for a, b in zip(d.steps, d.steps[1:]):
             dt = b["at"] - a["at"]
-            # a restore sets trained_total back to its checkpoint's: no rate across it
+            # a restore sets trained_total back to its checkpoint's: no rate across it. A sim learner's steps
+            # carry no running total: the step's own trajectories over the time since the one before.
             if dt > 0 and "trained_total" in b and "trained_total" in a and b["trained_total"] >= a["trained_total"]:
                 xs.append(d.x(b["at"]))
                 ys.append((b["trained_total"] - a["trained_total"]) / dt)
+            elif dt > 0 and "trained_total" not in b and isinstance(b.get("trajectories"), (int, float)):
+                xs.append(d.x(b["at"]))
+                ys.append(b["trajectories"] / dt)
         traj.append(Series("trained /s", xs, ys, PALETTE[1]))
     tok = [r for r in d.logs if r.get("event") == "generated" and r.get("tokens") is not None]
     tx, ty = _binned(tok, d.t0, lambda r: r["tokens"])
@@ -297,9 +303,11 @@ def headline(d: RunData) -> list[tuple[str, str]]:
                  ("trajectories trained", str(s.get("trajectories_trained"))),
                  ("trajectories/s", str(s.get("trajectories_per_s"))), ("wall time", f"{s.get('wall_s', 0):.0f} s"),
                  ("dropped as stale", str(s.get("dropped_stale"))), ("dead-lettered", str(s.get("dead_lettered")))]
-    elif last:
-        rows += [("learner steps", str(last.get("step"))), ("trajectories trained", str(last.get("trained_total"))),
-                 ("dropped as stale", str(last.get("dropped_stale_total")))]
+    elif last:   # no summary (a sim job, a stopped run): the steps' running totals, else their sums
+        total = lambda key, per_step: last.get(key, sum(s.get(per_step) or 0 for s in d.steps))
+        rows += [("learner steps", str(last.get("step", "-"))),
+                 ("trajectories trained", str(total("trained_total", "trajectories"))),
+                 ("dropped as stale", str(total("dropped_stale_total", "dropped_stale")))]
     if last:
         rows.append(("policy version", str(last.get("policy_version"))))
     return rows
@@ -547,6 +555,10 @@ def cmd_report(args) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "manifest.json").exists() and not (run_dir / "metrics.jsonl").exists():
         print(f"libra-ctl report: {run_dir} is not a run directory (no manifest.json or metrics.jsonl)")
+        return 2
+    bad_out = argtypes.unwritable("-o", args.output)
+    if bad_out:
+        print(f"libra-ctl report: {bad_out}", file=sys.stderr)
         return 2
     path = write_report(run_dir, args.output)
     print(f"report: {path}")

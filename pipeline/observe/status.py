@@ -103,7 +103,9 @@ def job_status(r: redis.Redis, job: str) -> dict:
         workers.append({"id": rec["id"], "role": rec["role"], "pid": rec["pid"],
                         "node": placed.get("node", rec["node"]), "slots": placed.get("slots", rec.get("slots", [])),
                         "state": state, "managed": managed,
-                        "rate_per_s": rec.get("rate_per_s", 0.0), "policy_version": rec.get("policy_version"),
+                        # an exited worker's record keeps its last rate: it makes none now
+                        "rate_per_s": 0.0 if state in ("exited", "lost") else rec.get("rate_per_s", 0.0),
+                        "policy_version": rec.get("policy_version"),
                         **({"devices": rec["devices"]} if "devices" in rec else {}),    # its CUDA_VISIBLE_DEVICES
                         **({"failure": rec["failure"]} if rec.get("failure") else {})})   # e.g. oom (workers.oom)
     stages = []

@@ -15,12 +15,15 @@ thread per worker.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Iterator
+
+from pipeline import argtypes
 
 # Phases a span may name; the first five are the issue's, the rest what else takes time.
 PHASES = ("rollout", "reward", "train", "weight_sync", "reconfigure",
@@ -206,6 +209,10 @@ def cmd_trace(args) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "logs").is_dir():
         print(f"libra-ctl trace: {run_dir} has no logs/ directory (give a run directory, e.g. runs/<id>)")
+        return 2
+    bad_out = argtypes.unwritable("-o", args.output)
+    if bad_out:
+        print(f"libra-ctl trace: {bad_out}", file=sys.stderr)
         return 2
     path, trace = export(run_dir, args.output)
     spans = sum(1 for e in trace["traceEvents"] if e["ph"] == "X")

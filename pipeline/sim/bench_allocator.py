@@ -381,6 +381,10 @@ def cmd_bench_policy(args) -> int:
     if args.workload is None:
         err("libra-ctl bench policy: give a workload file, or --sweep N for random workloads")
         return 2
+    bad_out = argtypes.unwritable("--json", args.json) or argtypes.unwritable("--plot", args.plot)
+    if bad_out:   # before the run, which may take minutes: not a traceback after it
+        err(f"libra-ctl bench policy: {bad_out}")
+        return 2
     if args.engine == "live":
         # a SIGTERM (timeout, CI cancel, systemd) unwinds like Ctrl-C, so the live engine stops the control
         # plane, its workers and the embedded Redis, which run in sessions of their own
@@ -398,7 +402,8 @@ def cmd_bench_policy(args) -> int:
         err(f"libra-ctl bench policy: live engine: {exc}")
         return 1
     except KeyboardInterrupt:
-        err("libra-ctl bench policy: interrupted; the live engine's processes are stopped")
+        err("libra-ctl bench policy: interrupted" + ("; the live engine's processes are stopped"
+                                                     if args.engine == "live" else ""))
         return 130
     print(format_table(result))
     err(f"bench policy: done in {time.perf_counter() - t0:.1f} s wall")
@@ -419,7 +424,9 @@ def _cmd_sweep(args, err: Report) -> int:
            else "--sweep N generates its workloads: give no workload file" if args.workload
            else f"--sweep {args.sweep}: give at least one workload" if args.sweep < 1
            else "--sweep runs on the des engine: drop --engine live" if args.engine == "live"
-           else "--plot draws one workload: drop it with --sweep" if args.plot else None)
+           else "--plot draws one workload: drop it with --sweep" if args.plot
+           else argtypes.unwritable("--json", args.json)
+           or argtypes.unwritable("--save-worst", args.save_worst, directory=True))
     try:
         if bad:
             raise BenchInputError(bad)
@@ -435,9 +442,13 @@ def _cmd_sweep(args, err: Report) -> int:
     except ValueError as exc:
         err(f"libra-ctl bench policy: --sweep-gpus: {exc}")
         return 2
-    result = bench_sweep.run_sweep(args.sweep, args.seed or 0, modes,
-                                   lambda wl, ms, say: run_workload(wl, ms, report=say),
-                                   report=lambda line: err(f"bench policy: {line}"), gpus=gpus)
+    try:
+        result = bench_sweep.run_sweep(args.sweep, args.seed or 0, modes,
+                                       lambda wl, ms, say: run_workload(wl, ms, report=say),
+                                       report=lambda line: err(f"bench policy: {line}"), gpus=gpus)
+    except KeyboardInterrupt:   # each workload's line is printed as it ends: those figures are kept above
+        err("libra-ctl bench policy: sweep interrupted")
+        return 130
     print(bench_sweep.format_sweep(result))
     err(f"bench policy: sweep done in {time.perf_counter() - t0:.1f} s wall")
     if args.json:

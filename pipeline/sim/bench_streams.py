@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
+from pipeline import argtypes
 from pipeline.dataplane import messages, streams
 from pipeline.dataplane.jobs import clear_job
 from pipeline.dataplane.keys import GROUP_LEARNER, GROUP_REWARD, GROUP_ROLLOUT, LEARNER, JobKeys
@@ -455,7 +456,10 @@ def _on_redis(spec: BenchSpec, url: str | None, fn):
         return fn(url)
     with tempfile.TemporaryDirectory(prefix="libra-bench-") as tmp, EmbeddedRedis(Path(tmp)) as server:
         for key, value in spec.redis_config:
-            connect(server.url).config_set(key, value)
+            try:
+                connect(server.url).config_set(key, value)
+            except redis.ResponseError as exc:
+                raise ValueError(f"--redis-config {key}={value}: Redis refused it: {exc}") from None
         return fn(server.url)
 
 
@@ -568,6 +572,10 @@ def cmd_bench_streams(args) -> int:
     if spec.redis_config and (args.redis or os.environ.get(ENV_URL)):
         say("--redis-config applies to the embedded server only, not to --redis or $LIBRA_REDIS_URL")
         return 2
+    bad_out = argtypes.unwritable("--json", args.json)
+    if bad_out:
+        say(bad_out)
+        return 2
     for kb in args.sizes or (0,):   # a group over the stages' limit would be dead-lettered, not measured
         tokens = tokens_for_size(spec, kb * 1000) if kb else spec.tokens
         group_bytes = scored_bytes_per_trajectory(replace(spec, tokens=tokens)) * spec.group_size
@@ -576,14 +584,21 @@ def cmd_bench_streams(args) -> int:
                 f"{spec.group_size} would be {group_bytes / 1e6:.1f} MB, over the stages' limit of "
                 f"{spec.max_message_bytes / 1e6:.1f} MB; measure smaller messages or groups")
             return 2
-    if args.sizes or len(args.consumers) > 1:
-        result = run_grid(spec, args.sizes or (), args.consumers, args.redis, say)
-        print(format_grid(result))
-        checks = [cell["exactly_once"] for cell in result["cells"]]
-    else:
-        result = run_bench(replace(spec, consumers=args.consumers[0]), args.redis, say)
-        print(format_result(result))
-        checks = [result["exactly_once"]]
+    try:
+        if args.sizes or len(args.consumers) > 1:
+            result = run_grid(spec, args.sizes or (), args.consumers, args.redis, say)
+            print(format_grid(result))
+            checks = [cell["exactly_once"] for cell in result["cells"]]
+        else:
+            result = run_bench(replace(spec, consumers=args.consumers[0]), args.redis, say)
+            print(format_result(result))
+            checks = [result["exactly_once"]]
+    except ValueError as exc:   # a setting the server refused
+        say(str(exc))
+        return 2
+    except KeyboardInterrupt:   # the stage processes and the embedded Redis are stopped on the way out
+        say("interrupted")
+        return 130
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0 if all(eo["lost_groups"] == 0 and eo["duplicate_entries"] == 0 for eo in checks) else 1

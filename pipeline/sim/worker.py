@@ -302,6 +302,8 @@ class SimLearner:
         st = {a.decode(): int(b) for a, b in self.ctx.r.hgetall(k.sim_learner).items()}
         published = int(self.ctx.r.hget(k.policy, "version") or 0)
         self.step = st.get("step", 0)
+        # running totals, committed with the step: the schema's trained_total and dropped_stale_total
+        self.trained_total, self.dropped_total = st.get("trained_total", 0), st.get("dropped_stale_total", 0)
         for ckpt in self.ckpt_dir.glob("step-*"):
             if ckpt.name.endswith(".tmp") or int(ckpt.name.split("-")[1]) > self.step:
                 shutil.rmtree(ckpt)   # never committed: its entries are still pending
@@ -457,6 +459,7 @@ class SimLearner:
         hist = {int(v): int(c) for v, c in zip(*np.unique(stale, return_counts=True))} if stale else {}
         dropped = sum(len(g.trajectories) for g in batch.dropped)
         return {"step": self.step + 1, "policy_version": self.version + 1, "trajectories": len(stale),
+                "trained_total": self.trained_total + len(stale), "dropped_stale_total": self.dropped_total + dropped,
                 "tokens": tokens, "gpus": self.gpus, "train_s": train, "publish_s": publish,
                 "published": published, "publish_every": every,
                 "wait_s": batch.wait_s, "dropped_stale": dropped, "groups": len(batch.groups),
@@ -496,7 +499,9 @@ class SimLearner:
                 pipe.hincrby(k.counters, "duplicates_dropped_learner", batch.duplicates)
             if batch.branch:
                 pipe.hincrby(k.counters, "dropped_branch", len(_ids(batch.branch)))
-            pipe.hset(k.sim_learner, mapping={"step": m["step"], "version": m["policy_version"]})
+            pipe.hset(k.sim_learner, mapping={"step": m["step"], "version": m["policy_version"],
+                                              "trained_total": m["trained_total"],
+                                              "dropped_stale_total": m["dropped_stale_total"]})
             if m["published"]:
                 pipe.hset(k.policy, mapping={"version": m["policy_version"], "step": m["step"],
                                              "published_at": time.time()})
@@ -509,6 +514,7 @@ class SimLearner:
         # the acknowledged entries go, as the real learner trims after its checkpoint (never what is pending)
         self.outage.call(trim, r, k.scored)
         self.step, self.version = m["step"], m["policy_version"]
+        self.trained_total, self.dropped_total = m["trained_total"], m["dropped_stale_total"]
         if m["published"]:
             self.published_step = self.step
             self.ctx.set_version(self.version)

@@ -237,15 +237,19 @@ def parse_workload(data: dict[str, Any], source: str = "<workload>") -> Workload
     return Workload(name, cluster, rollout, reward, learner, jobs, multi, source)
 
 
+MAX_GPUS = 65_536          # [cluster] gpus
+MAX_CONCURRENCY = 4_096    # [rollout] concurrency: sequences decoded at once per GPU
+
+
 def _cluster(r: "_Reader", t: dict) -> Cluster:
     r.no_unknown(t, {"gpus", "switch_cost_s"}, "cluster")
-    return Cluster(gpus=r.int_(t, "cluster", "gpus", lo=1),
+    return Cluster(gpus=r.int_(t, "cluster", "gpus", lo=1, hi=MAX_GPUS),
                    switch_cost_s=r.num(t, "cluster", "switch_cost_s", lo=0.0))
 
 
 def _rollout(r: "_Reader", t: dict) -> Rollout:
     r.no_unknown(t, {"concurrency", "decode_tokens_per_s", "prefill_tokens_per_s", "weight_sync_s"}, "rollout")
-    return Rollout(concurrency=r.int_(t, "rollout", "concurrency", lo=1),
+    return Rollout(concurrency=r.int_(t, "rollout", "concurrency", lo=1, hi=MAX_CONCURRENCY),
                    decode_tokens_per_s=r.num(t, "rollout", "decode_tokens_per_s", positive=True),
                    prefill_tokens_per_s=r.num(t, "rollout", "prefill_tokens_per_s", positive=True),
                    weight_sync_s=r.num(t, "rollout", "weight_sync_s", lo=0.0))
@@ -431,7 +435,8 @@ class _Reader:
             raise WorkloadError(f"{self.source}: [{where}] {key} = {v}: must be at least {lo}")
         return float(v)
 
-    def int_(self, t: dict, where: str, key: str, lo: int | None, default: Any = _MISSING) -> int:
+    def int_(self, t: dict, where: str, key: str, lo: int | None, default: Any = _MISSING,
+             hi: int | None = None) -> int:
         v = t.get(key, _MISSING)
         if v is _MISSING:
             if default is not _MISSING:
@@ -441,4 +446,6 @@ class _Reader:
             raise WorkloadError(f"{self.source}: [{where}] {key} = {v!r}: write a whole number")
         if lo is not None and v < lo:
             raise WorkloadError(f"{self.source}: [{where}] {key} = {v}: must be at least {lo}")
+        if hi is not None and v > hi:   # the engines hold arrays of this size: a typo would exhaust memory
+            raise WorkloadError(f"{self.source}: [{where}] {key} = {v}: must be at most {hi:,}")
         return v
