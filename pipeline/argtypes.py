@@ -57,4 +57,6 @@ def unwritable(flag: str, path: str | None, *, directory: bool = False) -> str |
             f"{flag} {path}: {nearest} cannot be written"
     if p.is_dir():
         return f"{flag} {path}: a directory; give a file name"
+    if p.exists():   # a file to replace, or a device such as /dev/null
+        return None if os.access(p, os.W_OK) else f"{flag} {path}: cannot be written"
     return None if os.access(p.parent, os.W_OK) else f"{flag} {path}: its directory does not exist or cannot be written"

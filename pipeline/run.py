@@ -728,6 +728,7 @@ def _settle_summary(orch: Orchestrator) -> None:
     generated = int(orch.r.hget(orch.keys.counters, "generated") or 0)
     if summary.get("trajectories_generated") != generated:
         write_json(path, {**summary, "trajectories_generated": generated})
+        write_report(orch.run_dir)   # it holds the summary too
 
 
 def check_resumable(r: redis.Redis, keys: JobKeys, run_dir: Path) -> None:

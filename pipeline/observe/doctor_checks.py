@@ -440,7 +440,8 @@ class BalanceChecks(_Checks):
             rollout = {st for st, k in (get_in(s, "workers", "rollout") or {}).items() if k and st not in ("exited",
                                                                                                      "lost")}
             generated = get_in(s, "counters", "generated", default=0) or 0
-            if generated > first or (generated and not (rollout and rollout <= {"starting"})):
+            # past loading: a count that rose, a live rollout worker past starting, or a count with none alive
+            if generated > first or (rollout and not rollout <= {"starting"}) or (generated and not rollout):
                 break
             n += 1
         return n

@@ -31,7 +31,7 @@ from pipeline.sim.sync import simulate_sync
 from pipeline.sim.bench_live import (LIVE_MODES, MAX_AUTO_SCALE, WALL_RATE, LiveBench, LiveEngineError, LiveSettings,
                                      live_summary)
 from pipeline.control.allocator import Allocation
-from pipeline.sim.workload import WorkloadError, load_workload
+from pipeline.sim.workload import MAX_GPUS, WorkloadError, load_workload
 
 MODES = ("sync", "static", "static-best", "libra", "ideal")
 ENGINES = ("des", "live")
@@ -438,6 +438,8 @@ def _cmd_sweep(args, err: Report) -> int:
     t0 = time.perf_counter()
     try:
         gpus = tuple(args.sweep_gpus or bench_sweep.GPUS)
+        if gpus[1] > MAX_GPUS:   # a later workload would draw a cluster the format refuses
+            raise ValueError(f"{gpus[1]}: at most {MAX_GPUS:,} GPUs (docs/workloads.md)")
         bench_sweep.workload_at(args.seed or 0, 0, gpus)     # a bad range fails here, before any run
     except ValueError as exc:
         err(f"libra-ctl bench policy: --sweep-gpus: {exc}")

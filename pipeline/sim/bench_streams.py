@@ -87,6 +87,10 @@ class BenchSpec:
     redis_config: tuple[tuple[str, str], ...] = ()
 
 
+class RefusedSetting(Exception):
+    """A ``--redis-config`` setting the embedded server refused (bad input, said in one line)."""
+
+
 # --- synthetic messages ---------------------------------------------------------------------
 
 
@@ -459,7 +463,7 @@ def _on_redis(spec: BenchSpec, url: str | None, fn):
             try:
                 connect(server.url).config_set(key, value)
             except redis.ResponseError as exc:
-                raise ValueError(f"--redis-config {key}={value}: Redis refused it: {exc}") from None
+                raise RefusedSetting(f"--redis-config {key}={value}: Redis refused it: {exc}") from None
         return fn(server.url)
 
 
@@ -593,7 +597,7 @@ def cmd_bench_streams(args) -> int:
             result = run_bench(replace(spec, consumers=args.consumers[0]), args.redis, say)
             print(format_result(result))
             checks = [result["exactly_once"]]
-    except ValueError as exc:   # a setting the server refused
+    except RefusedSetting as exc:
         say(str(exc))
         return 2
     except KeyboardInterrupt:   # the stage processes and the embedded Redis are stopped on the way out

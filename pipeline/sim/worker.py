@@ -303,7 +303,10 @@ class SimLearner:
         published = int(self.ctx.r.hget(k.policy, "version") or 0)
         self.step = st.get("step", 0)
         # running totals, committed with the step: the schema's trained_total and dropped_stale_total
-        self.trained_total, self.dropped_total = st.get("trained_total", 0), st.get("dropped_stale_total", 0)
+        # a hash written before the totals were kept: the job's counters, committed with the same steps
+        trained, dropped = self.ctx.r.hmget(k.counters, ["trained", "dropped_stale"])
+        self.trained_total = st.get("trained_total", int(trained or 0))
+        self.dropped_total = st.get("dropped_stale_total", int(dropped or 0))
         for ckpt in self.ckpt_dir.glob("step-*"):
             if ckpt.name.endswith(".tmp") or int(ckpt.name.split("-")[1]) > self.step:
                 shutil.rmtree(ckpt)   # never committed: its entries are still pending
