@@ -55,7 +55,7 @@ from pipeline.observe.report import write_report
 from pipeline.observe.tracking import start_tracker
 from pipeline.dataplane.lifeline import own_runs, raise_interrupt, spawn
 from pipeline.dataplane.redisconn import (ENV_OUTAGE, ENV_URL, UNAVAILABLE, EmbeddedRedis, Outage, RedisUnavailable,
-                                         connect, refusal, resolve_url)
+                                         connect, raise_if_refused, refusal, resolve_url)
 from pipeline.dataplane.jobs import JobRunning, live_owner, release_claim, reset_job
 from pipeline.dataplane.streams import ensure_groups
 from pipeline.redaction import is_redacted, redact, write_private
@@ -615,9 +615,7 @@ def _refused(cfg: Config, out, r: redis.Redis | None = None) -> bool:
         print(f"libra-ctl run: job {cfg.job.name!r} refused: {exc}", file=out)
         return True
     except redis.RedisError as exc:
-        why = refusal(exc)
-        if why:   # up, and refusing this run's credentials, permissions or certificates: said before minutes of work
-            raise RedisUnavailable(f"Redis {why}: {redact(str(exc))}") from None
+        raise_if_refused(exc)   # this run's credentials, permissions or certificates: said before minutes of work
         return False
     return False
 
@@ -689,8 +687,7 @@ def _run_and_summarise(orch: Orchestrator, resumed: bool) -> None:
         if tracker:   # after the sampler's last sample, so TensorBoard and W&B get the whole run
             tracker.stop(summary)
     write_json(orch.run_dir / "summary.json", summary)
-    print(format_summary(summary, orch.run_dir), file=orch.out)
-    print(f"report: {write_report(orch.run_dir)}", file=orch.out)
+    print(format_summary(summary, orch.run_dir), file=orch.out)   # report.html once the workers stop (_stop)
 
 
 def _stop(orch: Orchestrator | None, embedded: EmbeddedRedis | None) -> None:
@@ -709,26 +706,30 @@ def _stop(orch: Orchestrator | None, embedded: EmbeddedRedis | None) -> None:
             if done is None:   # the first read failed: the phase is still what the run left (trained or not)
                 done = orch.r.hget(orch.keys.state, "phase") == b"trained"
             orch.r.hset(orch.keys.state, "phase", "done" if done else "stopped")
-            if done:
-                _settle_summary(orch)
         except redis.RedisError:
             pass
+        if done is not False:   # trained, or Redis could not say: a summary this run wrote is settled
+            _settle_summary(orch)
     if embedded:
         embedded.stop()
 
 
 def _settle_summary(orch: Orchestrator) -> None:
-    """summary.json's count of trajectories generated, once the rollout workers have stopped: they finish the
-    calls in hand after the last step, so the count read for the summary was short of what `audit` reports."""
+    """summary.json's count of trajectories generated, once the rollout workers have stopped (they finish the
+    calls in hand after the last step, so the count read for the summary was short of what `audit` reports);
+    then report.html, which holds the summary."""
     path = orch.run_dir / "summary.json"
     try:
         summary = json.loads(path.read_text())
     except (OSError, ValueError):
         return   # none written: the run ended before its summary
-    generated = int(orch.r.hget(orch.keys.counters, "generated") or 0)
+    try:
+        generated = int(orch.r.hget(orch.keys.counters, "generated") or 0)
+    except redis.RedisError:
+        generated = summary.get("trajectories_generated")   # the count the summary read, then
     if summary.get("trajectories_generated") != generated:
         write_json(path, {**summary, "trajectories_generated": generated})
-        write_report(orch.run_dir)   # it holds the summary too
+    print(f"report: {write_report(orch.run_dir)}", file=orch.out)
 
 
 def check_resumable(r: redis.Redis, keys: JobKeys, run_dir: Path) -> None:

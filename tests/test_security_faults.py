@@ -98,14 +98,19 @@ def test_a_missing_acl_permission_is_one_line(tls, user, argv):
     assert rc == 1 and "Traceback" not in out and "lacks a permission" in out, out[-1500:]
 
 
+def _run(url: str, tmp_path: Path) -> tuple[int | None, str, float]:
+    """A one-step `libra-ctl run` of the quick start on ``url``, with a policy not yet prepared."""
+    return _ctl(url, "run", "examples/quickstart.toml",
+                "--set", f"run.runs_dir={tmp_path / 'runs'}", "--set", f"policy.cache_dir={tmp_path / 'pol'}",
+                "--set", "job.steps=1", "--set", "job.eval_size=8", "--set", "job.eval_every=0",
+                "--set", "learner.batch_size=64", "--set", "job.name=secf", timeout=45)
+
+
 def test_run_with_a_wrong_password_fails_before_preparing_the_policy(tls, tmp_path):
     """`libra-ctl run` with a wrong password and a policy not yet prepared. Before, the check made before the
     policy swallowed every Redis error: the refusal came after the policy was built (86 s here; a real
     model's warm start takes far longer), as "Redis unreachable"."""
-    rc, out, took = _ctl(tls(password="wrong"), "run", "examples/quickstart.toml",
-                         "--set", f"run.runs_dir={tmp_path / 'runs'}", "--set", f"policy.cache_dir={tmp_path / 'pol'}",
-                         "--set", "job.steps=1", "--set", "job.eval_size=8", "--set", "job.eval_every=0",
-                         "--set", "learner.batch_size=64", "--set", "job.name=secf", timeout=45)
+    rc, out, took = _run(tls(password="wrong"), tmp_path)
     assert rc is not None, f"a wrong password was not reported within {took:.0f}s (the policy is being built):\n{out}"
     assert rc == 1 and "refused the credentials" in out and "preparing the policy" not in out, out
 
@@ -124,9 +129,6 @@ def test_run_as_a_user_without_scripting_is_refused_before_anything_starts(tls, 
     """`libra-ctl run` as an ACL user without EVAL (the controller's lease and the stages' atomic writes are Lua).
     Before, the policy was prepared, then the controller and the agent each exited on their first EVAL and were
     restarted 5 times before the run failed."""
-    rc, out, took = _ctl(tls(user="noscript"), "run", "examples/quickstart.toml",
-                         "--set", f"run.runs_dir={tmp_path / 'runs'}", "--set", f"policy.cache_dir={tmp_path / 'pol'}",
-                         "--set", "job.steps=1", "--set", "job.eval_size=8", "--set", "job.eval_every=0",
-                         "--set", "learner.batch_size=64", "--set", "job.name=secf", timeout=45)
+    rc, out, took = _run(tls(user="noscript"), tmp_path)
     assert rc is not None, f"not refused within {took:.0f}s:\n{out}"
     assert rc == 1 and "lacks a permission" in out and "preparing the policy" not in out, out

@@ -177,6 +177,13 @@ class RedisUnavailable(RuntimeError):
     """Redis stayed unreachable for longer than the outage limit, or refused this client (``refusal``)."""
 
 
+def raise_if_refused(exc: BaseException) -> None:
+    """RedisUnavailable naming the refusal when ``exc`` is one (``refusal``): nothing waits it out."""
+    why = refusal(exc)
+    if why:
+        raise RedisUnavailable(f"Redis {why}: {redact(str(exc))}") from exc
+
+
 class Outage:
     """Waits out an unreachable Redis in a long-running loop.
 
@@ -198,9 +205,7 @@ class Outage:
     def wait(self, exc: Exception) -> None:
         if self.stop():
             raise exc
-        why = refusal(exc)
-        if why:   # up, and refusing us: waiting changes nothing
-            raise RedisUnavailable(f"Redis {why}: {redact(str(exc))}") from exc
+        raise_if_refused(exc)   # up, and refusing us: waiting changes nothing
         now = time.monotonic()
         if self.since is None:
             self.since = now

@@ -146,6 +146,13 @@ def _delta(samples: list[dict], *path) -> float | None:
     return rise(vals) if len(vals) >= 2 else None
 
 
+def _waiting(sample: dict, stage: str) -> float | None:
+    """Entries waiting at ``stage`` in a sample (its backlog: unread and pending). The learner's are only those
+    it has not read: it holds what it read pending until its checkpoint, a batch per step, which is no pile-up."""
+    st = get_in(sample, "queues", "stages", stage) or {}
+    return st.get("lag") if stage == "learner" and st.get("lag") is not None else st.get("backlog")
+
+
 def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
@@ -211,6 +218,11 @@ class _Checks:
 
     def add(self, f: Finding) -> None:
         self.d.findings.append(f)
+
+    def tool_p95s(self) -> list[float]:
+        """The tool-call latency p95 of each sample in the window, else of each learner step."""
+        return [v for v in (get_in(s, "queues", "tool_latency_p95_s") for s in self.samples) if v is not None] or \
+            [s["tool_latency_p95_s"] for s in self.steps if s.get("tool_latency_p95_s") is not None]
 
 
 class LogChecks(_Checks):
@@ -323,9 +335,7 @@ class InputChecks(_Checks):
         if not calls and not outs:
             return self.check("inputs", "tool calls", None, "no tool-call figures in the window", no_data=True)
         share = outs / calls if calls else 1.0
-        lat = [v for v in ((get_in(s, "queues", "tool_latency_p95_s") for s in self.samples)) if v is not None] or \
-              [s["tool_latency_p95_s"] for s in self.steps if s.get("tool_latency_p95_s") is not None]
-        limit = _cfg(self.config, "rollout", "tool_timeout_s")
+        lat, limit = self.tool_p95s(), _cfg(self.config, "rollout", "tool_timeout_s")
         if outs >= self.th.tool_timeouts_min and share >= self.th.tool_timeout_share:
             ev = [f"{outs} of {calls} tool calls timed out ({share:.1%}; threshold {self.th.tool_timeout_share:.0%})"]
             if lat:
@@ -427,7 +437,7 @@ class BalanceChecks(_Checks):
 
     def _rollout_states(self) -> str:
         """The rollout workers' states in the last sample, e.g. ``starting 2``."""
-        last = get_in(self.samples[-1], "workers", "rollout") or {} if self.samples else {}
+        last = (get_in(self.samples[-1], "workers", "rollout") or {}) if self.samples else {}
         return ", ".join(f"{st} {k}" for st, k in sorted(last.items()) if k)
 
     def _loading(self) -> int:
@@ -492,10 +502,10 @@ class BalanceChecks(_Checks):
                       + (f", some unread in {unread:.0%}" if unread is not None else "")
                       + (f", reward workers busy {busy:.0%} of the window" if busy is not None else ""))
 
-    def _learner_flat_out(self) -> str | None:
-        """The learner's slots busy while rollout's are held back: the learner sets the pace."""
+    def _learner_flat_out(self, wait: float | None) -> str | None:
+        """The learner's slots busy while rollout's are held back (``wait``: the learner's, hardly any): the
+        learner sets the pace."""
         learner, rollout = self._busy("learner"), self._busy("rollout")
-        wait = self._learner_wait()[0]
         if (learner is None or rollout is None or learner < self.th.busy_high or rollout > learner - self.th.busy_gap
                 or (wait is not None and wait >= self.th.learner_wait_low)):
             return None
@@ -504,8 +514,7 @@ class BalanceChecks(_Checks):
     def _tool_latency(self) -> tuple[float, float | None] | None:
         """The tool-call latency p95 over the window (the median of its samples': one slow instant moves
         nothing), and rollout.tool_timeout_s."""
-        lat = [v for v in (get_in(s, "queues", "tool_latency_p95_s") for s in self.samples) if v is not None] or \
-              [s["tool_latency_p95_s"] for s in self.steps if s.get("tool_latency_p95_s") is not None]
+        lat = self.tool_p95s()
         return (statistics.median(lat), _cfg(self.config, "rollout", "tool_timeout_s")) if lat else None
 
     def _learner_wait(self) -> tuple[float | None, str]:
@@ -550,8 +559,8 @@ class BalanceChecks(_Checks):
             if tools:
                 p95, limit = tools
                 slow = bool(limit) and p95 >= self.th.tool_slow_share * limit
-                ev.append(f"tool latency p95 {p95:.2f} s (median of the samples')" + (f" against rollout.tool_timeout_s {limit:g} s" if limit
-                                                              else ""))
+                ev.append(f"tool latency p95 {p95:.2f} s (median of the samples')"
+                          + (f" against rollout.tool_timeout_s {limit:g} s" if limit else ""))
             now = self._allocated("rollout")
             self.add(Finding("rollout_short", "balance", "critical", "rollout is short: the learner waits "
                              "for data", "tool service" if slow else "rollout", ev,
@@ -569,12 +578,10 @@ class BalanceChecks(_Checks):
             if n is not None:
                 return f"{n} {role} workers now"
         return f"{role}.workers={_cfg(self.config, role, 'workers', '?')} now"
-
-
     def _backlogs_rise(self, wait: float | None, wait_src: str, rising: dict) -> bool:
         """The learner keeps up: a rising or always-full learner queue, or its slots busy while rollout's are
         held back, names the learner; a rising reward queue names reward."""
-        full, flat_out = self._always_full(), self._learner_flat_out()
+        full, flat_out = self._always_full(), self._learner_flat_out(wait)
         found = False
         if rising["learner"] or full or flat_out:
             found = True
@@ -597,12 +604,10 @@ class BalanceChecks(_Checks):
         return found
 
     def _backlog(self, stage: str) -> tuple[list[float], list[float]]:
-        """(times, entries waiting at ``stage``). The learner's are those it has not read: it holds what it
-        read pending until its checkpoint, a batch per step, which is no pile-up."""
+        """(times, entries waiting at ``stage``) over the samples (``_waiting``)."""
         ts, ys = [], []
         for s in self.samples:
-            st = get_in(s, "queues", "stages", stage) or {}
-            b = st.get("lag") if stage == "learner" and st.get("lag") is not None else st.get("backlog")
+            b = _waiting(s, stage)
             if b is not None:
                 ts.append(float(s["at"]))
                 ys.append(float(b))
@@ -641,12 +646,7 @@ class BalanceChecks(_Checks):
         cap, g = _cfg(self.config, "streams", "max_queue_size"), _cfg(self.config, "rollout", "group_size")
         if not cap or not g or len(self.samples) < self.th.min_samples:
             return None
-        # work waiting: at reward, and unread at the learner (what it holds until its checkpoint is not waiting)
-        totals = [(get_in(s, "queues", "stages", "reward", "backlog", default=0)
-                   + (get_in(s, "queues", "stages", "learner", "lag")
-                      if get_in(s, "queues", "stages", "learner", "lag") is not None
-                      else get_in(s, "queues", "stages", "learner", "backlog", default=0))) * g
-                  for s in self.samples]
+        totals = [sum(_waiting(s, st) or 0 for st in ("reward", "learner")) * g for s in self.samples]
         share = sum(1 for t in totals if t >= self.th.queue_full_share * cap) / len(totals)
         if share >= 0.8:
             return (f"the buffer was at streams.max_queue_size ({cap} trajectories) in {share:.0%} of samples: "

@@ -302,8 +302,8 @@ class SimLearner:
         st = {a.decode(): int(b) for a, b in self.ctx.r.hgetall(k.sim_learner).items()}
         published = int(self.ctx.r.hget(k.policy, "version") or 0)
         self.step = st.get("step", 0)
-        # running totals, committed with the step: the schema's trained_total and dropped_stale_total
-        # a hash written before the totals were kept: the job's counters, committed with the same steps
+        # the schema's running totals, committed with the step; from a hash written before they were kept,
+        # the job's counters, committed with the same steps
         trained, dropped = self.ctx.r.hmget(k.counters, ["trained", "dropped_stale"])
         self.trained_total = st.get("trained_total", int(trained or 0))
         self.dropped_total = st.get("dropped_stale_total", int(dropped or 0))
