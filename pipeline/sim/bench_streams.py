@@ -43,6 +43,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import signal
 import statistics
 import sys
 import tempfile
@@ -259,6 +260,14 @@ def stage_main(kind: str, role: str, url: str, job: str, spec: BenchSpec, stop_e
     results.put((role, {**(out or {}), "cpu_s": time.thread_time() - cpu0}))
 
 
+def _stage_process(*args) -> None:
+    """A stage process: Ctrl-C (sent to the whole process group by a terminal) is the CLI's to handle, which
+    stops the stages through ``stop_event`` and collects their tallies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    stage_main(*args)
+
+
 def encoded_unscored(spec: BenchSpec) -> bytes:
     prompt = messages.Prompt("p-000000000", "synthetic prompt", 0, 0.0)
     return messages.encode(synthetic_group(prompt, synthetic_trajectories(spec), "rollout-0"))
@@ -308,20 +317,27 @@ class Feeder(threading.Thread):
             self.issued += n
 
 
-def _start_stages(kind: str, url: str, job: str, spec: BenchSpec, stop_event, ready, results) -> list:
-    """One learner, and ``spec.consumers`` consumers of the reward and of the rollout stage."""
-    workers = []
+def _start_stages(kind: str, url: str, job: str, spec: BenchSpec, stop_event, ready, results,
+                  workers: list) -> None:
+    """One learner, and ``spec.consumers`` consumers of the reward and of the rollout stage, onto ``workers``
+    as each starts (an interrupt midway leaves the ones started there, to be stopped)."""
     for role in ("learner", "reward", "rollout"):
         for index in range(1 if role == "learner" else spec.consumers):
             args = (kind, role, url, job, spec, stop_event, ready, results, index)
             name = f"bench-{role}-{index}"
             if spec.stages == "processes":
-                w = mp.get_context("fork").Process(target=stage_main, args=args, name=name, daemon=True)
+                w = mp.get_context("fork").Process(target=_stage_process, args=args, name=name, daemon=True)
+                # Ctrl-C held over the fork: arriving inside the fork's hooks it is printed and then lost
+                # (the run went on to its end); held, it is raised here, after the fork
+                old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+                try:
+                    w.start()
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, old)
             else:
                 w = threading.Thread(target=stage_main, args=args, name=name, daemon=True)
-            w.start()
+                w.start()
             workers.append(w)
-    return workers
 
 
 def measure(kind: str, url: str, job: str, spec: BenchSpec, say=lambda line: None) -> dict:
@@ -337,10 +353,11 @@ def measure(kind: str, url: str, job: str, spec: BenchSpec, say=lambda line: Non
         stop_event, ready, results = ctx.Event(), ctx.Queue(), ctx.Queue()
     else:
         stop_event, ready, results = threading.Event(), queue.Queue(), queue.Queue()
-    workers = _start_stages(kind, url, job, spec, stop_event, ready, results)
+    workers: list = []
     feeder = Feeder(r, keys, spec)
     redis_cpu0 = _redis_cpu_s(r)
     try:
+        _start_stages(kind, url, job, spec, stop_event, ready, results, workers)
         _wait_ready(workers, ready)
         feeder.start()
         rate = _rate(r, keys, spec, feeder, workers)
