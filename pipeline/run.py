@@ -199,6 +199,8 @@ class Orchestrator:
         self.resumes: list[float] = []         # the start of every resume, oldest first
         self.tty = out.isatty()
         self.outage = Outage(_Say(out))
+        self.tracker = None                    # TensorBoard and W&B, closed with the settled summary (_stop)
+        self.written: dict | None = None       # this run's summary.json, once written
 
     # --- processes ---------------------------------------------------------------------------
 
@@ -678,16 +680,15 @@ def _run_and_summarise(orch: Orchestrator, resumed: bool) -> None:
     # A resumed job's counters and steps hold its history: the sampler measures what comes after.
     sampler = start_sampler(orch.r, orch.cfg.job.name, orch.run_dir, orch.cfg.metrics.interval_s,
                             from_start=not resumed)
-    tracker = start_tracker(orch.cfg, orch.run_dir, orch.r, say=orch.say)
-    summary = None
+    orch.tracker = start_tracker(orch.cfg, orch.run_dir, orch.r, say=orch.say)
     try:
         summary = orch.run()
     finally:
         sampler.stop()
-        if tracker:   # after the sampler's last sample, so TensorBoard and W&B get the whole run
-            tracker.stop(summary)
     write_json(orch.run_dir / "summary.json", summary)
-    print(format_summary(summary, orch.run_dir), file=orch.out)   # report.html once the workers stop (_stop)
+    orch.written = summary
+    # report.html once the workers stop, and TensorBoard and W&B closed then, with the settled summary (_stop)
+    print(format_summary(summary, orch.run_dir), file=orch.out)
 
 
 def _stop(orch: Orchestrator | None, embedded: EmbeddedRedis | None) -> None:
@@ -708,8 +709,10 @@ def _stop(orch: Orchestrator | None, embedded: EmbeddedRedis | None) -> None:
             orch.r.hset(orch.keys.state, "phase", "done" if done else "stopped")
         except redis.RedisError:
             pass
-        if done is not False:   # trained, or Redis could not say: a summary this run wrote is settled
+        if done is not False and orch.written:   # trained, or Redis could not say: this run's summary is settled
             _settle_summary(orch)
+        if orch.tracker:   # after the sampler's last sample and the settled summary: the sinks get the whole run
+            orch.tracker.stop(orch.written)
     if embedded:
         embedded.stop()
 
@@ -718,17 +721,14 @@ def _settle_summary(orch: Orchestrator) -> None:
     """summary.json's count of trajectories generated, once the rollout workers have stopped (they finish the
     calls in hand after the last step, so the count read for the summary was short of what `audit` reports);
     then report.html, which holds the summary."""
-    path = orch.run_dir / "summary.json"
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return   # none written: the run ended before its summary
+    summary = orch.written
     try:
         generated = int(orch.r.hget(orch.keys.counters, "generated") or 0)
     except redis.RedisError:
         generated = summary.get("trajectories_generated")   # the count the summary read, then
     if summary.get("trajectories_generated") != generated:
-        write_json(path, {**summary, "trajectories_generated": generated})
+        orch.written = summary = {**summary, "trajectories_generated": generated}
+        write_json(orch.run_dir / "summary.json", summary)
     print(f"report: {write_report(orch.run_dir)}", file=orch.out)
 
 

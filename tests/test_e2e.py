@@ -23,6 +23,7 @@ import pytest
 
 from pipeline.dataplane.keys import JobKeys
 from pipeline.dataplane.redisconn import ENV_URL, connect
+from tests.test_tracking import wandb_env, wandb_run  # noqa: F401 - the fixture, for pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -194,17 +195,29 @@ def test_e2e_embedded_redis(tmp_path):
 
 
 @pytest.mark.slow
-def test_e2e_redis_server(tmp_path, server_redis_url):
+def test_e2e_redis_server(tmp_path, server_redis_url, wandb_env):
+    """A shorter job on a Redis 7 server, skipping the bad lines of its prompt file, tracked by W&B offline."""
+    from pipeline.observe.audit import audit
+
     bad = tmp_path / "prompts.jsonl"
     lines = (ROOT / "examples/data/calc_train.jsonl").read_text().splitlines()[:300]
     lines.insert(2, "{not json")
     lines.insert(5, '{"prompt_id": "x", "prompt": "Q:1+1\\n"}')
     bad.write_text("\n".join(lines) + "\n")
-    run_dir, out, statuses = run_job(tmp_path, server_redis_url, SHORT, prompts=bad)
+    run_dir, out, statuses = run_job(tmp_path, server_redis_url, [*SHORT, "tracking.wandb=offline"], prompts=bad)
     check_run(run_dir, out, statuses, steps=6, batch=64, evals=2)   # at the start and the end
     assert f"{bad}:3:" in out and f"{bad}:6:" in out and "line skipped" in out
     assert connect(server_redis_url).info("server")["redis_version"].startswith("7")
     check_greedy_matches_learner(run_dir, server_redis_url)
+    # W&B's run summary is summary.json as settled once the workers stopped (before, the tracker was closed
+    # with the count read at the last step, short of what the rollout workers generated up to their stop)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    a = audit(connect(server_redis_url), "e2e", str(run_dir))
+    [offline] = list((run_dir / "wandb").glob("offline-run-*"))
+    _run, _rows, tracked = wandb_run(offline)
+    assert tracked["run/trajectories_generated"] == summary["trajectories_generated"] == a["generated"], \
+        (tracked["run/trajectories_generated"], summary["trajectories_generated"], a["generated"])
+    assert tracked["run/trajectories_trained"] == 6 * 64
 
 
 @pytest.mark.slow
