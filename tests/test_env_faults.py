@@ -15,6 +15,7 @@ char tokenizer of tests/test_envs.py, and, where the stage matters, the real
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -287,3 +288,32 @@ def test_a_tool_that_fails_on_the_last_turn_loses_nothing_and_the_group_is_train
     r.delete(keys.rollouts, keys.prompts, keys.dead_letters)
     reasons = _run_rollout_stage(r, _stage(r, _FailsOnTurn(1)))           # the first turn's: its reply was needed
     assert len(reasons) == 1 and "tool service down" in reasons[0]
+
+
+# --- a tool or a start that wraps a command line's main(): SystemExit --------------------------------------------
+
+
+class ExitingStep(Replies):
+    def __init__(self):
+        super().__init__(lambda: sys.exit(3))
+
+
+class ExitingStart(Replies):
+    def __init__(self):
+        super().__init__(lambda: Reply(text="ok", tool_call=True))
+
+    def start(self, task):
+        raise SystemExit("sandbox set-up failed")
+
+
+@pytest.mark.parametrize("env, said", [(ExitingStep, "env.step raised on 2 tries: SystemExit: 3"),
+                                       (ExitingStart, "env.start raised SystemExit: sandbox set-up failed")],
+                         ids=["step", "start"])
+def test_a_tool_or_start_that_calls_sys_exit_dead_letters_its_group_not_the_worker(r, env, said):
+    """docs/environments.md, "Tool errors": a step or a start that raises ends its episodes and dead-letters
+    the group. A review's tool wrapping a command line's main() (sys.exit on failure): SystemExit passed the
+    `except Exception` of the step and start calls, and the rollout worker exited with code 3; its agent
+    restarted it into the same prompt until the run failed on a crash loop, with no word of the tool. The
+    reward path already took SystemExit as the sample's failure."""
+    reasons = _run_rollout_stage(r, _stage(r, env(), "rollout.tool_retries=1"))
+    assert len(reasons) == 1 and said in reasons[0], reasons

@@ -106,7 +106,7 @@ class Loop:
             ep = Episode(task.prompt_id, sample_idx, self.fmt.prompt_ids(self.tokenizer, task.prompt), [], [], [], "")
             if isinstance(state, CallTimeout):
                 ep.finish, ep.error = "error", f"env.start: {state}"
-            elif isinstance(state, Exception):   # user code: reported with the group, not a crash
+            elif isinstance(state, (Exception, SystemExit)):   # user code: reported with the group, not a crash
                 ep.finish, ep.error = "error", f"env.start raised {type(state).__name__}: {state}"
             else:
                 ep.state = state

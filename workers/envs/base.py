@@ -148,7 +148,7 @@ def env_calls(fn: Callable, args: Sequence[tuple], timeout_s: float) -> list:
         except FutureTimeout:
             _POOL.abandon(fut)
             out.append(late(fn, timeout_s))
-        except Exception as exc:  # noqa: BLE001 - user code: the caller reports it with the episode
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code (a wrapped main() too): the caller reports it
             out.append(exc)
     return out
 
@@ -351,9 +351,10 @@ def _timed_step(env: Environment, call: tuple[Any, Task, str, str], done_at: lis
         try:
             reply = check_reply(env.step(*call), f"{type(env).__name__}.step")
             break
-        # The step is user code: whatever it raises is the tool's failure, retried and then reported with
-        # its type and message (the group is dead-lettered), never turned into a reply the model trains on.
-        except Exception as exc:  # noqa: BLE001
+        # The step is user code: whatever it raises (SystemExit too: a tool wrapping a command line's main())
+        # is the tool's failure, retried and then reported with its type and message (the group is
+        # dead-lettered), never turned into a reply the model trains on, nor the end of the rollout worker.
+        except (Exception, SystemExit) as exc:  # noqa: BLE001
             if attempt == retries:
                 reply = Reply(done=True, finish="error", tool_call=True,
                               error=f"env.step raised on {retries + 1} tries: {type(exc).__name__}: {exc}")
@@ -385,7 +386,7 @@ def check_reply(reply: Any, where: str) -> Reply:
 def _checked_timeout_reply(env: Environment, state: Any, task: Task) -> Reply:
     try:
         return check_reply(env.timeout_reply(state, task), f"{type(env).__name__}.timeout_reply")
-    except Exception as exc:  # noqa: BLE001 - user code: its failure ends the episode, the group dead-lettered
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code: its failure ends the episode, dead-lettered
         return Reply(done=True, finish="error", tool_call=True, timed_out=True,
                      error=f"a step ran late and timeout_reply failed: {type(exc).__name__}: {exc}")
 
