@@ -115,6 +115,18 @@ def r(redis_url) -> redis.Redis:
 
 
 @pytest.fixture
+def wandb_env(tmp_path, monkeypatch):
+    """W&B offline, silent, with its config and caches in tmp; skipped where wandb is not installed."""
+    pytest.importorskip("wandb")
+    for var, sub in (("WANDB_DIR", "wandb-dir"), ("WANDB_CONFIG_DIR", "wandb-config"),
+                     ("WANDB_CACHE_DIR", "wandb-cache"), ("WANDB_DATA_DIR", "wandb-data")):
+        monkeypatch.setenv(var, str(tmp_path / sub))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+
+
+@pytest.fixture
 def server_redis_url():
     """A Redis 7 server; under CI a missing one fails the test instead of skipping it."""
     try:

@@ -23,7 +23,7 @@ import pytest
 
 from pipeline.dataplane.keys import JobKeys
 from pipeline.dataplane.redisconn import ENV_URL, connect
-from tests.test_tracking import wandb_env, wandb_run  # noqa: F401 - the fixture, for pytest
+from tests.test_tracking import wandb_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
