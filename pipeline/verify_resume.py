@@ -255,7 +255,7 @@ def judge(cfg: Config, run_dir: Path, kill: Kill, finished: rc.Check) -> tuple[l
         if server is not None:
             server.stop()
     ckpt_version = int(rc.checkpoint_state(run_dir, kill.checkpoint_step)["version"])
-    checks += [rc.check_steps(split), rc.check_versions(split, ckpt_version)]
+    checks += [rc.check_weights(run_dir, kill.at), rc.check_steps(split), rc.check_versions(split, ckpt_version)]
     checks += curve_checks(split, evals, kill, ckpt_version)
     return checks, split, evals
 

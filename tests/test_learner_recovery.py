@@ -248,6 +248,35 @@ def test_crash_between_checkpoints_loses_nothing_and_trains_nothing_twice(tmp_pa
     assert cli.returncode == 0 and json.loads(cli.stdout)["trained"] == 96
 
 
+@pytest.mark.slow
+def test_a_checkpoint_records_its_weights_and_a_restore_refuses_damaged_ones(tmp_path, r, redis_url, policy_dir):
+    """state.json keeps the SHA-256 of the weights in memory; the restore compares the weights it loaded with it.
+    A byte changed in the checkpoint's weights file (a damaged disk, a copy cut short and padded) loaded as
+    weights that were never trained; now the learner refuses, naming the checkpoint, and writes nothing."""
+    from workers.checkpoint import weights_digest
+
+    run_dir, _cfg = setup_run(tmp_path, r, redis_url, policy_dir, dedup=True, extra=("job.steps=2",))
+    feed(r, scored_groups(policy_dir, 8), issued=8)
+    first = in_process_learner(run_dir, r)
+    first.run()
+    ckpt = run_dir / "checkpoints" / "step-000002"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["weights_sha256"] == weights_digest(first.model)
+    assert weights_digest(first.model) != weights_digest(load_model(policy_dir))   # trained: not the initial ones
+
+    again = in_process_learner(run_dir, r)   # restored from step 2, as written
+    assert again.step == 2 and weights_digest(again.model) == state["weights_sha256"]
+
+    weights = ckpt / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x40   # a byte of the last tensor's values, past the header
+    weights.write_bytes(bytes(data))
+    version = r.hget(JobKeys("rec").policy, "version")
+    with pytest.raises(RuntimeError, match="step-000002: the weights loaded .* are not the ones it recorded"):
+        in_process_learner(run_dir, r)
+    assert r.hget(JobKeys("rec").policy, "version") == version   # nothing published from them
+
+
 def consumer_pending(r, consumer: str) -> int:
     return next((int(c["pending"]) for c in r.xinfo_consumers(JobKeys("rec").scored, "learner")
                  if c["name"].decode() == consumer), 0)

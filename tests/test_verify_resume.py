@@ -35,6 +35,7 @@ from pipeline.verify_resume import BadPlan, kill_step, kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULT_SKIP_OFFSETS = ROOT / "tests" / "faults" / "skip_offsets"
+FAULT_FRESH_WEIGHTS = ROOT / "tests" / "faults" / "fresh_weights"
 QUICK = ["job.steps=10", "learner.batch_size=64", "learner.checkpoint_every=2", "job.eval_size=48",
          "job.eval_every=2", "rollout.groups_per_call=4", "streams.max_queue_size=192"]
 
@@ -59,8 +60,9 @@ def test_verify_resume_passes_on_the_quick_start_job(tmp_path, mode):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert verdict["verdict"] == "PASS" and not verdict["failed"]
     checks = {c["name"]: c for c in verdict["checks"]}
-    assert {"run", "audit", "checkpoints", "offsets", "steps", "versions", "reward", "batch success",
+    assert {"run", "audit", "checkpoints", "offsets", "weights", "steps", "versions", "reward", "batch success",
             "held-out eval"} <= set(checks)
+    assert checks["weights"]["ok"] is True and checks["weights"]["figures"]["restores"] >= 1, checks["weights"]
     assert checks["audit"]["figures"]["lost"] == 0 and checks["audit"]["figures"]["duplicates_trained"] == 0
     steps = checks["steps"]["figures"]
     assert 0 < steps["checkpoint_step"] < steps["kill_step"] < 10 and steps["replayed"] >= 1
@@ -81,6 +83,22 @@ def test_verify_resume_fails_loudly_when_checkpoints_skip_their_offsets(tmp_path
     assert checks["audit"]["figures"]["lost"] > 0
     assert "FAIL  audit" in proc.stdout and "FAIL  checkpoints" in proc.stdout
     assert "FAILED: " in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_verify_resume_fails_a_resume_that_loads_the_initial_weights(tmp_path):
+    """docs/recovery.md: a resume comes back "with its policy where the checkpoint left it, not back at the
+    start". A review's build whose restore loads the initial weights (with the checkpoint's step, counters and
+    optimizer) PASSed every check of this 6-step run: steps and versions come from state.json, and the levels
+    were within the noise. Now the learner refuses weights that are not its checkpoint's, and the verdict
+    fails."""
+    settings = [s for s in QUICK if not s.startswith("job.steps")] + ["job.steps=6"]
+    proc, verdict = verify_resume(tmp_path, settings, pythonpath=[FAULT_FRESH_WEIGHTS])
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert verdict["verdict"] == "FAIL", verdict
+    out = proc.stdout + proc.stderr
+    assert "not the ones it recorded" in out, out[-3000:]   # the learner's refusal, in the run's last output
 
 
 # --- the checks, on records built by hand ---------------------------------------------------------
@@ -150,6 +168,32 @@ def test_a_checkpoint_that_skips_ids_fails_the_checkpoint_check(tmp_path):
     (tmp_path / "checkpoints" / "step-000004" / "consumed.txt").write_text("".join(f"{i}\n" for i in ids[72:]))
     check = rc.check_checkpoints(tmp_path, final)
     assert not check.ok and "step-000004" in check.detail and "records 56 trained ids" in check.detail
+
+
+def test_a_restore_that_loaded_other_weights_fails_the_weights_check(tmp_path):
+    """The digest the learner logged for the weights it restored against the one its checkpoint recorded;
+    restores before the kill (an earlier life of the run) are not this kill's."""
+    ckpt = tmp_path / "checkpoints" / "step-000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text(json.dumps({"step": 4, "version": 4, "weights_sha256": "a" * 64}))
+    (tmp_path / "logs").mkdir()
+    log = tmp_path / "logs" / "learner-0.jsonl"
+
+    def restored(at: str, digest: str | None) -> str:
+        rec = {"event": "restored", "checkpoint": str(ckpt), "step": 4, "timestamp": at}
+        return json.dumps(rec if digest is None else {**rec, "weights_sha256": digest}) + "\n"
+
+    kill_at = 1_800_000_000.0   # 2027-01-15T08:00:00Z
+    before, after = "2027-01-15T07:59:00Z", "2027-01-15T08:00:30Z"
+    assert rc.check_weights(tmp_path, kill_at).ok is False            # no restore after the kill at all
+    log.write_text(restored(before, "b" * 64) + restored(after, "a" * 64))
+    check = rc.check_weights(tmp_path, kill_at)
+    assert check.ok is True and check.figures["restores"] == 1, check.detail
+    log.write_text(restored(after, "a" * 64) + restored("2027-01-15T08:01:00Z", "c" * 64))
+    check = rc.check_weights(tmp_path, kill_at)
+    assert check.ok is False and "step-000004" in check.detail and "cccccccccccc" in check.detail, check.detail
+    log.write_text(restored(after, None))                              # a learner that logged no digest
+    assert rc.check_weights(tmp_path, kill_at).ok is None
 
 
 def group(prompt_id: str) -> messages.Group:

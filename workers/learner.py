@@ -56,7 +56,7 @@ from pipeline.dataplane.streams import (dead_letter, decode_entries, ensure_grou
                                         take_over_pending, trajectories_of, transact, trim)
 from pipeline.dataplane.worker import CostMeter, WorkerContext, finish_worker, start_worker
 from workers.checkpoint import (announcement, latest_checkpoint, newest_published, prune_published, read_optimizer,
-                                read_state, recorded_ids_after, write_checkpoint, write_published)
+                                read_state, recorded_ids_after, weights_digest, write_checkpoint, write_published)
 from workers.grpo import no_signal
 from workers.oom import is_oom, oom_reported, record_oom
 from workers.ranks import RankDied, RankGroup, pick_device, world_size
@@ -202,6 +202,11 @@ class Learner:
             return None
         state = read_state(latest)
         self.load(latest / "model")  # a checkpoint's model dir carries the initial policy's tokenizer files
+        loaded = weights_digest(self.model)
+        if loaded != state.get("weights_sha256", loaded):   # recorded since checkpoints carry it
+            raise RuntimeError(f"checkpoint {latest.name}: the weights loaded from {latest / 'model'} are not the "
+                               f"ones it recorded (sha256 {loaded[:12]}, recorded {state['weights_sha256'][:12]}); "
+                               f"its files are damaged: move {latest.name} aside to restore the one before it")
         self.step = state["step"]
         self.trained_total = state["trained_total"]
         self.dropped_total = state["dropped_total"]
@@ -213,7 +218,7 @@ class Learner:
         self.lineage = restored(stored, state)
         self.start_line(updates=self.step, parent=state["version"])
         self.ctx.log.info("restored", checkpoint=str(latest), step=self.step, version=self.version,
-                          parent_version=state["version"])
+                          parent_version=state["version"], weights_sha256=loaded)
         opt = read_optimizer(latest)
         self.restored_from = latest
         for record in ("consumed.txt", "dropped.txt"):
@@ -852,7 +857,8 @@ class Learner:
         write_checkpoint(self.ckpt_dir, self.model, self.optimizer, self.consumed, self.dropped, {
             "step": self.step, "version": self.version, "trained_total": self.trained_total,
             "dropped_total": self.dropped_total, "dropped_branch_total": self.dropped_branch_total,
-            "lineage": self.lineage.to_json(), "world_size": self.world, "written_at": time.time()},
+            "lineage": self.lineage.to_json(), "world_size": self.world, "written_at": time.time(),
+            "weights_sha256": weights_digest(self.model)},
             self.source_dir, dropped_branch=self.dropped_branch)
         if self.unacked:
             # Both are safe to repeat, so a Redis blip is waited out. Acks lost all the same (a kill right

@@ -8,10 +8,11 @@ directory and the job's Redis. Two families of checks, each a ``Check``:
   every checkpoint's records against the learner's step records, and the
   scored entries still unacknowledged against what the checkpoints say was
   trained (``check_audit``, ``check_checkpoints``, ``check_offsets``);
-- continuity: the learner's step numbers and policy versions across the kill,
+- continuity: the weights each restore loaded against those its checkpoint
+  recorded, the learner's step numbers and policy versions across the kill,
   and the reward, batch-success and held-out success levels after the resume
   against those at the restored checkpoint and at the start of the run
-  (``check_steps``, ``check_versions``, ``check_level``).
+  (``check_weights``, ``check_steps``, ``check_versions``, ``check_level``).
 
 The level rule, in one line: a curve continues when its level after the
 resume is within ``max(tol, |resumed - initial|)`` of the checkpoint's level,
@@ -35,6 +36,7 @@ from pipeline.dataplane import messages
 from pipeline.dataplane.keys import GROUP_LEARNER, JobKeys
 from pipeline.observe.audit import audit, checkpoint_records
 from pipeline.observe.measures import read_jsonl
+from pipeline.observe.trace import unix_time
 
 WINDOW_MAX = 5      # learner steps in a level's window at most
 TOL_SIGMAS = 3.0    # tolerance of a level comparison, in standard errors of the difference
@@ -320,6 +322,39 @@ def check_offsets(r: redis.Redis, keys: JobKeys, run_dir: Path, max_bytes: int) 
                      f"checkpoint records as trained (e.g. {both[:3]})", figures)
     return Check("offsets", True, f"{len(entries)} scored entries left unacknowledged ({len(pending)} pending at the "
                  "learner), none holding an id a checkpoint trained", figures)
+
+
+def check_weights(run_dir: Path, kill_at: float) -> Check:
+    """Each restore after the kill loaded the weights its checkpoint recorded (``weights_sha256`` of its
+    ``state.json`` against the digest of the weights in memory the learner logged when it restored).
+
+    Steps, versions and counters are restored from ``state.json`` whatever weights are loaded: only this
+    tells a resume that went on from the checkpoint's policy from one that went back to other weights.
+    """
+    restores = sorted((rec for path in (run_dir / "logs").glob("*.jsonl") for rec in read_jsonl(path)
+                       if rec.get("event") == "restored" and (unix_time(rec.get("timestamp")) or 0) > kill_at),
+                      key=lambda rec: unix_time(rec["timestamp"]))
+    if not restores:
+        return Check("weights", False, "no learner logged a restore from a checkpoint after the kill")
+    problems, unrecorded, names = [], 0, []
+    for rec in restores:
+        ckpt = Path(rec["checkpoint"])
+        names.append(ckpt.name)
+        recorded = _read_json(ckpt / "state.json").get("weights_sha256") if (ckpt / "state.json").exists() else None
+        loaded = rec.get("weights_sha256")
+        if recorded is None or loaded is None:
+            unrecorded += 1
+        elif loaded != recorded:
+            problems.append(f"{ckpt.name}: loaded sha256 {loaded[:12]}, the checkpoint recorded {recorded[:12]}")
+    figures = {"restores": len(restores), "checkpoints": names}
+    if problems:
+        return Check("weights", False, "a restore loaded other weights than its checkpoint's: "
+                     + "; ".join(problems), figures)
+    if unrecorded:
+        return Check("weights", None, f"{unrecorded} of {len(restores)} restores cannot be compared (a checkpoint "
+                     "or a learner of a version that recorded no weights digest)", figures)
+    return Check("weights", True, f"{len(restores)} restore(s) ({', '.join(names)}) loaded the weights the "
+                 "checkpoint recorded (SHA-256 of every parameter)", figures)
 
 
 def checkpoint_state(run_dir: Path, step: int) -> dict:
