@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -37,18 +38,18 @@ from pipeline.control.allocator import RoleBounds
 from pipeline.dataplane.keys import (AGENTS, CONTROLLER_EPOCH, CONTROLLER_LEASE, GROUP_ROLLOUT, LEARNER, JobKeys,
                                      agent_desired, agent_log, agent_procs)
 from pipeline.dataplane.redisconn import ENV_URL
-from pipeline.dataplane.worker import (EXTERNAL, IdTaken, WorkerContext, claim_external_id, finish_worker,
+from pipeline.dataplane.worker import (EXTERNAL, HEARTBEAT_S, IdTaken, WorkerContext, claim_external_id, finish_worker,
                                        load_run_config)
 from pipeline.run import Orchestrator
 
 try:  # pytest imports tests/ as a package when it has an __init__.py, else as a directory on sys.path
     from tests.test_agent import log_events, make_agent
     from tests.test_controller import desired_roles, fake_agent
-    from tests.test_sim_workers import ROOT, sim_job, stop_all, wait_for
+    from tests.test_sim_workers import ROOT, sim_job, stop_all, wait_for, write_workload
 except ModuleNotFoundError:
     from test_agent import log_events, make_agent
     from test_controller import desired_roles, fake_agent
-    from test_sim_workers import ROOT, sim_job, stop_all, wait_for
+    from test_sim_workers import ROOT, sim_job, stop_all, wait_for, write_workload
 
 JOB = "simtest"
 
@@ -267,6 +268,13 @@ def test_drain_command_asks_an_external_worker_directly(r, redis_url, tmp_path, 
     assert cli.main(["drain", "rollout-pool-ext9", "--redis", redis_url]) == 2
 
 
+def gone_pid() -> int:
+    """The pid of a process that has exited: a job's owner that is gone."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
 def test_an_external_worker_that_stopped_by_itself_waits_for_its_jobs_end(r, redis_url, tmp_path):
     run_dir = sim_job(r, redis_url, tmp_path)
     keys = JobKeys(JOB)
@@ -280,14 +288,17 @@ def test_an_external_worker_that_stopped_by_itself_waits_for_its_jobs_end(r, red
         seen.append((json.loads(r.hget(keys.workers, ctx.worker_id))["state"],
                      external_counts(external_workers(r, JOB))))
         r.hset(keys.state, "phase", "done")
+        time.sleep(HEARTBEAT_S + 0.5)   # the job's process, still writing its summary: the worker waits for it
+        seen.append(json.loads(r.hget(keys.workers, ctx.worker_id))["state"])
+        r.hset(keys.state, "pid", gone_pid())
 
     for drained, state, counted in ((False, "done", {"learner": 1}), (True, "drained", {})):
-        r.hset(keys.state, "phase", "running")
+        r.hset(keys.state, mapping={"phase": "running", "pid": os.getpid()})
         ctx.drain_requested = drained
         threading.Thread(target=end_job_after_a_look).start()
         t0 = time.monotonic()
         finish_worker(ctx)    # its steps done, or drained: waits, heartbeating, until the job is over
-        assert time.monotonic() - t0 >= 0.5 and seen[-1] == (state, counted)
+        assert time.monotonic() - t0 >= HEARTBEAT_S + 1.1 and seen[-2:] == [(state, counted), state]
         assert json.loads(r.hget(keys.workers, ctx.worker_id))["state"] == "exited"
     # a signalled one stops at once
     r.hset(keys.state, "phase", "running")
@@ -481,8 +492,8 @@ def test_pool_workers_register_are_counted_never_signalled_and_drain_when_asked(
         assert allocation_status(r, JOB)["roles"]["rollout"] == 1
         reconcile_until(ctl, agent, lambda: not [p for p in agent.procs.values() if p.spec["role"] == "rollout"],
                         30, "the agent's rollout worker drained")
-        # the job ends: the controller asks the other one, and both exit by themselves
-        r.hset(keys.state, "phase", "done")
+        # the job ends, and its process exits: the controller asks the other one, and both exit by themselves
+        r.hset(keys.state, mapping={"phase": "done", "pid": gone_pid()})
         reconcile_until(ctl, agent, lambda: all(p.poll() is not None for p in pool), 60, "the pool to exit")
         assert [p.returncode for p in pool] == [0, 0]
     finally:
@@ -519,7 +530,7 @@ def test_a_pool_learner_takes_over_from_the_agents_learner(r, redis_url, tmp_pat
         assert json.loads(r.hget(keys.workers, LEARNER))["pid"] == pool.pid
         before = trained()
         reconcile_until(ctl, agent, lambda: trained() >= before + 64, 60, "the pool learner training on")
-        r.hset(keys.state, "phase", "done")
+        r.hset(keys.state, mapping={"phase": "done", "pid": gone_pid()})
         reconcile_until(ctl, agent, lambda: pool.poll() is not None, 60, "the pool learner to exit")
         assert pool.returncode == 0
         reconcile_until(ctl, agent, lambda: not agent.procs, 30, "the agent's workers drained")
@@ -591,3 +602,35 @@ def test_honcho_on_the_root_procfile_runs_two_rollout_pool_workers(r, redis_url,
     assert len(pids) >= 8         # honcho, its shells' processes, the pools, the agent's workers
     wait_for(lambda: not [p for p in pids if _alive(p)], 30, "every process to exit")
     assert not live_agents(r) and not r.exists(CONTROLLER_LEASE)
+
+
+def test_under_honcho_the_job_line_ends_first_and_its_exit_code_is_honchos(r, redis_url, tmp_path):
+    """Procfile: "the job line exits once the job has trained, and honcho sends SIGTERM to the rest". A review
+    found a pool line first to stop, on every run with pools: its worker left as soon as the job's phase left
+    running, while the job line was still stopping its workers and writing its summary and report; honcho then
+    SIGTERMed the job line (rc -15), and honcho's exit code was the pool worker's 0, not the job's."""
+    honcho, libra = ROOT / ".venv" / "bin" / "honcho", ROOT / ".venv" / "bin" / "libra-ctl"
+    if not (honcho.exists() and libra.exists()):
+        pytest.skip("honcho and libra-ctl come with .venv: set up .venv with scripts/setup")
+    wl = write_workload(tmp_path / "wl.toml", job={"steps": 3})
+    (tmp_path / "Procfile").write_text(
+        f"agent: {libra} agent --slots 4 --node local\n"
+        f"controller: {libra} controller --interval 1\n"
+        # as deploy/Procfile.sim: the job starts once the agent is up
+        f"job: sleep 6 && {libra} sim-job {wl} --job {JOB} --time-scale 50 --runs-dir {tmp_path / 'runs'}\n"
+        f"rollout: {libra} worker rollout --job {JOB}\n"
+        f"reward: {libra} worker reward --job {JOB}\n")
+    env = {**os.environ, ENV_URL: redis_url}
+    env.pop("LIBRA_NODE", None)
+    proc = subprocess.Popen([str(honcho), "-f", str(tmp_path / "Procfile"), "-d", str(ROOT), "start", "--no-colour"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out = proc.communicate(timeout=240)[0].decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stopped = re.findall(r"\| (\w+\.\d+) stopped \(rc=(-?\d+)\)", out)
+    assert stopped and stopped[0] == ("job.1", "0"), (stopped, out[-3000:])
+    assert proc.returncode == 0, out[-3000:]

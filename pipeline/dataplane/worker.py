@@ -39,6 +39,7 @@ from pipeline.dataplane.redisconn import ENV_OUTAGE, ENV_URL, UNAVAILABLE, Outag
 from pipeline.dataplane.streams import redis_full
 
 HEARTBEAT_S = 2.0
+JOB_EXIT_WAIT_S = 60.0   # how long an external worker whose job has ended waits for the job's process to exit
 STALE_S = 10.0           # a record without a heartbeat for this long belongs to a gone (or stuck) process
 START_GRACE_S = 120.0    # ... except while "starting": torch and vLLM load before the first heartbeat
 NODE_ENV = "LIBRA_NODE"  # the node a worker runs on (set by its agent, or by libra-ctl worker)
@@ -320,24 +321,34 @@ def finish_worker(ctx: WorkerContext) -> None:
 
 
 def _wait_for_job_end(ctx: WorkerContext) -> None:
-    """Stay, heartbeating, until the job is over, its run replaced, or a signal.
+    """Stay, heartbeating, until the job is over and its process gone, its run replaced, or a signal.
 
     An external worker stops by itself when drained (state ``drained``: the
     controller may replace it) or, the learner, when its steps are done
     (``done``: it keeps its place). Under honcho one process that exits stops
-    every other one, so it does not exit until its job has ended.
+    every other one: it does not exit until its job has ended, nor, for up to
+    ``JOB_EXIT_WAIT_S`` after, while the job's own process (the Procfile's
+    job line) is still writing its summary and report, so that the job line
+    ends the Procfile with the job's exit code rather than being stopped.
     """
+    from pipeline.dataplane.jobs import live_owner
+
     mine = "drained" if ctx.drain_requested else "done"
     ctx.log.info("waiting_for_job_end", state=mine)
     run_dir = ctx.run_dir.resolve()
+    ended_at = None
     while True:
         if ctx.still_ours():
             ctx.publish_state(mine)
         job = ctx.r.hgetall(ctx.keys.state)
-        if (job.get(b"phase") not in (b"running", b"trained")
-                or Path(job.get(b"run_dir", b"").decode()).resolve() != run_dir):
+        if Path(job.get(b"run_dir", b"").decode()).resolve() != run_dir:
             return
-        if ctx.signalled.wait(HEARTBEAT_S):
+        if job.get(b"phase") not in (b"running", b"trained"):
+            ended_at = ended_at or time.monotonic()
+            # a job run on another machine reads as alive: the wait is bounded
+            if not live_owner(job) or time.monotonic() - ended_at > JOB_EXIT_WAIT_S:
+                return
+        if ctx.signalled.wait(HEARTBEAT_S if ended_at is None else 0.2):
             return
 
 
