@@ -291,6 +291,21 @@ class ControlJobRunner:
             def subscribe(self):
                 pass   # nor rq's command channel: no `rq shutdown` stops an agent, and no thread is left behind
 
+            def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
+                # One try. rq's own loop retries a lost connection for ever, deaf to the agent's stop and to its
+                # outage limit (a SIGTERM while Redis was away never ended the agent): a connection error goes
+                # to the agent's loop, which waits the outage out (Outage) and stops when asked.
+                self.heartbeat()
+                if self.should_run_maintenance_tasks:
+                    self.run_maintenance_tasks()
+                got = self.queue_class.dequeue_any(self._ordered_queues, timeout, connection=self.connection,
+                                                   job_class=self.job_class, serializer=self.serializer,
+                                                   death_penalty_class=self.death_penalty_class)
+                if got is not None:
+                    self.reorder_queues(reference_queue=got[1])
+                    got[0].redis_server_version = self.get_redis_server_version()
+                return got
+
         self.node = node
         self.log = log or structlog.get_logger("agent").bind(node=node)
         self.queue = actions.queue(r, node)
