@@ -46,6 +46,7 @@ from pipeline.dataplane.worker import record_alive
 NAMED_MAX = 50  # ids named per finding (the counts are always whole)
 PAGE = 1000  # entries per XRANGE / XPENDING call
 STEP_FALLBACK_S = 60.0  # a learner step's length when none has been measured yet
+WATCH_TRIES = 50  # transactions of a dead-letter command retried while the dead-letter stream changes
 
 
 def job_run_dir(r: redis.Redis, keys: JobKeys, run_dir: str | None, own: bool = False) -> Path:
@@ -108,6 +109,10 @@ def ids_of_payload(payload: bytes, group_size: int) -> list[str] | None:
 def prompt_ids(prompt_id: str, group_size: int) -> list[str]:
     """The trajectory ids a prompt's group will have (``messages.Group.trajectory_ids``)."""
     return [f"{prompt_id}/{i}" for i in range(group_size)]
+
+
+class RedisFull(RuntimeError):
+    """A dead-letter command's transaction refused whole by a full Redis (maxmemory, noeviction)."""
 
 
 @dataclass
@@ -497,13 +502,41 @@ def dlq_replay(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
                              f"{keys.job!r}'s stage streams; not replayed")
         if not payload:
             raise SystemExit(f"dead letter {entry_id} holds no payload (its entry was deleted); nothing to replay")
-        pipe = r.pipeline(transaction=True)
-        pipe.xadd(stream, {messages.FIELD: payload})
-        pipe.xdel(keys.dead_letters, entry_id)
-        pipe.hincrby(keys.counters, "dead_lettered_replayed", int(f.get(b"trajectories", 0)))
-        pipe.execute()
-        n += 1
+
+        def replay(pipe, stream=stream, payload=payload, trajectories=int(f.get(b"trajectories", 0))):
+            pipe.xadd(stream, {messages.FIELD: payload})
+            pipe.hincrby(keys.counters, "dead_lettered_replayed", trajectories)
+
+        n += _take_dead_letter(r, keys, entry_id, replay)
     return n
+
+
+def _take_dead_letter(r: redis.Redis, keys: JobKeys, entry_id: str, write) -> bool:
+    """``write(pipe)`` and the dead letter's deletion in one transaction, if it is still there; whether it was.
+
+    Two commands at once (two terminals, a script run again) read the same dead letter: WATCH makes the
+    second one's transaction fail and find it gone, so it goes back, or leaves its purge record, once.
+    A full Redis (noeviction) refuses the whole transaction: RedisFull, nothing written.
+    """
+    with r.pipeline(transaction=True) as pipe:
+        for _ in range(WATCH_TRIES):
+            try:
+                pipe.watch(keys.dead_letters)
+                if not pipe.xrange(keys.dead_letters, min=entry_id, max=entry_id):
+                    print(f"dead letter {entry_id}: gone meanwhile (replayed or purged by another command)",
+                          file=sys.stderr)
+                    return False
+                pipe.multi()
+                write(pipe)
+                pipe.xdel(keys.dead_letters, entry_id)
+                pipe.execute()
+                return True
+            except redis.WatchError:
+                continue   # the stream changed (a new dead letter, or this one taken): look again
+            except redis.exceptions.OutOfMemoryError:
+                raise RedisFull(f"Redis is full (maxmemory, noeviction): dead letter {entry_id} left as it "
+                                f"was. Raise maxmemory (CONFIG SET maxmemory ...) and try again") from None
+    raise SystemExit(f"dead letter {entry_id}: the dead-letter stream kept changing; try again")
 
 
 def dlq_purge(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
@@ -511,6 +544,7 @@ def dlq_purge(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
     same transaction) naming what it carried (a group's trajectory ids, or a prompt's id), so the audit still
     accounts for its trajectories as dead-lettered, not lost."""
     found = {entry_id: dead_letter(r, keys, entry_id) for entry_id in ids}   # each checked before any goes
+    n = 0
     for entry_id, f in found.items():
         try:
             msg = messages.decode(dead_letter_payload(r, f), 1 << 30)
@@ -522,11 +556,8 @@ def dlq_purge(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
             rec[b"ids"] = json.dumps(msg.trajectory_ids())
         elif msg is not None:
             rec[b"prompt"] = msg.prompt_id
-        pipe = r.pipeline(transaction=True)
-        pipe.xadd(keys.dead_letters_purged, rec)
-        pipe.xdel(keys.dead_letters, entry_id)
-        pipe.execute()
-    return len(found)
+        n += _take_dead_letter(r, keys, entry_id, lambda pipe, rec=rec: pipe.xadd(keys.dead_letters_purged, rec))
+    return n
 
 
 # --- commands ------------------------------------------------------------------------------------
@@ -578,13 +609,17 @@ def cmd_dlq(args) -> int:
     if not ids:
         print("nothing to do: give dead-letter ids or --all", file=sys.stderr)
         return 2
-    if args.action == "replay":
-        print(f"replayed {dlq_replay(r, keys, ids)} dead letters")
-        return 0
-    if not args.yes:
+    if args.action != "replay" and not args.yes:
         print(f"purge deletes {len(ids)} dead letters for good; add --yes", file=sys.stderr)
         return 2
-    print(f"purged {dlq_purge(r, keys, ids)} dead letters")
+    try:
+        if args.action == "replay":
+            print(f"replayed {dlq_replay(r, keys, ids)} dead letters")
+        else:
+            print(f"purged {dlq_purge(r, keys, ids)} dead letters")
+    except RedisFull as exc:
+        print(f"libra-ctl dlq {args.action}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
