@@ -22,6 +22,7 @@ from pipeline.redaction import redact, redact_tree, write_private
 
 SHARED_REDIS_DIR = "runs/redis"   # where ``libra-ctl redis`` keeps the embedded server of a Procfile
 REDIS_WAIT_S = 120.0
+OTHER_JOBS_AFTER_S = 5.0   # a pool worker waiting this long for its job names the jobs that do run
 # On SIGTERM the server waits this long for its clients to leave (the agent drains its workers through it);
 # honcho sends SIGKILL 5 s after SIGTERM.
 REDIS_LINGER_S = 4.0
@@ -256,6 +257,7 @@ def cmd_worker(args) -> int:
     ``--external``. No agent starts, restarts or kills it.
     """
     from pipeline.control.agent import worker_argv
+    from pipeline.control.commands import running_jobs
     from pipeline.control.job import load_job
     from pipeline.dataplane.keys import JobKeys
     from pipeline.dataplane.worker import NODE_ENV, IdTaken, live_run_dir, this_node
@@ -274,9 +276,18 @@ def cmd_worker(args) -> int:
         return 130 if stop.is_set() else 1
     r, keys = connect(url), JobKeys(args.job)
     print(f"worker: waiting for job {args.job} to run on {redact(url)}", flush=True)
+    others_said, waited_from = None, time.monotonic()
     while live_run_dir(r, keys) is None:
         if stop.wait(0.2):
             return 130
+        if time.monotonic() - waited_from > OTHER_JOBS_AFTER_S:
+            # a pool line of another job's name (LIBRA_JOB against job.name) would sit idle all run, unsaid
+            others = [j for j in running_jobs(r) if j != args.job]
+            if others and others != others_said:
+                print(f"worker: job {args.job} does not run on this Redis, and {', '.join(others)} "
+                      f"{'does' if len(others) == 1 else 'do'}: still waiting for {args.job} (under a Procfile, "
+                      f"LIBRA_JOB must be job.name of LIBRA_CONFIG)", flush=True)
+                others_said = others
     info = load_job(r, args.job)
     if info is None:
         print(f"libra-ctl worker: cannot read the manifest of job {args.job} in {live_run_dir(r, keys)}; a worker "

@@ -55,7 +55,7 @@ from pipeline.observe.report import write_report
 from pipeline.observe.tracking import start_tracker
 from pipeline.dataplane.lifeline import own_runs, raise_interrupt, spawn
 from pipeline.dataplane.redisconn import (ENV_OUTAGE, ENV_URL, UNAVAILABLE, EmbeddedRedis, Outage, RedisUnavailable,
-                                         connect, raise_if_refused, refusal, resolve_url)
+                                         connect, raise_if_refused, refusal, resolve_url, stopped_server_dir)
 from pipeline.dataplane.jobs import JobRunning, live_owner, release_claim, reset_job
 from pipeline.dataplane.streams import ensure_groups
 from pipeline.redaction import is_redacted, redact, write_private
@@ -638,10 +638,14 @@ def _choose_redis(cfg: Config, run_dir: Path, resume_dir: Path | None) -> tuple[
                             f"set {ENV_URL} to the full URL")
         url = os.environ[ENV_URL]
     # Resuming on the embedded server restarts it from the run's AOF: streams, pending entries,
-    # counters and the feeder's cursor are as they were.
-    embedded = EmbeddedRedis(run_dir / "redis", maxmemory=cfg.redis.maxmemory,
-                             appendfsync=cfg.redis.appendfsync) if url is None else None
-    return url, embedded
+    # counters and the feeder's cursor are as they were. So too for a Procfile's server (`libra-ctl redis`,
+    # stopped with the Procfile, e.g. by the Ctrl-C that printed the resume command): served again from its
+    # directory for this resume.
+    served = stopped_server_dir(url) if resume_dir and url else None
+    if url is None or served:
+        return None, EmbeddedRedis(served or run_dir / "redis", maxmemory=cfg.redis.maxmemory,
+                                   appendfsync=cfg.redis.appendfsync)
+    return url, None
 
 
 def _forget_unstarted(run_dir: Path | None, resume_dir: Path | None) -> None:

@@ -383,6 +383,16 @@ def _answers(socket_path: str) -> bool:
         return False
 
 
+def stopped_server_dir(url: str) -> Path | None:
+    """The data directory of an embedded server (``libra-ctl redis``, a Procfile's) that ``url`` names and that
+    no longer answers, with its AOF there to serve it again from; None for any other URL."""
+    if not url.startswith("unix://"):
+        return None
+    sock = Path(urlsplit(url).path)
+    aof = (sock.parent / "appendonly.aof").exists() or (sock.parent / "appendonlydir").is_dir()
+    return sock.parent if sock.name == "redis.sock" and aof and not _answers(str(sock)) else None
+
+
 def find_redis_url(explicit: str | None) -> str:
     """--redis, else $LIBRA_REDIS_URL, else the embedded server of the newest live local run.
 
