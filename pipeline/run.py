@@ -63,6 +63,7 @@ from pipeline.redaction import is_redacted, redact, write_private
 STOP_GRACE_S = 20.0
 CHILD_RESTARTS = 20       # restarts of the feeder before the run gives up on it
 CRASH_LOOP = 5            # exits in a row with an error code (none after a stable run) that fail the run
+DEAD_END_BATCHES = 2      # batches' worth of trajectories dead-lettered, and none scored meanwhile, that fail the run
 JOINED_GONE_S = 30.0      # a joined controller or agents gone this long (no lease, no heartbeat): the run fails
 RATE_WINDOW_S = 30.0
 EVAL_TIMEOUT_S = 300.0
@@ -391,6 +392,7 @@ class Orchestrator:
 
     def wait_trained(self) -> None:
         last_plain = 0.0
+        base = self.redis_call(self.counters) or {}   # a resumed run's counters hold its history
         while True:
             self.check_children()
             phase = self.redis_call(self.r.hget, self.keys.state, "phase")
@@ -403,7 +405,25 @@ class Orchestrator:
                 if line is not None:
                     self.show(line)
                 last_plain = now
+                self.redis_call(self.check_dead_end, base)
             time.sleep(self.cfg.run.progress_s)
+
+    def check_dead_end(self, base: dict) -> None:
+        """Fail the run when every group since it started went to the dead-letter stream: ``DEAD_END_BATCHES``
+        batches' worth of trajectories, and not one scored. An environment or a verifier that fails on
+        everything would fill the dead-letter stream for as long as the run lasts, and no step would train."""
+        c = self.counters()
+        dead = [c.get(k, 0) - base.get(k, 0) for k in ("dead_lettered", "dead_lettered_replayed")]
+        if dead[0] - dead[1] < DEAD_END_BATCHES * self.cfg.learner.batch_size or \
+                c.get("scored", 0) > base.get("scored", 0):
+            return
+        newest = self.r.xrevrange(self.keys.dead_letters, count=1)
+        reason = newest[0][1].get(b"reason", b"?").decode(errors="replace")[:300] if newest else "?"
+        raise RunFailed(f"every group since the run started was dead-lettered ({dead[0] - dead[1]} trajectories, "
+                        f"none scored): the environment or the verifier fails on all of them. The newest dead "
+                        f"letter's reason: {reason}\nSee libra-ctl dlq list and dlq show ID; once the cause is "
+                        f"fixed, libra-ctl dlq replay --all --job {self.cfg.job.name} and libra-ctl resume "
+                        f"{self.run_dir}")
 
     def redis_call(self, fn, *args):
         """``fn(*args)``; None while Redis is unreachable (logged once), RunFailed past ``redis.outage_s``."""

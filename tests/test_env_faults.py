@@ -15,9 +15,13 @@ char tokenizer of tests/test_envs.py, and, where the stage matters, the real
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,6 +31,7 @@ import structlog
 from pipeline import config as config_mod
 from pipeline.dataplane import messages as m
 from pipeline.dataplane.keys import GROUP_ROLLOUT, JobKeys
+from pipeline.dataplane.redisconn import ENV_URL
 from pipeline.dataplane.streams import ClaimPolicy, Reject, ensure_groups, group_pending, run_stage
 from tests.test_envs import CharTokenizer, _group
 from workers.envs import base
@@ -34,6 +39,8 @@ from workers.envs.base import DeadlinePool, Environment, HungCalls, Reply, Rewar
 from workers.episode import TurnOutput, run_episodes
 from workers.reward import judge_function, score_group
 from workers.rollout import Rollout
+
+ROOT = Path(__file__).resolve().parent.parent
 
 JOB = "revep"
 
@@ -317,3 +324,37 @@ def test_a_tool_or_start_that_calls_sys_exit_dead_letters_its_group_not_the_work
     reward path already took SystemExit as the sample's failure."""
     reasons = _run_rollout_stage(r, _stage(r, env(), "rollout.tool_retries=1"))
     assert len(reasons) == 1 and said in reasons[0], reasons
+
+
+BROKEN_TOOL = '''
+from workers.envs.calc import Calculator
+
+
+class BrokenCalculator(Calculator):
+    """The calculator whose tool fails on every call (a sandbox that never comes up)."""
+
+    def step(self, state, task, turn, finish):
+        raise ConnectionRefusedError("sandbox at 10.0.0.9:8080 refused the connection")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_whose_tool_fails_on_every_call_fails_naming_the_cause(tmp_path):
+    """A review's environment whose every step raised: its groups went to the dead-letter stream (5,800
+    trajectories in 171 s) for as long as the run lasted, no step trained, and the error itself was never shown.
+    The run now fails once two batches' worth are dead-lettered with none scored, saying the newest reason."""
+    (tmp_path / "broken_env.py").write_text(BROKEN_TOOL)
+    runs = tmp_path / "runs"
+    sets = [f"run.runs_dir={json.dumps(str(runs))}", "env.entry=broken_env:BrokenCalculator", "job.steps=3",
+            "job.eval_size=8", "job.eval_every=0", "learner.batch_size=32", "rollout.groups_per_call=4",
+            "streams.max_queue_size=96", "rollout.tool_retries=0", "job.name=broken"]
+    env = {k: v for k, v in os.environ.items() if k != ENV_URL} | {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "examples/quickstart.toml",
+                           *sum((["--set", s] for s in sets), [])], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=540)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "every group since the run started was dead-lettered" in out, out[-3000:]
+    assert "ConnectionRefusedError: sandbox at 10.0.0.9:8080 refused the connection" in out, out[-3000:]
+    assert "libra-ctl dlq replay --all --job broken" in out
