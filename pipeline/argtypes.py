@@ -59,4 +59,6 @@ def unwritable(flag: str, path: str | None, *, directory: bool = False) -> str |
         return f"{flag} {path}: a directory; give a file name"
     if p.exists():   # a file to replace, or a device such as /dev/null
         return None if os.access(p, os.W_OK) else f"{flag} {path}: cannot be written"
+    if p.parent.exists() and not p.parent.is_dir():   # `afile/out.json`: the write would fail after the work
+        return f"{flag} {path}: {p.parent} is a file, not a directory"
     return None if os.access(p.parent, os.W_OK) else f"{flag} {path}: its directory does not exist or cannot be written"

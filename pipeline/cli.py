@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from pipeline import argtypes, config as config_mod
-from pipeline.dataplane.keys import BadName, check_path
+from pipeline.dataplane.keys import BadName, check_name, check_path
 from pipeline.dataplane.redisconn import ENV_URL, connect, find_redis_url, refusal
 from pipeline.redaction import redact, redact_tree, write_private
 
@@ -107,7 +107,11 @@ def cmd_controller(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if args.once:
-        return 0 if ctl.tick() else 1
+        if ctl.tick():
+            return 0
+        print("libra-ctl controller --once: another controller holds the lease (it acts on this Redis); did nothing",
+              file=sys.stderr)
+        return 1
     metrics = _serve_metrics(ctl.r, args.metrics_port, args.metrics_host, log)
     log.info("controller_started", interval_s=args.interval, metrics_port=args.metrics_port)
     try:
@@ -262,8 +266,10 @@ def cmd_worker(args) -> int:
     from pipeline.dataplane.keys import JobKeys
     from pipeline.dataplane.worker import NODE_ENV, IdTaken, live_run_dir, this_node
 
+    check_name("job name", args.job)   # one no job can have would be waited for all along (BadName: exit 2)
     stop = _stop_on_signals()
     node = args.node or this_node()
+
     def waiting(url: str | None) -> None:
         where = redact(url) if url else f"the URL in {SHARED_REDIS_DIR}/redis.url (libra-ctl redis writes it)"
         print(f"worker: waiting up to {REDIS_WAIT_S:g}s for Redis at {where}; pass --redis URL or set {ENV_URL}",

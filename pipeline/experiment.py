@@ -43,7 +43,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline import cgroup
+from pipeline import argtypes, cgroup
 from pipeline import config as config_mod
 from pipeline.config import Config, check_path
 from pipeline.dataplane.lifeline import raise_interrupt, spawn
@@ -245,6 +245,9 @@ def experiment_dir(out: str | None, cfg: Config, what: str) -> tuple[Path, str]:
     """``--out`` or ``<runs_dir>/experiments/<time>-<job>-<what>``: a directory that holds no experiment yet."""
     if out:
         path = Path(out)
+        bad = argtypes.unwritable("--out", out, directory=True)   # a file there or above it, or no permission
+        if bad:
+            raise ExperimentError(bad)
         if any((path / f).exists() for f in ("experiment.json", "baseline.json", INVOCATION)):
             raise ExperimentError(f"{path} already holds an experiment; choose another --out (or continue that "
                                   f"one: libra-ctl resume {path})")

@@ -661,7 +661,7 @@ def _choose_redis(cfg: Config, run_dir: Path, resume_dir: Path | None) -> tuple[
     # counters and the feeder's cursor are as they were. So too for a Procfile's server (`libra-ctl redis`,
     # stopped with the Procfile, e.g. by the Ctrl-C that printed the resume command): served again from its
     # directory for this resume.
-    served = stopped_server_dir(url) if resume_dir and url else None
+    served = stopped_server_dir(url, run_dir.parent / "redis") if resume_dir and url else None
     if url is None or served:
         return None, EmbeddedRedis(served or run_dir / "redis", maxmemory=cfg.redis.maxmemory,
                                    appendfsync=cfg.redis.appendfsync)
@@ -791,6 +791,9 @@ def resume_job(run_dir: Path, argv: list[str], out=STDERR) -> int:
     except (ValueError, KeyError, TypeError) as exc:   # JSONDecodeError is a ValueError
         raise RunFailed(f"{manifest} is damaged ({type(exc).__name__}: {exc}); it cannot be resumed") from None
     validate(cfg)
+    if "sim" in json.loads(manifest.read_text()):   # prepare_sim_run's: its workers are simulated, its learner too
+        raise RunFailed(f"{run_dir} is a sim job's run (libra-ctl sim-job); it is not resumed: start the sim job "
+                        f"again with libra-ctl sim-job")
     done = finished_summary(run_dir, cfg.job.steps)
     if done is not None:
         print(f"run {run_dir.name} already finished ({done['steps']} of {cfg.job.steps} steps; its figures are in "

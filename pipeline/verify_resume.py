@@ -380,6 +380,10 @@ def draw(run_dir: Path, split: rc.Split, evals: list[dict], kill: Kill, verdict:
 
 
 def cmd_verify_resume(args) -> int:
+    bad_out = argtypes.unwritable("--json", args.json)   # checked before a run of minutes, not after it
+    if bad_out:
+        print(f"libra-ctl verify-resume: {bad_out}", file=sys.stderr)
+        return 2
     return verify_resume(args.config, args.set or [], hard=args.hard, at_step=args.kill_at_step,
                          json_out=args.json, timeout_s=args.timeout)
 

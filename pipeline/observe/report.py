@@ -503,8 +503,15 @@ def write_report(run_dir: Path | str, out: Path | str | None = None) -> Path:
     """Write ``report.html`` (or ``out``) for a run directory; returns its path."""
     d = load_run(run_dir)
     path = Path(out) if out else Path(run_dir) / "report.html"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(render(d), encoding="utf-8")
+    page = render(d)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        # /dev/stdout, a pipe, a link: written through; a replace would put a file in its place (as root,
+        # over /dev/null itself)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(page)
+        return path
+    tmp = path.with_name(path.name + ".tmp")   # a file: replaced whole, never seen half-written
+    tmp.write_text(page, encoding="utf-8")
     os.replace(tmp, path)
     return path
 

@@ -29,6 +29,9 @@ from pipeline.dataplane.worker import EXTERNAL, record_alive
 
 ROLE_OF_STAGE = {"rollout": "rollout", "reward": "reward", "learner": "learner"}
 
+# The trajectory counters every job has, as `libra-ctl audit` accounts them (the hash holds each once counted).
+COUNTERS = ("issued", "generated", "scored", "trained", "dropped_stale", "dead_lettered", "dead_lettered_replayed")
+
 
 def pool_settings(r: redis.Redis, job: str) -> dict | None:
     """The job's claim on the shared slots, from its manifest's ``[control]``; None where it cannot be read.
@@ -140,7 +143,9 @@ def job_status(r: redis.Redis, job: str) -> dict:
         "allocation": {k: alloc[k] for k in ("mode", "roles", "target", "pinned", "nodes", "external")},
         "pool": pool_settings(r, job),
         "stages": stages, "workers": workers,
-        "counters": {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()},
+        # every job's counters, 0 until counted (a script reading counters["trained"] works from the start)
+        "counters": {**dict.fromkeys(COUNTERS, 0),
+                     **{k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()}},
     }
 
 
