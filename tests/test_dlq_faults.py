@@ -8,12 +8,13 @@ rollout stage's own reclaim (an entry delivered more than ``streams.max_deliveri
 
 Two operators (or a retried script) acting on the same dead letter at the same moment are made deterministic
 with ``CLIENT PAUSE … WRITE``: both commands read the dead letter, and their writes run once the pause ends, as
-they would if the two commands had simply overlapped.
+they would if the two commands had simply overlapped (4 s: time for both to start on a loaded machine).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import socket
@@ -93,7 +94,7 @@ def _job_with_a_dead_letter(r, url: str, tmp_path: Path, job: str) -> tuple[Path
 def _concurrently(r, argvs: list[list[str]], url: str) -> list[subprocess.CompletedProcess]:
     """Run the commands at once; their reads happen during a 1.5 s write pause, their writes after it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIBRA_")}
-    r.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+    r.execute_command("CLIENT", "PAUSE", 4000, "WRITE")
     procs = [subprocess.Popen([LIBRA_CTL, *a, "--redis", url], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for a in argvs]
     out = []
@@ -175,3 +176,47 @@ def test_dlq_commands_on_a_full_redis_say_so_instead_of_a_traceback(own_redis, t
         assert p.returncode != 0
         assert "Traceback" not in p.stderr, f"dlq {action} on a full Redis:\n{p.stderr[-1500:]}"
         assert p.returncode == 1 and "Redis is full" in p.stderr.strip().splitlines()[-1], p.stderr
+
+
+def _made_dead_letters(r, keys: JobKeys, n: int) -> list[str]:
+    """``n`` dead letters of the rollout stage's prompts stream, each a prompt of 4 trajectories."""
+    from pipeline.dataplane.streams import dead_letter
+
+    for i in range(n):
+        pipe = r.pipeline(transaction=True)
+        dead_letter(pipe, keys, keys.prompts, f"1-{i}".encode(), "test", payload=b"payload-%d" % i,
+                    deliveries=5, trajectories=4)
+        pipe.execute()
+    return [i.decode() for i, _f in r.xrange(keys.dead_letters)]
+
+
+def test_two_replays_of_overlapping_ids_each_say_what_they_replayed(own_redis):
+    """Command 1 replays B, command 2 replays A and B, at once. A review of this session's fix found that the
+    command which came to read B after the other had taken it ended "no dead letter B", exit 1, after it had
+    replayed A, with no word of A. Now every id is read before any is replayed, and one lost at the take is
+    "gone meanwhile": both commands exit 0, each saying what it replayed, and each id goes back once."""
+    r, url = own_redis
+    job, keys = "dlqtwo", JobKeys("dlqtwo")
+    a, b = _made_dead_letters(r, keys, 2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIBRA_")}
+    r.execute_command("CLIENT", "PAUSE", 4000, "WRITE")
+    procs = [subprocess.Popen([LIBRA_CTL, "dlq", "replay", *ids, "--job", job, "--redis", url], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for ids in ([b], [a, b])]
+    outs = [p.communicate(timeout=60) + (p.returncode,) for p in procs]
+    assert r.xlen(keys.dead_letters) == 0 and r.xlen(keys.prompts) == 2
+    assert int(r.hget(keys.counters, "dead_lettered_replayed")) == 8
+    assert [rc for _o, _e, rc in outs] == [0, 0], outs
+    said = [int(re.search(r"replayed (\d+) dead letters", o).group(1)) for o, _e, _rc in outs]
+    assert sum(said) == 2 and sum("gone meanwhile" in e for _o, e, _rc in outs) == 1, outs
+
+
+def test_a_replay_naming_a_missing_id_replays_none_of_them(own_redis):
+    """``dlq purge A GONE`` checked every id before any went; ``dlq replay A GONE`` replayed A, then died "no
+    dead letter GONE" (exit 1) without a word of A: told the command failed, the operator could not tell that A
+    was back on its stream. Now replay checks them all first, as purge does."""
+    r, url = own_redis
+    job, keys = "dlqgone", JobKeys("dlqgone")
+    a, = _made_dead_letters(r, keys, 1)
+    p = _ctl(url, "dlq", "replay", a, "9999999999999-0", "--job", job)
+    assert p.returncode == 1 and "no dead letter 9999999999999-0" in p.stderr, p
+    assert r.xlen(keys.prompts) == 0 and r.xlen(keys.dead_letters) == 1

@@ -175,3 +175,33 @@ def test_a_resume_serves_a_stopped_procfile_redis_from_its_directory(tmp_path):
         assert connect(embedded.url).hget("libra:{j}:state", "phase") == b"running"   # its state, from the AOF
     (run_dir / "manifest.json").write_text(json.dumps({"redis": {"url": "redis://127.0.0.1:1/0", "embedded": False}}))
     assert _choose_redis(cfg, run_dir, run_dir) == ("redis://127.0.0.1:1/0", None)
+
+
+def test_resume_serves_a_stopped_procfile_redis_whose_socket_fell_back_to_tmp(tmp_path):
+    """A review of this session's fix (a resume serves a stopped Procfile Redis, runs/redis, again from its
+    directory): ``EmbeddedRedis`` puts its socket in /tmp (``/tmp/libra-redis-<pid>-<id>.sock``) when the
+    data directory's path is long (over ~78 characters for the repo) or holds a space or '=': a checkout in
+    "~/My Projects/libra". The run then records that /tmp socket; ``stopped_server_dir`` only knows
+    ``<dir>/redis.sock`` with the AOF beside it, so the resume still fails "Redis unreachable" (and a
+    restarted Procfile serves on another /tmp name, so starting it first did not help either). The
+    directory is now found beside the run (runs/redis), by the socket its redis.conf names."""
+    from pipeline import config as config_mod
+    from pipeline.dataplane.redisconn import EmbeddedRedis, connect
+    from pipeline.run import _choose_redis
+
+    base = tmp_path / "My Projects" / "libra"
+    data = base / "runs" / "redis"
+    server = EmbeddedRedis(data).start()
+    url = server.url
+    try:
+        connect(url).hset("libra:{j}:state", "phase", "running")
+        run_dir = base / "runs" / "20261207-000000-j"
+        run_dir.mkdir(parents=True)
+        (run_dir / "manifest.json").write_text(json.dumps({"redis": {"url": url, "embedded": False}}))
+        cfg = config_mod.load(None, ["job.name=j"])
+    finally:
+        server.stop()
+    got, embedded = _choose_redis(cfg, run_dir, run_dir)
+    assert embedded is not None and embedded.data_dir == data.resolve(), (
+        f"the stopped Procfile server ({data}, socket {url}) is not served again: the resume uses {got}, "
+        f"which nothing serves")

@@ -383,14 +383,26 @@ def _answers(socket_path: str) -> bool:
         return False
 
 
-def stopped_server_dir(url: str) -> Path | None:
+def stopped_server_dir(url: str, near: Path | None = None) -> Path | None:
     """The data directory of an embedded server (``libra-ctl redis``, a Procfile's) that ``url`` names and that
-    no longer answers, with its AOF there to serve it again from; None for any other URL."""
-    if not url.startswith("unix://"):
+    no longer answers, with its AOF there to serve it again from; None for any other URL.
+
+    The socket is in the data directory, or, where that path is too long for a socket or holds a space, in
+    /tmp: then the directory is ``near`` (a run's ``runs/redis``) if the config it left names that socket.
+    """
+    if not url.startswith("unix://") or _answers(urlsplit(url).path):
         return None
     sock = Path(urlsplit(url).path)
-    aof = (sock.parent / "appendonly.aof").exists() or (sock.parent / "appendonlydir").is_dir()
-    return sock.parent if sock.name == "redis.sock" and aof and not _answers(str(sock)) else None
+    for d in (sock.parent, near):
+        if d is None or not ((d / "appendonly.aof").exists() or (d / "appendonlydir").is_dir()):
+            continue
+        try:
+            conf = (d / "redis.conf").read_text()
+        except OSError:
+            conf = ""
+        if (d == sock.parent and sock.name == "redis.sock") or f"unixsocket {_conf_str(sock)}" in conf.splitlines():
+            return d
+    return None
 
 
 def find_redis_url(explicit: str | None) -> str:
