@@ -28,6 +28,7 @@ and the SVG are ``pipeline.observe.compare_report``.
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import hashlib
 import json
@@ -961,6 +962,16 @@ def print_experiment(doc: dict, header, rows, noise: list[str], failed: list[dic
 # --- the commands -----------------------------------------------------------------------------------------
 
 
+class _Once(argparse.Action):
+    """An option given at most once: a second ``--vary`` was dropped without a word (argparse keeps the last)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}): an experiment "
+                         f"varies one key, so that a difference has one cause; run one experiment per key")
+        setattr(namespace, self.dest, values)
+
+
 def _guarded(fn, args, **kwargs) -> int:
     try:
         return fn(args.config, args.set or [], **kwargs)
@@ -1013,7 +1024,7 @@ def add_commands(sub) -> None:
                                    "target success, slot busy share and its fluctuation, queues, reward and success; "
                                    "the field guide's verdict; experiment.json, table.md, report.html, curves.svg.")
     _common(e, repeat=3)
-    e.add_argument("--vary", required=True, metavar="KEY=v1,v2",
+    e.add_argument("--vary", required=True, metavar="KEY=v1,v2", action=_Once,
                    help="the one key to vary and its values, e.g. learner.batch_size=128,256")
     e.add_argument("--baseline", metavar="DIR", help="a baseline recorded by libra-ctl baseline (its directory)")
     e.add_argument("--target", type=float, metavar="S",

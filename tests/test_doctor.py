@@ -149,6 +149,21 @@ def test_learner_steps_alone_are_a_window():
     assert "5 learner steps" in d.primary.evidence[0]
 
 
+def test_learner_wait_counts_from_the_first_trajectory_generated():
+    """docs/observability.md, rollout_short: the learner's wait counts "from the first trajectory generated". A
+    review's 3-step run: step 1 waited 10.9 s, nearly all of it while vLLM loaded, before any trajectory; over
+    the steps (a finished run's fallback) doctor said "learner waited 95%: rollout is short" of a learner that
+    waited 6% from the first trajectory on. The steps' wait now starts at the first rollout call's end."""
+    t0 = 1.7e9
+    steps = [{"at": t0 + 12.0, "wait_s": 10.9, "train_s": 1.0, "trajectories": 32, "dropped_stale": 0},
+             {"at": t0 + 13.1, "wait_s": 0.1, "train_s": 1.0, "trajectories": 32, "dropped_stale": 0},
+             {"at": t0 + 14.2, "wait_s": 0.1, "train_s": 1.0, "trajectories": 32, "dropped_stale": 0}]
+    first_call = {"event": "span", "phase": "rollout", "role": "rollout", "start": t0 + 2.0, "dur_s": 8.9}
+    assert diagnose([], [], steps=steps).codes() == ["rollout_short"]   # without the logs: every second counts
+    d = diagnose([], [first_call], steps=steps)
+    assert "rollout_short" not in d.codes(), d.primary.evidence if d.primary else d.codes()
+
+
 def test_too_little_data_is_no_data_not_an_alarm():
     d = diagnose(window(n=2, wait=lambda i: 0.9), [])
     assert not d.findings and not d.judged and not d.healthy   # no verdict: neither an alarm nor "balanced"

@@ -174,8 +174,11 @@ def run_figures(summary: dict, steps: list[dict], samples: list[dict]) -> dict:
     div = next((s["diversity_distinct_rate"] for s in reversed(steps)
                 if s.get("diversity_distinct_rate") is not None), None)
     trained, dropped = summary.get("trajectories_trained", 0), summary.get("dropped_stale", 0)
+    tps = summary.get("trajectories_per_s")   # the last process's: after a resume, what it trained over its wall
+    if resumes and wall:
+        tps = round(trained / wall, 2)   # the whole run's, over the same clock as its wall_s
     return {
-        "trajectories_per_s": summary.get("trajectories_per_s"),
+        "trajectories_per_s": tps,
         "slot_busy": sum(b.get("busy_s", 0.0) for b in busy) / slot_s if slot_s > 0 else None,
         "slot_busy_sd": statistics.pstdev(fracs) if len(fracs) >= 2 else None,
         "gpu_util": _mean(gpu), "gpu_util_sd": statistics.pstdev(gpu) if len(gpu) >= 2 else None,
@@ -379,10 +382,12 @@ def spread_table(agg: dict, kinds=("throughput", "resources", "queues", "quality
     return header, rows
 
 
-COMPARISON = (   # (column, figure) of the experiment table, after the value, runs and time-to-target columns
-    ("slot busy", "slot_busy"), ("busy fluctuation", "slot_busy_sd"), ("learner queue", "learner_queue"),
-    ("reward queue", "reward_queue"), ("learner wait", "learner_wait"), ("final reward", "reward_final"),
-    ("final success", "success_final"), ("wall s", "wall_s"), ("trajectories", "trajectories"),
+COMPARISON = (   # (column, figure) of the experiment table, after the value, runs and time-to-target columns:
+    # the four kinds, with the field guide's final check (throughput, reward and diversity) among them
+    ("trajectories/s", "trajectories_per_s"), ("slot busy", "slot_busy"), ("busy fluctuation", "slot_busy_sd"),
+    ("learner queue", "learner_queue"), ("reward queue", "reward_queue"), ("learner wait", "learner_wait"),
+    ("final reward", "reward_final"), ("final success", "success_final"), ("distinct rate", "diversity"),
+    ("wall s", "wall_s"), ("trajectories", "trajectories"),
 )
 
 
