@@ -47,7 +47,7 @@ from pipeline.control.allocation import live_agents
 from pipeline.control.allocator import AdmissionError
 from pipeline.control.job import check_admission
 from pipeline.control.local import own_slots, start_local_control
-from pipeline.dataplane.keys import AGENTS, CONTROLLER_LEASE, JOBS, JobKeys, agent_backoff
+from pipeline.dataplane.keys import AGENTS, CONTROLLER_LEASE, GROUP_REWARD, JOBS, JobKeys, agent_backoff
 from pipeline.observe.audit import last_checkpoint_state
 from pipeline.observe.measures import success_text, write_json
 from pipeline.observe.metrics import start_sampler
@@ -57,13 +57,14 @@ from pipeline.dataplane.lifeline import own_runs, raise_interrupt, spawn
 from pipeline.dataplane.redisconn import (ENV_OUTAGE, ENV_URL, UNAVAILABLE, EmbeddedRedis, Outage, RedisUnavailable,
                                          connect, raise_if_refused, refusal, resolve_url, stopped_server_dir)
 from pipeline.dataplane.jobs import JobRunning, live_owner, release_claim, reset_job
-from pipeline.dataplane.streams import ensure_groups
+from pipeline.dataplane.streams import ensure_groups, group_pending, stream_lag
 from pipeline.redaction import is_redacted, redact, write_private
 
 STOP_GRACE_S = 20.0
 CHILD_RESTARTS = 20       # restarts of the feeder before the run gives up on it
 CRASH_LOOP = 5            # exits in a row with an error code (none after a stable run) that fail the run
 DEAD_END_BATCHES = 2      # batches' worth of trajectories dead-lettered, and none scored meanwhile, that fail the run
+DEAD_END_S = 30.0         # ... when it stays so this long (a slow verifier scores its first group within it)
 JOINED_GONE_S = 30.0      # a joined controller or agents gone this long (no lease, no heartbeat): the run fails
 RATE_WINDOW_S = 30.0
 EVAL_TIMEOUT_S = 300.0
@@ -202,6 +203,7 @@ class Orchestrator:
         self.outage = Outage(_Say(out))
         self.tracker = None                    # TensorBoard and W&B, closed with the settled summary (_stop)
         self.written: dict | None = None       # this run's summary.json, once written
+        self.dead_end_since: float | None = None   # since when every group has been dead-lettered (check_dead_end)
 
     # --- processes ---------------------------------------------------------------------------
 
@@ -409,17 +411,29 @@ class Orchestrator:
             time.sleep(self.cfg.run.progress_s)
 
     def check_dead_end(self, base: dict) -> None:
-        """Fail the run when every group since it started went to the dead-letter stream: ``DEAD_END_BATCHES``
-        batches' worth of trajectories, and not one scored. An environment or a verifier that fails on
-        everything would fill the dead-letter stream for as long as the run lasts, and no step would train."""
+        """Fail the run when every group since it started went to the dead-letter stream, for ``DEAD_END_S`` on
+        end: not one scored, and ``DEAD_END_BATCHES`` batches' worth either dead-lettered at rollout with none
+        written by it, or judged by the reward stage (written by rollout, no longer waiting there) and all
+        dead-lettered. An environment or a verifier that fails on everything would fill the dead-letter
+        stream for as long as the run lasts, and no step would train. Good groups waiting at a slow verifier
+        while others fail at rollout are not a dead end: they have not been judged."""
         c = self.counters()
-        dead = [c.get(k, 0) - base.get(k, 0) for k in ("dead_lettered", "dead_lettered_replayed")]
-        if dead[0] - dead[1] < DEAD_END_BATCHES * self.cfg.learner.batch_size or \
-                c.get("scored", 0) > base.get("scored", 0):
+        since = {k: c.get(k, 0) - base.get(k, 0) for k in ("dead_lettered", "dead_lettered_replayed", "generated",
+                                                           "scored")}
+        dead, bound = since["dead_lettered"] - since["dead_lettered_replayed"], DEAD_END_BATCHES * \
+            self.cfg.learner.batch_size
+        at_reward = (stream_lag(self.r, self.keys.rollouts, GROUP_REWARD)
+                     + group_pending(self.r, self.keys.rollouts, GROUP_REWARD)) * self.cfg.rollout.group_size
+        judged = since["generated"] - at_reward   # left the reward stage: scored (none) or dead-lettered
+        if since["scored"] > 0 or not ((since["generated"] == 0 and dead >= bound) or judged >= bound):
+            self.dead_end_since = None
+            return
+        self.dead_end_since = self.dead_end_since or time.monotonic()
+        if time.monotonic() - self.dead_end_since < DEAD_END_S:
             return
         newest = self.r.xrevrange(self.keys.dead_letters, count=1)
         reason = newest[0][1].get(b"reason", b"?").decode(errors="replace")[:300] if newest else "?"
-        raise RunFailed(f"every group since the run started was dead-lettered ({dead[0] - dead[1]} trajectories, "
+        raise RunFailed(f"every group since the run started was dead-lettered ({dead} trajectories, "
                         f"none scored): the environment or the verifier fails on all of them. The newest dead "
                         f"letter's reason: {reason}\nSee libra-ctl dlq list and dlq show ID; once the cause is "
                         f"fixed, libra-ctl dlq replay --all --job {self.cfg.job.name} and libra-ctl resume "

@@ -111,5 +111,5 @@ def test_reset_job_refuses_a_run_that_is_still_stopping_its_workers(r):
             seen["reset"] = "refused"
         seen["scored_kept"] = bool(r.exists(keys.scored))
 
-    _stop(SimpleNamespace(r=r, keys=keys, stop_children=stop_children), None)
+    _stop(SimpleNamespace(r=r, keys=keys, stop_children=stop_children, written=None, tracker=None), None)
     assert seen == {"reset": "refused", "scored_kept": True}

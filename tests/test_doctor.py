@@ -164,6 +164,32 @@ def test_learner_wait_counts_from_the_first_trajectory_generated():
     assert "rollout_short" not in d.codes(), d.primary.evidence if d.primary else d.codes()
 
 
+def test_a_resumes_engine_load_is_left_out_of_the_learner_wait_as_the_starts_is():
+    """A review of the fix above: a resumed run loads its engines again, and the resume's first step waits that
+    load out before any trajectory of that process exists. Counting from the first rollout call in the logs
+    (the first process's) left that wait in: "learner waited 91%, rollout short" of a learner that waited ~8%
+    once trajectories came. Each start of a rollout worker in the logs now opens a load, which ends with the
+    next rollout call's end."""
+    t0 = 1.7e9
+    step = lambda at, wait: {"at": at, "wait_s": wait, "train_s": 1.0, "trajectories": 32, "dropped_stale": 0}
+    first_proc = [step(t0 + 12.0, 10.9), step(t0 + 13.1, 0.1), step(t0 + 14.2, 0.1)]
+    resumed = [step(t0 + 1062.0, 60.9), step(t0 + 1063.1, 0.1), step(t0 + 1064.2, 0.1)]   # resumed at t0+1000
+
+    def started(at: float) -> dict:
+        return {"event": "worker_started", "role": "rollout", "timestamp": at}
+
+    logs = [started(t0), {"event": "span", "phase": "rollout", "role": "rollout", "start": t0 + 2.0, "dur_s": 8.9},
+            started(t0 + 1000.0),
+            {"event": "span", "phase": "rollout", "role": "rollout", "start": t0 + 1052.0, "dur_s": 8.9}]
+    d = diagnose([], logs, steps=first_proc + resumed)
+    assert "rollout_short" not in d.codes(), d.primary.evidence if d.primary else d.codes()
+    # a learner that waited for a rollout working all along is still told so
+    slow = [step(t0 + 1062.0 + 10 * i, 9.0) for i in range(4)]
+    busy = [{"event": "span", "phase": "rollout", "role": "rollout", "start": t0 + 1050.0 + 10 * i, "dur_s": 9.5}
+            for i in range(5)]
+    assert "rollout_short" in diagnose([], logs + busy, steps=slow).codes()
+
+
 def test_too_little_data_is_no_data_not_an_alarm():
     d = diagnose(window(n=2, wait=lambda i: 0.9), [])
     assert not d.findings and not d.judged and not d.healthy   # no verdict: neither an alarm nor "balanced"

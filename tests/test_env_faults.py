@@ -358,3 +358,60 @@ def test_a_run_whose_tool_fails_on_every_call_fails_naming_the_cause(tmp_path):
     assert "every group since the run started was dead-lettered" in out, out[-3000:]
     assert "ConnectionRefusedError: sandbox at 10.0.0.9:8080 refused the connection" in out, out[-3000:]
     assert "libra-ctl dlq replay --all --job broken" in out
+
+
+# A sandbox that refuses the tool for about half the problems (by the problem's text): half the groups are
+# dead-lettered, the other half train.
+FLAKY_ENV = '''
+import zlib
+from workers.envs.calc import Calculator
+
+
+class FlakyCalculator(Calculator):
+    def step(self, state, task, turn, finish):
+        if zlib.crc32(task.prompt.encode()) % 2 == 0:
+            raise ConnectionRefusedError("sandbox for this problem refused the connection")
+        return super().step(state, task, turn, finish)
+'''
+
+# A verifier that takes a while to come up on its first call (a sandbox starting, a model loading), then answers
+# at once: merely slow, never failing.
+SLOW_VERIFIER = '''
+import time
+from workers.envs.calc import verify
+
+_T0 = None
+
+
+def judge(task, transcript):
+    global _T0
+    if _T0 is None:
+        _T0 = time.time()
+    left = _T0 + 25 - time.time()
+    if left > 0:
+        time.sleep(left)
+    return verify(task, transcript)
+'''
+
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_run_with_some_good_groups_and_a_slow_verifier_is_not_a_dead_end(tmp_path):
+    """A review of the dead-end check above: it failed the run once 2 batches' worth were dead-lettered and
+    none scored. With an environment whose tool fails on half the problems and a verifier that takes 25 s to
+    answer its first call, the run failed after ~60 s with 48 of 80 generated trajectories dead-lettered: the
+    other 32 were good, waiting at the reward stage. Groups not yet judged are no dead end: the run trains."""
+    (tmp_path / "flaky_env.py").write_text(FLAKY_ENV)
+    (tmp_path / "slow_verifier.py").write_text(SLOW_VERIFIER)
+    runs = tmp_path / "runs"
+    sets = [f"run.runs_dir={json.dumps(str(runs))}", "env.entry=flaky_env:FlakyCalculator",
+            "reward.entry=slow_verifier:judge", "job.steps=2", "job.eval_size=8", "job.eval_every=0",
+            "learner.batch_size=16", "rollout.groups_per_call=2", "rollout.tool_retries=0", "job.name=rvw8flaky"]
+    env = {k: v for k, v in os.environ.items() if k != ENV_URL} | {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "examples/quickstart.toml",
+                           *sum((["--set", s] for s in sets), [])], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=380)
+    out = proc.stdout + proc.stderr
+    assert "every group since the run started was dead-lettered" not in out, out[-2500:]
+    assert proc.returncode == 0, out[-2500:]

@@ -420,14 +420,15 @@ class ResourceChecks(_Checks):
             "rollout/learner sync points"), "")
 
 
-def _wait_after(step: dict, first: float | None) -> float:
-    """A learner step's wait from ``first`` (the first trajectory generated) on: the first step's wait began while
-    the engines loaded, when there was nothing to read yet (its record's ``at`` ends wait, then training)."""
+def _wait_outside(step: dict, loading: list[tuple[float, float]]) -> float:
+    """A learner step's wait outside the ``loading`` intervals, when no trajectory could come (the engines
+    loading at a start or a resume); its record's ``at`` ends the wait, then training."""
     wait = step.get("wait_s", 0.0)
-    if first is None or step.get("at") is None:
+    if not loading or step.get("at") is None:
         return wait
-    wait_end = step["at"] - step.get("train_s", 0.0)
-    return max(0.0, min(wait, wait_end - first))
+    end = step["at"] - step.get("train_s", 0.0)
+    start = end - wait
+    return max(0.0, wait - sum(max(0.0, min(end, b) - max(start, a)) for a, b in loading))
 
 
 class BalanceChecks(_Checks):
@@ -533,18 +534,32 @@ class BalanceChecks(_Checks):
         waits = [w for w in (get_in(s, "queues", "learner_wait_ratio") for s in self.samples) if w is not None]
         if len(waits) >= self.th.min_samples:
             return _mean(waits), f"over {len(waits)} samples"
-        first = self._first_generated()
-        w = sum(_wait_after(s, first) for s in self.steps)
+        loading = self._loading_intervals()
+        w = sum(_wait_outside(s, loading) for s in self.steps)
         t = sum(s.get("train_s", 0.0) for s in self.steps)
         wait = w / (w + t) if len(self.steps) >= self.th.min_samples and w + t > 0 else None
         return wait, f"over {len(self.steps)} learner steps"
 
-    def _first_generated(self) -> float | None:
-        """When the first trajectory came: the end of the earliest rollout call in the logs, else the last sample
-        taken while nothing was generated (a bound before it); None when neither says."""
-        ends = [r["start"] + r["dur_s"] for r in self.logs if isinstance(r, dict) and r.get("event") == "span"
-                and r.get("phase") == "rollout" and r.get("start") is not None and r.get("dur_s") is not None]
-        return min(ends) if ends else getattr(self, "loaded_at", None)
+    def _loading_intervals(self) -> list[tuple[float, float]]:
+        """When no trajectory could come yet: from each start of a rollout worker the logs hold (the first from
+        the beginning of time) to the end of the first rollout call after it, by any worker (a worker started
+        again beside others that generate adds next to nothing); without rollout calls in the logs, up to the
+        last sample taken while nothing was generated."""
+        recs = [r for r in self.logs if isinstance(r, dict)]
+        ends = sorted(r["start"] + r["dur_s"] for r in recs if r.get("event") == "span" and r.get("phase") == "rollout"
+                      and r.get("start") is not None and r.get("dur_s") is not None)
+        if not ends:
+            loaded = getattr(self, "loaded_at", None)
+            return [(float("-inf"), loaded)] if loaded is not None else []
+        starts = sorted(t for t in (unix_time(r.get("timestamp")) for r in recs if r.get("event") == "worker_started"
+                                    and (r.get("role") or str(r.get("worker", "")).split("-")[0]) == "rollout")
+                        if t is not None)
+        out = [(float("-inf"), ends[0])]
+        for s in starts:
+            e = next((x for x in ends if x >= s), None)
+            if e is not None and e > out[-1][1]:
+                out.append((max(s, out[-1][1]), e))
+        return out
 
     def _learner_starves(self, wait: float, wait_src: str, reward_up: tuple[float, str] | None) -> None:
         """The learner waits for data: rollout paused by backpressure (a stall), reward short, or rollout short."""
