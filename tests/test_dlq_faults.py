@@ -8,7 +8,7 @@ rollout stage's own reclaim (an entry delivered more than ``streams.max_deliveri
 
 Two operators (or a retried script) acting on the same dead letter at the same moment are made deterministic
 with ``CLIENT PAUSE … WRITE``: both commands read the dead letter, and their writes run once the pause ends, as
-they would if the two commands had simply overlapped (4 s: time for both to start on a loaded machine).
+they would if the two commands had simply overlapped (10 s: time for both to start on a loaded machine).
 """
 
 from __future__ import annotations
@@ -92,9 +92,9 @@ def _job_with_a_dead_letter(r, url: str, tmp_path: Path, job: str) -> tuple[Path
 
 
 def _concurrently(r, argvs: list[list[str]], url: str) -> list[subprocess.CompletedProcess]:
-    """Run the commands at once; their reads happen during a 1.5 s write pause, their writes after it."""
+    """Run the commands at once; their reads happen during a 10 s write pause, their writes after it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIBRA_")}
-    r.execute_command("CLIENT", "PAUSE", 4000, "WRITE")
+    r.execute_command("CLIENT", "PAUSE", 10000, "WRITE")
     procs = [subprocess.Popen([LIBRA_CTL, *a, "--redis", url], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for a in argvs]
     out = []
@@ -119,7 +119,9 @@ def test_a_dead_letter_replayed_by_two_overlapping_commands_goes_back_once(own_r
     results = _concurrently(r, [["dlq", "replay", dl_id, "--job", job]] * 2, url)
 
     replayed = sum("replayed 1 dead letters" in p.stdout for p in results)
-    assert sum("gone meanwhile" in p.stderr for p in results) == 1, [p.stderr for p in results]
+    # the other found it gone: at its transaction (the usual overlap) or, had it started late, at its read
+    assert sum("gone meanwhile" in p.stderr or "no dead letter" in p.stderr for p in results) == 1, \
+        [p.stderr for p in results]
     assert r.xlen(keys.dead_letters) == 0
     # the dead letter is on its source stream once, and counted back into the feeder's in-flight once
     assert r.xlen(keys.prompts) == before + 1, (
@@ -199,7 +201,7 @@ def test_two_replays_of_overlapping_ids_each_say_what_they_replayed(own_redis):
     job, keys = "dlqtwo", JobKeys("dlqtwo")
     a, b = _made_dead_letters(r, keys, 2)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIBRA_")}
-    r.execute_command("CLIENT", "PAUSE", 4000, "WRITE")
+    r.execute_command("CLIENT", "PAUSE", 10000, "WRITE")
     procs = [subprocess.Popen([LIBRA_CTL, "dlq", "replay", *ids, "--job", job, "--redis", url], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for ids in ([b], [a, b])]
     outs = [p.communicate(timeout=60) + (p.returncode,) for p in procs]

@@ -604,6 +604,12 @@ def test_honcho_on_the_root_procfile_runs_two_rollout_pool_workers(r, redis_url,
     assert not live_agents(r) and not r.exists(CONTROLLER_LEASE)
 
 
+# waits (up to 120 s) for a live agent on the Redis at {url}
+AGENT_UP = ("import time; from pipeline.control.allocation import live_agents; "
+            "from pipeline.dataplane.redisconn import connect; r = connect('{url}'); t = time.time() + 120; "
+            "[time.sleep(0.5) for _ in iter(lambda: not live_agents(r) and time.time() < t, False)]")
+
+
 def test_under_honcho_the_job_line_ends_first_and_its_exit_code_is_honchos(r, redis_url, tmp_path):
     """Procfile: "the job line exits once the job has trained, and honcho sends SIGTERM to the rest". A review
     found a pool line first to stop, on every run with pools: its worker left as soon as the job's phase left
@@ -616,8 +622,9 @@ def test_under_honcho_the_job_line_ends_first_and_its_exit_code_is_honchos(r, re
     (tmp_path / "Procfile").write_text(
         f"agent: {libra} agent --slots 4 --node local\n"
         f"controller: {libra} controller --interval 1\n"
-        # as deploy/Procfile.sim: the job starts once the agent is up
-        f"job: sleep 6 && {libra} sim-job {wl} --job {JOB} --time-scale 50 --runs-dir {tmp_path / 'runs'}\n"
+        # the job starts once the agent is up (deploy/Procfile.sim sleeps 3 s; a loaded machine needs more)
+        f"job: {sys.executable} -c \"{AGENT_UP.format(url=redis_url)}\" && {libra} sim-job {wl} --job {JOB} "
+        f"--time-scale 50 --runs-dir {tmp_path / 'runs'}\n"
         f"rollout: {libra} worker rollout --job {JOB}\n"
         f"reward: {libra} worker reward --job {JOB}\n")
     env = {**os.environ, ENV_URL: redis_url}
