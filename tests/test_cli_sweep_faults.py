@@ -142,7 +142,15 @@ def plane(tmp_path_factory):
                           "--redis", URL], cwd=work, env=_env(),
                          stdout=open(work / "controller.log", "w"), stderr=subprocess.STDOUT),
     ]
-    time.sleep(3)
+    from pipeline.control.allocation import live_agents
+    from pipeline.dataplane.keys import CONTROLLER_LEASE
+    from pipeline.dataplane.redisconn import connect
+
+    r = connect(URL)
+    deadline = time.time() + 120   # a loaded machine takes its time to start them
+    while not (live_agents(r) and r.exists(CONTROLLER_LEASE)):
+        assert time.time() < deadline, "the agent and the controller did not come up"
+        time.sleep(0.2)
     yield work
     for p in procs:
         _stop(p)
