@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from pipeline import argtypes, config as config_mod
-from pipeline.dataplane.keys import BadName, check_name, check_path
+from pipeline.dataplane.keys import BadName, check_path
 from pipeline.dataplane.redisconn import ENV_URL, connect, find_redis_url, refusal
 from pipeline.redaction import redact, redact_tree, write_private
 
@@ -266,7 +266,7 @@ def cmd_worker(args) -> int:
     from pipeline.dataplane.keys import JobKeys
     from pipeline.dataplane.worker import NODE_ENV, IdTaken, live_run_dir, this_node
 
-    check_name("job name", args.job)   # one no job can have would be waited for all along (BadName: exit 2)
+    keys = JobKeys(args.job)   # a name no job can have is refused now (BadName: exit 2), not after the waits
     stop = _stop_on_signals()
     node = args.node or this_node()
 
@@ -280,7 +280,7 @@ def cmd_worker(args) -> int:
         print(f"libra-ctl worker: no Redis answered within {REDIS_WAIT_S:g}s: pass --redis URL or set {ENV_URL}",
               file=sys.stderr)
         return 130 if stop.is_set() else 1
-    r, keys = connect(url), JobKeys(args.job)
+    r = connect(url)
     print(f"worker: waiting for job {args.job} to run on {redact(url)}", flush=True)
     others_said, waited_from = None, time.monotonic()
     while live_run_dir(r, keys) is None:

@@ -493,19 +493,20 @@ def dlq_replay(r: redis.Redis, keys: JobKeys, ids: list[str]) -> int:
     have shaped, so its ``stream`` field is not trusted as a key.
     """
     streams = {stream for _stage, stream, _group in keys.stages}
-    found = {entry_id: dead_letter(r, keys, entry_id) for entry_id in ids}   # each checked before any goes back
-    for entry_id, f in found.items():
+    checked = []   # each checked before any goes back
+    for entry_id in ids:
+        f = dead_letter(r, keys, entry_id)
         stream, payload = f.get(b"stream", b"").decode(errors="replace"), f.get(b"payload", b"")
         if stream not in streams:
             raise SystemExit(f"dead letter {entry_id} names the stream {stream!r}, not one of job "
                              f"{keys.job!r}'s stage streams; nothing replayed")
         if not payload:
             raise SystemExit(f"dead letter {entry_id} holds no payload (its entry was deleted); nothing replayed")
+        checked.append((entry_id, stream, payload, int(f.get(b"trajectories", 0))))
     n = 0
-    for entry_id, f in found.items():
-        stream, payload = f.get(b"stream", b"").decode(errors="replace"), f.get(b"payload", b"")
+    for entry_id, stream, payload, trajectories in checked:
 
-        def replay(pipe, stream=stream, payload=payload, trajectories=int(f.get(b"trajectories", 0))):
+        def replay(pipe, stream=stream, payload=payload, trajectories=trajectories):
             pipe.xadd(stream, {messages.FIELD: payload})
             pipe.hincrby(keys.counters, "dead_lettered_replayed", trajectories)
 

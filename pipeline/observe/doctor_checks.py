@@ -549,8 +549,7 @@ class BalanceChecks(_Checks):
         ends = sorted(r["start"] + r["dur_s"] for r in recs if r.get("event") == "span" and r.get("phase") == "rollout"
                       and r.get("start") is not None and r.get("dur_s") is not None)
         if not ends:
-            loaded = getattr(self, "loaded_at", None)
-            return [(float("-inf"), loaded)] if loaded is not None else []
+            return [(float("-inf"), self.loaded_at)] if self.loaded_at is not None else []
         starts = sorted(t for t in (unix_time(r.get("timestamp")) for r in recs if r.get("event") == "worker_started"
                                     and (r.get("role") or str(r.get("worker", "")).split("-")[0]) == "rollout")
                         if t is not None)
